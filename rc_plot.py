@@ -1,0 +1,409 @@
+"""Rollout-correction dashboard: plot the `metrics.jsonl` of one or more `rc_train.py` runs.
+
+    python rc_plot.py runs/A                      # -> runs/A/dashboard.png
+    python rc_plot.py runs/A runs/B --labels naive tis --smooth 5 --out cmp.png
+    python rc_train.py plot runs/A runs/B         # same thing, through the trainer's entry point
+
+One PNG with a grid of panels (notes/papers.md §2.3 "metrics used to detect mismatch" and the
+"collapse symptoms to co-plot"): reward, eval accuracy, IS-weight mean, effective sample size,
+k1 / k3 mismatch KL, PPL ratio, chi-squared (token, sequence), masked fractions (RS, veto),
+TV estimates (alpha_1 = `rollout_corr/tv_mismatch`, alpha_0 = `actor/tv_update` of the
+three-policy bound), grad norm, response length. Runs are overlaid, one colour per run in every
+panel; within a panel, several metrics are told apart by line style. A panel whose metrics no
+run logged says "not logged" (e.g. IS panels of a run without IS) instead of showing empty axes.
+
+Rendering uses matplotlib's Agg canvas on a bare `Figure` (no pyplot global state), so it works
+headless and inside the trainer process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+METRICS_FILE = "metrics.jsonl"
+DEFAULT_OUT = "dashboard.png"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def load_metrics(run_dir: str) -> list[dict]:
+    """Read `run_dir/metrics.jsonl` into a list of per-step dicts (file order).
+
+    * A missing run folder or metrics file raises FileNotFoundError naming the path.
+    * Blank lines are ignored.
+    * A line that is not a JSON object with a `step` key raises ValueError naming the file and
+      its 1-based line number.
+    * Exception: a last line that does not parse and has no trailing newline is what a run
+      killed mid-write (or still writing) leaves behind; it is skipped with a warning.
+    """
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"run folder not found: {run_dir}")
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"metrics file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")  # the element after a final "\n" is ""; otherwise it is a partial line
+    records: list[dict] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        lineno = i + 1
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # last line, no newline after it: truncated write
+                warnings.warn(f"{path}:{lineno}: skipping truncated last line ({e.msg})", stacklevel=2)
+                continue
+            raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from e
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'step' key")
+        records.append(rec)
+    return records
+
+
+def describe_run(run_dir: str) -> str:
+    """One-line summary of a run's rollout-correction settings from its `config.yaml` ('' if unavailable)."""
+    path = os.path.join(run_dir, "config.yaml")
+    # Optional decoration only: a missing or odd config must never break plotting.
+    try:
+        import yaml
+    except ImportError:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return ""
+    if not isinstance(cfg, dict):
+        return ""
+    args = cfg.get("args") or {}
+    rc = cfg.get("rollout_correction") or {}
+    parts = []
+    preset = (args.get("rc") or {}).get("preset")
+    if preset:
+        parts.append(f"preset={preset}")
+    if rc:
+        parts.append("bypass" if rc.get("bypass_mode") else "decoupled")
+        parts.append(f"IS={rc.get('rollout_is')}")
+        if rc.get("rollout_is"):
+            parts[-1] += f"(C={rc.get('rollout_is_threshold')})"
+        parts.append(f"RS={rc.get('rollout_rs')}")
+        if rc.get("rollout_token_veto_threshold"):
+            parts.append(f"veto={rc.get('rollout_token_veto_threshold')}")
+    for k in ("task", "model"):
+        if args.get(k):
+            parts.append(f"{k}={args[k]}")
+    return ", ".join(str(p) for p in parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Panel data
+# ---------------------------------------------------------------------------------------------
+def smooth_values(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average: out[i] = mean(values[max(0, i-window+1) : i+1]).
+
+    The first window-1 points average over what is available, so the output has the input's
+    length and no edge NaNs. window <= 1 returns the values unchanged (as float).
+    """
+    v = np.asarray(values, dtype=float)
+    if window <= 1 or v.size == 0:
+        return v
+    csum = np.concatenate([[0.0], np.cumsum(v)])
+    idx = np.arange(1, v.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def _as_number(x) -> float | None:
+    """x as a finite float, or None for absent / null / non-numeric / NaN / inf values."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def run_series(records: Sequence[dict], key: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of one metric in one run, sorted by step.
+
+    Steps where `key` is absent, null, or not a finite number are skipped (eval metrics exist only
+    on eval steps; IS/RS metrics only when those corrections are on). If a step occurs more than
+    once (e.g. a resumed run), its last record wins. Smoothing (trailing moving average over
+    `smooth` points) is applied to the kept points.
+    """
+    by_step: dict[int, float] = {}
+    for rec in records:
+        v = _as_number(rec.get(key))
+        if v is not None:
+            by_step[int(rec["step"])] = v
+    steps = np.array(sorted(by_step), dtype=int)
+    values = np.array([by_step[s] for s in steps], dtype=float)
+    return steps, smooth_values(values, smooth)
+
+
+def dashboard_series(
+    runs: Sequence[Sequence[dict]], key: str, smooth: int = 1
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`run_series` for each run: the exact (steps, values) the dashboard draws for `key`."""
+    return [run_series(records, key, smooth) for records in runs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard layout
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Series:
+    """One metric drawn in a panel; `style` tells it apart from the panel's other metrics."""
+
+    key: str
+    name: str
+    style: str = "-"
+    marker: str | None = None
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axis of the dashboard.
+
+    scale: "linear", "log" (used only if some value is positive; non-positive points are hidden),
+    or "symlog" (for signed quantities spanning decades, e.g. the k1 KL estimate).
+    smooth: whether the --smooth moving average applies (not for sparse eval points).
+    hlines: reference lines (y, description), e.g. the ideal IS mean 1.0 or the ESS warning 0.3.
+    min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
+    few equal points do not produce a meaningless +-0.05 axis around them.
+    """
+
+    title: str
+    ylabel: str
+    series: tuple[Series, ...]
+    scale: str = "linear"
+    smooth: bool = True
+    hlines: tuple[tuple[float, str], ...] = ()
+    min_span: tuple[float, float] | None = None
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("Reward", "reward", (Series("reward/mean", "mean"), Series("reward/correct", "correct", "--"))),
+    Panel(
+        "Eval accuracy",
+        "accuracy",
+        (
+            Series("eval/accuracy", "accuracy", "-", "o"),
+            Series("eval/accuracy_strict", "strict", "-", "o"),
+            Series("eval/accuracy_flexible", "flexible", "--", "s"),
+        ),
+        smooth=False,
+        min_span=(0.0, 1.0),
+    ),
+    Panel("IS weight mean", "mean IS weight", (Series("rollout_corr/rollout_is_mean", "IS mean"),),
+          hlines=((1.0, "ideal 1.0"),)),
+    Panel("Effective sample size", "ESS (fraction of batch)",
+          (Series("rollout_corr/rollout_is_eff_sample_size", "ESS"),), hlines=((0.3, "warn < 0.3"),)),
+    Panel("Mismatch KL k1 (rollout vs train)", "k1 KL", (Series("rollout_corr/kl", "k1"),),
+          scale="symlog", hlines=((0.0, ""),)),
+    Panel("Mismatch KL k3", "k3 KL", (Series("rollout_corr/k3_kl", "k3"),), scale="log"),
+    Panel("PPL ratio (train / rollout)", "ppl ratio", (Series("rollout_corr/ppl_ratio", "ppl ratio"),),
+          hlines=((1.0, "ideal 1.0"),)),
+    Panel("Chi-squared divergence", "χ²",
+          (Series("rollout_corr/chi2_token", "token"), Series("rollout_corr/chi2_seq", "seq", "--")),
+          scale="symlog", hlines=((0.0, ""),)),
+    Panel(
+        "Masked fractions",
+        "fraction",
+        (
+            Series("rollout_corr/rollout_rs_masked_fraction", "RS masked"),
+            Series("rollout_corr/rollout_is_veto_fraction", "veto", "--"),
+        ),
+        min_span=(0.0, 0.05),
+    ),
+    Panel(
+        "TV estimates (three-policy bound)",
+        "total variation",
+        (
+            Series("rollout_corr/tv_mismatch", "α₁ tv_mismatch"),
+            Series("actor/tv_update", "α₀ tv_update", "--"),
+        ),
+    ),
+    Panel("Grad norm", "grad norm", (Series("actor/grad_norm", "grad norm"),)),
+    Panel("Response length", "tokens (mean)", (Series("response_length/mean", "mean length"),)),
+)
+NCOLS = 4
+TITLE_PAD = 16  # points between axes and title: room for the per-panel style key
+
+
+def _symlog_linthresh(values: np.ndarray) -> float:
+    """Linear range of a symlog axis: a power of ten near the small end of the nonzero |values|."""
+    nz = np.abs(values[values != 0])
+    if nz.size == 0:
+        return 1.0
+    return float(10.0 ** math.floor(math.log10(np.percentile(nz, 10))))
+
+
+def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, smooth: int) -> bool:
+    """Draw one panel; returns False (and writes "not logged") if no run has any of its metrics."""
+    window = smooth if panel.smooth else 1
+    drawn_values = []
+    used_series = []
+    for s in panel.series:
+        per_run = dashboard_series(runs, s.key, window)
+        if not any(len(steps) for steps, _ in per_run):
+            continue
+        used_series.append(s)
+        for (steps, values), color in zip(per_run, colors):
+            if len(steps) == 0:
+                continue
+            ax.plot(steps, values, color=color, linestyle=s.style, marker=s.marker,
+                    markersize=4 if s.marker else None, linewidth=1.4 if s.style == "-" else 1.2)
+            drawn_values.append(values)
+    ax.set_title(panel.title, fontsize=10, pad=TITLE_PAD)
+    ax.tick_params(labelsize=8)
+    if not used_series:
+        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center",
+                fontsize=11, color="0.5", style="italic")
+        ax.set_yticks([])
+        return False
+    for y, _ in panel.hlines:
+        ax.axhline(y, color="0.45", linestyle=":", linewidth=1.0, zorder=0)
+    values = np.concatenate(drawn_values)
+    ylabel = panel.ylabel
+    if panel.scale == "log" and np.any(values > 0):
+        ax.set_yscale("log", nonpositive="mask")
+        ylabel += " (log)"
+    elif panel.scale == "symlog" and np.any(values != 0):
+        ax.set_yscale("symlog", linthresh=_symlog_linthresh(values))
+        ylabel += " (symlog)"
+    else:  # linear: absolute tick labels (an offset like "1e-8+1" reads badly and collides with the title)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        if panel.min_span is not None:
+            lo, hi = panel.min_span
+            pad = 0.04 * (max(hi, values.max()) - min(lo, values.min()))
+            ax.set_ylim(min(lo, values.min()) - pad, max(hi, values.max()) + pad)
+    ax.set_ylabel(ylabel, fontsize=9)
+    # Style key (for panels defined with several metrics: the logged ones; plus named reference
+    # lines), drawn in the strip between title and axes so that it never covers data.
+    handles = [Line2D([], [], color="0.25", linestyle=s.style, marker=s.marker, markersize=4, label=s.name)
+               for s in used_series] if len(panel.series) > 1 else []
+    handles += [Line2D([], [], color="0.45", linestyle=":", label=lab) for _, lab in panel.hlines if lab]
+    if handles:
+        ax.legend(handles=handles, fontsize=7.5, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                  ncol=len(handles), frameon=False, handlelength=2.4, borderaxespad=0.1, columnspacing=1.2)
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+    return True
+
+
+def build_dashboard(
+    runs: Sequence[Sequence[dict]],
+    labels: Sequence[str],
+    smooth: int = 1,
+    descriptions: Sequence[str] | None = None,
+) -> Figure:
+    """Lay out PANELS for already-loaded runs and return the (unsaved) Figure.
+
+    Axes come in PANELS order; each run gets one colour (tab10 cycle) in every panel and one entry
+    in the figure-level legend. `descriptions` (optional, per run) are appended to legend labels.
+    """
+    if len(labels) != len(runs):
+        raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1, got {smooth}")
+    nrows = math.ceil(len(PANELS) / NCOLS)
+    fig = Figure(figsize=(4.4 * NCOLS, 3.3 * nrows + 0.6 + 0.25 * math.ceil(len(runs) / 3)),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    cycle = [f"C{i % 10}" for i in range(len(runs))]
+    axes = fig.subplots(nrows, NCOLS, sharex=True, squeeze=False).ravel()
+    for ax, panel in zip(axes, PANELS):
+        _draw_panel(ax, panel, runs, cycle, smooth)
+    for ax in axes[len(PANELS):]:
+        ax.set_visible(False)
+    for ax in axes[-NCOLS:]:
+        ax.set_xlabel("step", fontsize=9)
+        ax.tick_params(labelbottom=True)
+    title = "Rollout-correction dashboard" + (f" (moving average over {smooth} steps)" if smooth > 1 else "")
+    legend_labels = [
+        f"{lab} [{desc}]" if descriptions and desc else lab
+        for lab, desc in zip(labels, descriptions or [""] * len(labels))
+    ]
+    handles = [Line2D([], [], color=c, linewidth=2.5) for c in cycle]
+    # The figure title doubles as the run legend's title (a separate suptitle would collide with an
+    # "outside" legend under constrained layout).
+    fig.legend(handles, legend_labels, loc="outside upper center", ncol=min(len(runs), 3), fontsize=9,
+               frameon=False, title=title, title_fontsize=13)
+    return fig
+
+
+def plot_dashboard(
+    run_dirs: Sequence[str],
+    out_path: str,
+    labels: Sequence[str] | None = None,
+    smooth: int = 1,
+) -> str:
+    """Load each run's metrics.jsonl, draw the dashboard, save it as PNG at `out_path`; return the path.
+
+    labels default to the run folder names. Raises FileNotFoundError / ValueError from
+    `load_metrics`, or ValueError for a label count that does not match the runs or smooth < 1.
+    """
+    run_dirs = list(run_dirs)
+    if not run_dirs:
+        raise ValueError("no run folders given")
+    if labels is None:
+        labels = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    runs = [load_metrics(d) for d in run_dirs]
+    fig = build_dashboard(runs, list(labels), smooth, [describe_run(d) for d in run_dirs])
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    fig.savefig(out_path, dpi=100, format="png")
+    return str(out_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rc_plot.py",
+        description="Rollout-correction dashboard from runs/<name>/metrics.jsonl (several runs are overlaid).",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) holding metrics.jsonl")
+    p.add_argument("--out", default=None, help=f"output PNG (default: RUN_DIR/{DEFAULT_OUT} for one run, "
+                   f"./{DEFAULT_OUT} for several)")
+    p.add_argument("--labels", nargs="+", default=None, help="legend label per run (default: folder names)")
+    p.add_argument("--smooth", type=int, default=1, help="moving-average window in steps (default 1: raw)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point (also `rc_train.py plot ...`). Returns 0 on success, 2 on a usage/input error."""
+    try:
+        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # argparse already printed usage/help
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    if args.out is None:
+        args.out = os.path.join(args.run_dirs[0], DEFAULT_OUT) if len(args.run_dirs) == 1 else DEFAULT_OUT
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = plot_dashboard(args.run_dirs, args.out, labels=args.labels, smooth=args.smooth)
+        for w in caught:
+            print(f"rc_plot: warning: {w.message}", file=sys.stderr)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"rc_plot: error: {e}", file=sys.stderr)
+        return 2
+    print(f"rc_plot: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

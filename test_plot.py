@@ -1,0 +1,338 @@
+"""Tests for rc_plot.py: loading metrics.jsonl, the dashboard's panel data, the PNG, and the CLI.
+
+    .venv/bin/python -m pytest test_plot.py -q
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from matplotlib.colors import to_rgba
+from matplotlib.image import imread
+
+import rc_plot
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic runs
+# ---------------------------------------------------------------------------------------------
+def write_run(root, name, records, tail=""):
+    """Create root/name/metrics.jsonl (one JSON line per record, then `tail` verbatim)."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.write(tail)
+    return d
+
+
+def records_is(n=10):
+    """Run with IS, RS and veto on; eval (synthetic task) only on steps 0, 4, 9; k1 KL changes sign."""
+    out = []
+    for s in range(n):
+        r = {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "reward/correct": 0.05 * s,
+            "rollout_corr/kl": (-1) ** s * 10.0 ** (-s % 4 - 2),
+            "rollout_corr/k3_kl": 1e-4 * (s + 1),
+            "rollout_corr/chi2_token": 0.01 * s,
+            "rollout_corr/chi2_seq": 0.1 * s,
+            "rollout_corr/ppl_ratio": 1.0 + 0.001 * s,
+            "rollout_corr/tv_mismatch": 0.002 * s,
+            "actor/tv_update": 0.001 * s,
+            "rollout_corr/rollout_is_mean": 1.0 - 0.01 * s,
+            "rollout_corr/rollout_is_eff_sample_size": 0.9 - 0.02 * s,
+            "rollout_corr/rollout_rs_masked_fraction": 0.001 * s,
+            "rollout_corr/rollout_is_veto_fraction": 0.0005 * s,
+            "actor/grad_norm": 1.0 + s,
+        }
+        if s in (0, 4, 9):
+            r["eval/accuracy"] = 0.2 + 0.05 * s
+        out.append(r)
+    return out
+
+
+def records_plain(n=6):
+    """Run without IS/RS (no IS/ESS/masked keys); GSM8K-style eval only on step 5."""
+    out = []
+    for s in range(n):
+        r = {
+            "step": s,
+            "reward/mean": 0.2 + 0.01 * s,
+            "reward/correct": 0.2,
+            "rollout_corr/kl": 1e-3,
+            "rollout_corr/k3_kl": 0.0 if s == 0 else 2e-3,
+            "rollout_corr/chi2_token": 0.02,
+            "rollout_corr/chi2_seq": 0.3,
+            "rollout_corr/ppl_ratio": 1.01,
+            "rollout_corr/tv_mismatch": 0.01,
+            "actor/grad_norm": 2.0,
+        }
+        if s == 5:
+            r["eval/accuracy_strict"] = 0.4
+            r["eval/accuracy_flexible"] = 0.5
+        out.append(r)
+    return out
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    return write_run(tmp_path, "run_is", records_is()), write_run(tmp_path, "run_plain", records_plain())
+
+
+def panel_axes(fig):
+    """Dashboard axes keyed by panel title (visible ones, in PANELS order)."""
+    axes = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    return {ax.get_title(): ax for ax in axes}
+
+
+def lines_of(ax, color):
+    return [ln for ln in ax.get_lines() if to_rgba(ln.get_color()) == to_rgba(color)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Panel data
+# ---------------------------------------------------------------------------------------------
+def test_smooth_values_trailing_moving_average():
+    v = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    np.testing.assert_allclose(rc_plot.smooth_values(v, 1), v)
+    np.testing.assert_allclose(rc_plot.smooth_values(v, 2), [1.0, 1.5, 2.5, 3.5, 4.5])
+    np.testing.assert_allclose(rc_plot.smooth_values(v, 3), [1.0, 1.5, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(rc_plot.smooth_values(v, 10), [1.0, 1.5, 2.0, 2.5, 3.0])
+    assert rc_plot.smooth_values(np.array([]), 3).size == 0
+
+
+def test_dashboard_series_skips_absent_and_smooths():
+    run_a = [
+        {"step": 0, "m": 1.0},
+        {"step": 1},  # key absent
+        {"step": 2, "m": 3.0},
+        {"step": 3, "m": None},  # null
+        {"step": 4, "m": float("nan")},  # not finite
+        {"step": 5, "m": 5.0},
+        {"step": 6, "m": 9.0},
+    ]
+    run_b = [{"step": s, "other": 1.0} for s in range(3)]  # never logs "m"
+    raw = rc_plot.dashboard_series([run_a, run_b], "m", 1)
+    assert len(raw) == 2
+    np.testing.assert_array_equal(raw[0][0], [0, 2, 5, 6])
+    np.testing.assert_allclose(raw[0][1], [1.0, 3.0, 5.0, 9.0])
+    assert raw[1][0].size == 0 and raw[1][1].size == 0
+
+    (steps, values), _ = rc_plot.dashboard_series([run_a, run_b], "m", 2)
+    np.testing.assert_array_equal(steps, [0, 2, 5, 6])
+    np.testing.assert_allclose(values, [1.0, 2.0, 4.0, 7.0])  # window over kept points only
+
+
+def test_dashboard_series_sorts_steps_last_duplicate_wins():
+    run = [{"step": 2, "m": 20.0}, {"step": 0, "m": 0.0}, {"step": 1, "m": 10.0}, {"step": 2, "m": 22.0}]
+    [(steps, values)] = rc_plot.dashboard_series([run], "m", 1)
+    np.testing.assert_array_equal(steps, [0, 1, 2])
+    np.testing.assert_allclose(values, [0.0, 10.0, 22.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# load_metrics
+# ---------------------------------------------------------------------------------------------
+def test_load_metrics_roundtrip(tmp_path):
+    d = write_run(tmp_path, "r", records_plain(), tail="\n")  # a blank line is ignored
+    assert rc_plot.load_metrics(str(d)) == records_plain()
+
+
+def test_load_metrics_missing_folder_and_file(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        rc_plot.load_metrics(str(missing))
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty_run.*metrics\.jsonl"):
+        rc_plot.load_metrics(str(tmp_path / "empty_run"))
+
+
+def test_load_metrics_malformed_middle_line_names_file_and_line(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 0, "a": 1}\n{"step": 1, "a": \n{"step": 2, "a": 3}\n')
+    with pytest.raises(ValueError, match=r"bad[/\\]metrics\.jsonl:2\b"):
+        rc_plot.load_metrics(str(d))
+
+
+def test_load_metrics_line_without_step_is_an_error(tmp_path):
+    d = tmp_path / "nostep"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2\b"):
+        rc_plot.load_metrics(str(d))
+
+
+def test_load_metrics_truncated_last_line_is_skipped_with_warning(tmp_path):
+    d = write_run(tmp_path, "killed", records_plain(3), tail='{"step": 3, "reward/mean": 0.')
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl:4.*truncated"):
+        recs = rc_plot.load_metrics(str(d))
+    assert recs == records_plain(3)
+
+
+def test_load_metrics_bad_complete_last_line_is_an_error(tmp_path):
+    """A garbled line that was written in full (newline present) is corruption, not truncation."""
+    d = write_run(tmp_path, "garbled", records_plain(2), tail="{oops}\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:3\b"):
+        rc_plot.load_metrics(str(d))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard figure
+# ---------------------------------------------------------------------------------------------
+def test_dashboard_panels_hold_the_expected_data(two_runs):
+    runs = [rc_plot.load_metrics(str(d)) for d in two_runs]
+    fig = rc_plot.build_dashboard(runs, ["A", "B"], smooth=3)
+    axes = panel_axes(fig)
+    assert list(axes) == [p.title for p in rc_plot.PANELS]
+    a, b = "C0", "C1"
+
+    # Reward: both runs, mean (solid) and correct (dashed), smoothed over 3 points.
+    reward = axes["Reward"]
+    for color, recs in ((a, runs[0]), (b, runs[1])):
+        by_style = {ln.get_linestyle(): ln for ln in lines_of(reward, color)}
+        assert set(by_style) == {"-", "--"}
+        for style, key in (("-", "reward/mean"), ("--", "reward/correct")):
+            [(steps, values)] = rc_plot.dashboard_series([recs], key, 3)
+            np.testing.assert_array_equal(by_style[style].get_xdata(), steps)
+            np.testing.assert_allclose(by_style[style].get_ydata(), values)
+    [mean_a] = [ln for ln in lines_of(reward, a) if ln.get_linestyle() == "-"]
+    np.testing.assert_allclose(mean_a.get_ydata()[:4], [0.0, 0.05, 0.1, 0.2])  # (0), (0+.1)/2, ...
+
+    # Eval: markers on eval steps only, never smoothed.
+    ev = axes["Eval accuracy"]
+    [ev_a] = lines_of(ev, a)
+    np.testing.assert_array_equal(ev_a.get_xdata(), [0, 4, 9])
+    np.testing.assert_allclose(ev_a.get_ydata(), [0.2, 0.4, 0.65])
+    assert ev_a.get_marker() == "o"
+    ev_b = {ln.get_linestyle(): ln for ln in lines_of(ev, b)}
+    np.testing.assert_array_equal(ev_b["-"].get_xdata(), [5])  # strict
+    np.testing.assert_allclose(ev_b["--"].get_ydata(), [0.5])  # flexible
+
+    # IS / ESS / masked fractions: only the run that logs them.
+    for title in ("IS weight mean", "Effective sample size"):
+        assert len(lines_of(axes[title], a)) == 1 and lines_of(axes[title], b) == []
+    masked = axes["Masked fractions"]
+    assert {ln.get_linestyle() for ln in lines_of(masked, a)} == {"-", "--"} and lines_of(masked, b) == []
+    # TV: alpha_1 for both runs, alpha_0 (tv_update) only for run A.
+    assert len(lines_of(axes["TV estimates (three-policy bound)"], a)) == 2
+    assert len(lines_of(axes["TV estimates (three-policy bound)"], b)) == 1
+
+    # Scales: k1 can be negative -> symlog; k3 positive -> log; others linear.
+    assert axes["Mismatch KL k1 (rollout vs train)"].get_yscale() == "symlog"
+    assert axes["Mismatch KL k3"].get_yscale() == "log"
+    assert axes["Chi-squared divergence"].get_yscale() == "symlog"
+    assert axes["Grad norm"].get_yscale() == "linear"
+
+    # Response length is in neither run: "not logged" text instead of an empty axis.
+    resp = axes["Response length"]
+    assert resp.get_lines() == []
+    assert "not logged" in [t.get_text() for t in resp.texts]
+    assert not any(t.get_text() == "not logged" for t in axes["Reward"].texts)
+
+    # One figure legend entry per run, same colour as its lines.
+    [legend] = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["A", "B"]
+    assert [to_rgba(h.get_color()) for h in legend.legend_handles] == [to_rgba(a), to_rgba(b)]
+
+
+def test_dashboard_not_logged_for_a_run_without_is(tmp_path):
+    d = write_run(tmp_path, "plain", records_plain())
+    fig = rc_plot.build_dashboard([rc_plot.load_metrics(str(d))], ["plain"])
+    axes = panel_axes(fig)
+    for title in ("IS weight mean", "Effective sample size", "Masked fractions", "Response length"):
+        assert [t.get_text() for t in axes[title].texts] == ["not logged"], title
+        assert axes[title].get_lines() == []
+    assert axes["Mismatch KL k3"].get_yscale() == "log"  # zero at step 0, positive later
+
+
+def test_build_dashboard_rejects_bad_arguments(two_runs):
+    runs = [rc_plot.load_metrics(str(d)) for d in two_runs]
+    with pytest.raises(ValueError, match="labels"):
+        rc_plot.build_dashboard(runs, ["only one"])
+    with pytest.raises(ValueError, match="smooth"):
+        rc_plot.build_dashboard(runs, ["A", "B"], smooth=0)
+
+
+def test_plot_dashboard_writes_png(two_runs, tmp_path):
+    out = tmp_path / "figs" / "cmp.png"  # parent folder is created
+    ret = rc_plot.plot_dashboard([str(d) for d in two_runs], str(out), smooth=2)
+    assert ret == str(out)
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 30_000
+    img = imread(str(out))
+    assert img.shape[0] >= 800 and img.shape[1] >= 1200
+    assert img[..., :3].std() > 0.05  # not a blank canvas
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def test_main_single_run_default_out(two_runs, capsys):
+    """One run -> RUN_DIR/dashboard.png (rendered for real)."""
+    _, run_plain = two_runs
+    assert rc_plot.main([str(run_plain)]) == 0
+    out = run_plain / "dashboard.png"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert str(out) in capsys.readouterr().out
+
+
+def test_main_argument_handling(two_runs, tmp_path, monkeypatch):
+    """Several runs -> ./dashboard.png; --out/--labels/--smooth reach plot_dashboard unchanged."""
+    calls = []
+
+    def fake_plot(run_dirs, out_path, labels=None, smooth=1):
+        calls.append((list(run_dirs), out_path, labels, smooth))
+        return out_path
+
+    monkeypatch.setattr(rc_plot, "plot_dashboard", fake_plot)
+    runs = [str(d) for d in two_runs]
+    assert rc_plot.main(runs) == 0
+    assert rc_plot.main(runs + ["--labels", "is", "plain", "--smooth", "3", "--out", "x/y.png"]) == 0
+    assert rc_plot.main([runs[1], "--smooth", "5"]) == 0
+    assert calls == [
+        (runs, "dashboard.png", None, 1),
+        (runs, "x/y.png", ["is", "plain"], 3),
+        ([runs[1]], os.path.join(runs[1], "dashboard.png"), None, 5),
+    ]
+
+
+def test_main_missing_run_folder_returns_2(tmp_path, capsys):
+    missing = tmp_path / "no_such_run"
+    assert rc_plot.main([str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no_such_run" in err and "error" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra", [["--labels", "a", "b"], ["--smooth", "0"]])
+def test_main_bad_options_return_2(two_runs, tmp_path, capsys, extra):
+    assert rc_plot.main([str(two_runs[0]), "--out", str(tmp_path / "o.png")] + extra) == 2
+    assert "error" in capsys.readouterr().err
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_main_usage_error_returns_2(capsys):
+    assert rc_plot.main([]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_script_entry_point(tmp_path):
+    """`python rc_plot.py ...` runs main() and exits with its status (error paths: the main() tests)."""
+    script = os.path.join(HERE, "rc_plot.py")
+    killed = write_run(tmp_path, "killed", records_is(4), tail='{"step": 4, "rew')
+    out = tmp_path / "cli.png"
+    ok = subprocess.run([sys.executable, script, str(killed), "--out", str(out)],
+                        capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert "rc_plot: warning:" in ok.stderr and "truncated" in ok.stderr
+    assert not (killed / "dashboard.png").exists()

@@ -1,0 +1,947 @@
+# GRPO with rollout correction: vLLM rollouts, rc_core corrections, in-place weight sync.
+# Read alongside rc_core.py (the formulas) and README.md (commands, presets, metrics glossary).
+"""One CleanRL-style script: Args -> rollout (vLLM) -> reward -> GRPO advantage -> update -> sync.
+
+    python rc_train.py                                  # CPU: tiny local model, addition task
+    python rc_train.py --config configs/gsm8k_qwen0.5b_bypass.yaml   # GPU: Qwen2.5 on GSM8K
+    torchrun --nproc_per_node 2 rc_train.py ...         # data parallel, one vLLM engine per rank
+    python rc_train.py plot runs/A runs/B               # rollout-correction dashboard (rc_plot.py)
+
+Two update modes (seed 001 "Bypass 模式" / "Decoupled 模式"; seed 000 §3.1):
+* bypass:    pi_old := pi_rollout. No old-log-prob forward pass; corrections are computed inside
+             the loss from sg(pi_theta) vs pi_rollout (rc_core.compute_policy_loss_bypass_mode).
+* decoupled: pi_old is recomputed once per rollout batch, before the first update; IS weights
+             pi_old/pi_rollout and the rejection mask are computed once and frozen for all epochs.
+"""
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+# vLLM must live in this process so that weights can be pushed into it in place (see README).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's CPU build otherwise reserves almost all RAM for its KV cache (../shared/notes/vllm-cpu.md).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+import tyro
+import yaml
+
+import gsm8k
+import rc_core
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_MODEL = "tiny"
+
+
+@dataclass
+class CorrectionArgs:
+    """Rollout correction: a preset from rc_core, then optional per-field overrides."""
+
+    preset: str = "bypass_ppo_clip"
+    """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled"""
+    rollout_is: Optional[str] = None
+    """override: IS level 'token' | 'sequence' | 'none'"""
+    rollout_is_threshold: Optional[str] = None
+    """override: TIS cap (a number) or IcePop bounds 'L_U'"""
+    rollout_is_batch_normalize: Optional[bool] = None
+    """override: self-normalise IS weights over the batch (seed 000 §3.6)"""
+    rollout_rs: Optional[str] = None
+    """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'), or 'none'"""
+    rollout_rs_threshold: Optional[str] = None
+    """override: rejection thresholds, one entry or one per option ('0.999_1.001', '0.01')"""
+    rollout_rs_threshold_lower: Optional[float] = None
+    """override: lower bound for the legacy RS names token/sequence/geometric"""
+    rollout_token_veto_threshold: Optional[str] = None
+    """override: veto tau in (0,1): reject a sequence if any token ratio < tau; 'none' disables"""
+    bypass_mode: Optional[bool] = None
+    """override: True = bypass (pi_old := pi_rollout), False = decoupled"""
+    loss_type: Optional[str] = None
+    """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode)"""
+
+
+@dataclass
+class Args:
+    # General
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (rank r uses seed + r for sampling)"""
+    config: Optional[str] = None
+    """YAML file whose keys become the defaults; flags on the command line still win"""
+    output_dir: str = "runs"
+    """parent folder of the run folder"""
+    run_name: Optional[str] = None
+    """run folder name (default: {task}__{exp_name}__{preset}__{seed}__{time})"""
+    overwrite: bool = False
+    """allow replacing an existing run folder (otherwise an existing run is never touched)"""
+    resume: bool = False
+    """continue the run in --run-name from its newest complete checkpoint"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "rollout-correction"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    tensorboard: bool = False
+    """also write tensorboard event files into the run folder"""
+
+    # Model and task
+    model: str = TINY_MODEL
+    """'tiny' (a 0.3M-parameter Qwen2 built locally, no download), a local path, or a HF model id"""
+    task: Literal["add", "gsm8k"] = "add"
+    """'add': synthetic 'a+b=' -> (a+b) mod 10 (learnable in minutes on CPU); 'gsm8k': math word problems"""
+    dataset: str = "auto"
+    """GSM8K source: HF dataset id (openai/gsm8k), or a folder/file of JSONL/parquet; 'auto' = local copy if present"""
+    dataset_config: str = "main"
+    """HF dataset config name"""
+    train_limit: Optional[int] = None
+    """use only the first N training problems"""
+    reward_mode: Literal["strict", "flexible"] = "strict"
+    """GSM8K scoring: 'strict' needs '#### N'; 'flexible' takes the last number"""
+    format_bonus: float = 0.0
+    """GSM8K: reward added for a well-formed '#### N' line, right or wrong"""
+    use_chat_template: bool = True
+    """wrap prompts with the tokenizer's chat template when it has one"""
+    max_model_len: int = 1024
+    """context length of the engine; prompt + response must fit"""
+    tiny_vocab_size: int = 160
+    """tiny model: byte-level BPE vocabulary trained locally on GSM8K text (digits one per token)"""
+
+    # Rollout
+    num_steps: int = 400
+    """training steps (one rollout batch each)"""
+    num_prompts_per_step: int = 32
+    """prompts per step, over all ranks"""
+    num_samples_per_prompt: int = 32
+    """responses per prompt (the GRPO group size)"""
+    max_response_length: int = 1
+    """maximum generated tokens per response (the addition task answers in one token)"""
+    temperature: float = 1.0
+    """sampling temperature; the trainer scores with the same temperature (processed log-probs)"""
+    top_p: float = 1.0
+    """nucleus sampling; keep 1.0 for training: top-p < 1 changes the behaviour policy"""
+    rollout_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the vLLM engine"""
+    train_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """compute dtype of the trainer's forward passes (autocast; master weights stay float32)"""
+    sync_every: int = 1
+    """push trainer weights into vLLM every k steps; 0 = never after the start (stale engine)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU: share of GPU memory for the colocated engine (weights + KV cache)"""
+    vllm_kv_cache_gb: float = 1.0
+    """CPU: KV-cache size of the engine in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_sleep: bool = True
+    """GPU: put the engine to sleep (level 1) during the update, wake it for rollout"""
+
+    # Optimisation
+    learning_rate: float = 5e-4
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimizer steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (global L2 norm)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch (the rollout batch is split into this many minibatches)"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a minibatch)"""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon (both sides unless overridden)"""
+    clip_ratio_low: Optional[float] = None
+    """PPO lower clip epsilon (default: clip_ratio)"""
+    clip_ratio_high: Optional[float] = None
+    """PPO upper clip epsilon (default: clip_ratio; DAPO clip-higher uses 0.28)"""
+    clip_ratio_c: float = 3.0
+    """dual-clip constant c > 1 (negative advantages only)"""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
+    loss_scale_factor: Optional[float] = None
+    """divisor K of seq-mean-token-sum-norm (default: max_response_length)"""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO)"""
+    kl_coef: float = 0.0
+    """coefficient of a KL penalty to the initial model (0 = no reference model)"""
+    kl_estimator: str = "low_var_kl"
+    """KL penalty estimator: kl (k1), abs, mse (k2), low_var_kl (k3), optionally with '+'"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the trainer's forward"""
+
+    # Evaluation, checkpoints
+    eval_every: int = 0
+    """greedy pass@1 on the eval set every N steps (0 = only at the end)"""
+    eval_limit: Optional[int] = 200
+    """number of eval problems (None = whole split)"""
+    checkpoint_every: int = 0
+    """save model, optimizer, scheduler, RNG and data position every N steps (0 = never)"""
+    save_final: bool = True
+    """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
+
+    rc: CorrectionArgs = field(default_factory=CorrectionArgs)
+    """rollout correction settings"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration: YAML defaults, validation (all before any engine starts)
+# ---------------------------------------------------------------------------------------------
+def load_yaml_defaults(path: str) -> Args:
+    """Args whose defaults come from a YAML file (flat keys, plus a nested `rc:` mapping)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path!r}")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(Args)}
+    rc_names = {f.name for f in dataclasses.fields(CorrectionArgs)}
+    bad = sorted(set(raw) - names) + [f"rc.{k}" for k in sorted(set(raw.get("rc") or {}) - rc_names)]
+    if bad:
+        raise ValueError(f"config {path!r}: unknown keys {bad}")
+    rc = CorrectionArgs(**{k: _as_str(v) if k in _STR_FIELDS else v for k, v in (raw.pop("rc", None) or {}).items()})
+    return Args(**{k: v for k, v in raw.items() if k != "config"}, config=path, rc=rc)
+
+
+_STR_FIELDS = {"rollout_is_threshold", "rollout_rs_threshold", "rollout_token_veto_threshold", "rollout_is", "rollout_rs"}
+
+
+def _as_str(v):
+    return None if v is None else str(v)
+
+
+def _override_value(text: Optional[str]):
+    """CLI strings -> config values: 'none' -> None, numeric strings -> float, else the string."""
+    if text is None or text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConfig:
+    """The preset, with every field the user set replaced (rc_core validates on construction)."""
+    config = rc_core.RolloutCorrectionConfig.from_name(rc.preset)
+    overrides = {}
+    for f in dataclasses.fields(rc):
+        value = getattr(rc, f.name)
+        if f.name == "preset" or value is None:
+            continue
+        if f.name in ("rollout_is", "rollout_rs", "loss_type"):
+            value = None if value.strip().lower() in ("none", "null") else value
+        elif f.name in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_token_veto_threshold"):
+            value = _override_value(value)
+        overrides[f.name] = value
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def validate_args(args: Args, world_size: int) -> None:
+    """Fail fast with a message naming the bad value (before tokenizer, data or engine)."""
+    def need(cond, msg):
+        if not cond:
+            raise ValueError(msg)
+    need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
+    need(args.num_samples_per_prompt >= 1, f"--num-samples-per-prompt must be >= 1, got {args.num_samples_per_prompt}")
+    need(args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
+         f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size ({world_size})")
+    batch = args.num_prompts_per_step // world_size * args.num_samples_per_prompt
+    need(args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+         f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})")
+    need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
+    need(args.temperature > 0 and math.isfinite(args.temperature),
+         f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
+    need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
+    need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    need(args.format_bonus >= 0, f"--format-bonus must be >= 0, got {args.format_bonus}")
+    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    if args.kl_coef > 0:
+        rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
+    rc_core.check_loss_settings(clip_low(args), clip_high(args), args.clip_ratio_c, args.loss_agg_mode,
+                                args.loss_scale_factor)
+
+
+def clip_low(args: Args) -> float:
+    return args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
+
+
+def clip_high(args: Args) -> float:
+    return args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny local model: a Qwen2-architecture network and a BPE tokenizer, built here, no download
+# ---------------------------------------------------------------------------------------------
+def local_gsm8k_dir() -> Optional[str]:
+    """A local GSM8K copy: ./data/gsm8k, or ../shared/data/gsm8k next to this repository."""
+    for path in (os.path.join(HERE, "data", "gsm8k"), os.path.join(HERE, "..", "shared", "data", "gsm8k")):
+        if os.path.isfile(os.path.join(path, "train.jsonl")):
+            return os.path.normpath(path)
+    return None
+
+
+def tokenizer_corpus():
+    """GSM8K training text when a local copy exists, else synthetic arithmetic text."""
+    folder = local_gsm8k_dir()
+    if folder:
+        rows, _ = gsm8k.load_gsm8k(folder, "train")
+        for r in rows:
+            yield r["question"]
+            yield r["answer"]
+    else:
+        rng = random.Random(0)
+        for _ in range(20000):
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            yield f"What is {a} plus {b}? {a}+{b}={a + b}. #### {a + b}"
+
+
+def build_tiny_model(vocab_size: int, seed: int) -> str:
+    """Build (once, then cache) a 2-layer Qwen2 with head_dim 64 and its BPE tokenizer; return the path.
+
+    head_dim 64: vLLM's CPU attention rejects head_dim 16 (../shared/notes/vllm-cpu.md). Digits are
+    split one per token, as in Qwen2's tokenizer, so answers are single tokens for the addition task.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    cache = os.environ.get("RC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rc_train"))
+    path = os.path.join(cache, f"tiny-qwen2-v{vocab_size}-s{seed}")
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return path
+    # Byte-level BPE whose alphabet is only the bytes the corpus uses (about 100), not all 256, so a random
+    # policy emits the right digit with chance ~1/150 rather than ~1/300. transformers loads it as a
+    # Qwen2 tokenizer (Qwen's pre-tokenizer regex, one token per digit), and so does vLLM.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator(tokenizer_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    eos = tokenizer.eos_token_id
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    tmp = f"{path}.tmp{os.getpid()}"
+    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    os.makedirs(cache, exist_ok=True)
+    try:
+        os.rename(tmp, path)  # atomic: a half-built model is never picked up
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: prompts and rewards
+# ---------------------------------------------------------------------------------------------
+def addition_problems(split: str):
+    """'a+b=' for single digits; the answer is (a+b) mod 10. Train and eval use all 100 pairs."""
+    return [{"question": f"{a}+{b}=", "gold": str((a + b) % 10)} for a in range(10) for b in range(10)]
+
+
+def score_addition(response: str, gold: str) -> float:
+    """1.0 if the first integer in the response equals the gold digit (seed-free, exact)."""
+    digits = ""
+    for ch in response:
+        if ch.isdigit():
+            digits += ch
+        elif digits:
+            break
+    return float(digits != "" and int(digits) == int(gold))
+
+
+def load_problems(args: Args, split: str, limit: Optional[int]):
+    """Rows {'question', 'gold'} of the task, and how many rows were skipped as unparseable."""
+    if args.task == "add":
+        rows = addition_problems(split)
+        return (rows[:limit] if limit else rows), 0
+    source = args.dataset
+    if source == "auto":
+        source = local_gsm8k_dir() or "openai/gsm8k"
+    return gsm8k.load_gsm8k(source, split, limit=limit, config=args.dataset_config)
+
+
+def score(args: Args, response: str, gold: str) -> tuple[float, float]:
+    """(reward, correct) for one response."""
+    if args.task == "add":
+        r = score_addition(response, gold)
+        return r, r
+    correct = gsm8k.score_response(response, gold, mode=args.reward_mode)
+    reward = gsm8k.score_response(response, gold, mode=args.reward_mode, format_bonus=args.format_bonus)
+    return reward, correct
+
+
+def encode_prompts(args: Args, tokenizer, rows) -> list[list[int]]:
+    """Prompt token ids, through the chat template when the tokenizer has one; checks the context."""
+    use_template = args.use_chat_template and getattr(tokenizer, "chat_template", None)
+    out = []
+    for i, row in enumerate(rows):
+        if args.task == "gsm8k":
+            text = gsm8k.format_prompt(row["question"])
+        else:
+            text = row["question"]
+        if use_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + args.max_response_length > args.max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; with --max-response-length "
+                             f"{args.max_response_length} it exceeds --max-model-len {args.max_model_len}")
+        out.append(ids)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM engine: start, generate with processed log-probs, in-place weight sync
+# ---------------------------------------------------------------------------------------------
+def start_engine(args: Args, model_path: str, seed: int):
+    from vllm import LLM
+
+    kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
+                  logprobs_mode="processed_logprobs",  # temperature applied: the distribution that sampled
+                  enable_prefix_caching=True)
+    if torch.cuda.is_available():
+        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+    else:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
+        kwargs.update(enforce_eager=True)
+    return LLM(**kwargs)
+
+
+def generate(llm, prompt_ids, n, args: Args, seed: int, greedy: bool = False):
+    """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text). Seeded per prompt."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=n, max_tokens=args.max_response_length, logprobs=None if greedy else 0,
+                             temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+                             seed=seed + i) for i in range(len(prompt_ids))]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    result = []
+    for out in outputs:
+        group = []
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
+            group.append((ids, lps, o.text))
+        result.append(group)
+    return result
+
+
+def sync_weights(llm, state_dict) -> None:
+    """Push every tensor (tied lm_head included: the CPU build keeps its own packed copy) and drop
+    the prefix cache, whose KV was computed with the old weights."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+    llm.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch tensors and the trainer's log-probs
+# ---------------------------------------------------------------------------------------------
+def make_batch(prompt_ids, responses, pad_id):
+    """Left-pad prompts and right-pad responses so every response starts at the same column P.
+
+    Returns input_ids/attention_mask (B, P+T), response ids, rollout log-probs and response mask (B, T).
+    """
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(r[0]) for r in responses))
+    B = len(responses)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, (ids, lps, _)) in enumerate(zip(prompt_ids, responses)):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        attention[i, P - len(p):P] = 1
+        if ids:
+            input_ids[i, P:P + len(ids)] = torch.tensor(ids)
+            attention[i, P:P + len(ids)] = 1
+            rollout_lp[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
+            mask[i, :len(ids)] = 1.0
+    return dict(input_ids=input_ids, attention_mask=attention, responses=input_ids[:, P:], rollout_log_prob=rollout_lp,
+                response_mask=mask)
+
+
+def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: float, dtype: str,
+                       with_entropy: bool = False):
+    """log pi(y_t | y_<t) of the last T tokens at the rollout temperature (processed log-probs)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    autocast = torch.autocast(device_type=input_ids.device.type, dtype=getattr(torch, dtype),
+                              enabled=dtype != "float32")
+    with autocast:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]
+    labels = input_ids[:, -T:]
+    log_prob = rc_core.log_probs_from_logits(logits, labels, temperature=temperature)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            scaled = logits.detach().float() / temperature
+            entropy = torch.logsumexp(scaled, -1) - (scaled.softmax(-1) * scaled).sum(-1)
+    return log_prob, entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order, metric reduction, checkpoints
+# ---------------------------------------------------------------------------------------------
+def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
+    """Rows position .. position+count-1 of an endless stream of seeded epoch permutations.
+
+    The stream depends only on (seed, position), so a checkpoint needs nothing but the position.
+    """
+    out = []
+    while len(out) < count:
+        epoch, offset = divmod(position + len(out), n_rows)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        out.extend(perm[offset:offset + count - len(out)].tolist())
+    return out
+
+
+def reduce_metrics(metrics: dict, accelerator) -> dict:
+    """Average over ranks; names ending in max/min (or containing _max_/_min_) take the max/min."""
+    if accelerator.num_processes == 1:
+        return metrics
+    keys = sorted(metrics)
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    kind = [("max" if ("max" in k.rsplit("/", 1)[-1].split("_")) else
+             "min" if ("min" in k.rsplit("/", 1)[-1].split("_")) else "mean") for k in keys]
+    gathered = accelerator.gather(vals[None]).reshape(accelerator.num_processes, -1)
+    out = {}
+    for j, k in enumerate(keys):
+        col = gathered[:, j]
+        out[k] = float(col.max() if kind[j] == "max" else col.min() if kind[j] == "min" else col.mean())
+    return out
+
+
+def global_sum(values: list[float], accelerator) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+    return t.tolist()
+
+
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """Complete checkpoints, oldest first. A complete one was renamed from *.tmp after its last file."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
+                   and os.path.isfile(os.path.join(root, n, "trainer_state.json")))
+    return [os.path.join(root, n) for n in names]
+
+
+def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator, counters):
+    """Write checkpoints/step_N.tmp (every rank its RNG state; rank 0 the rest), then rename it."""
+    final = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
+    tmp = final + ".tmp"
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               os.path.join(tmp, f"rng_rank{accelerator.process_index}.pt"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   os.path.join(tmp, "optim.pt"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
+            json.dump({"step": step, "position": position, **counters}, f)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(path, model, optimizer, scheduler, accelerator) -> dict:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for name in sorted(os.listdir(os.path.join(path, "model"))):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(path, "model", name)))
+    unwrapped = accelerator.unwrap_model(model)
+    missing, unexpected = unwrapped.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and unwrapped.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path!r} does not match the model: missing {missing}, unexpected {unexpected}")
+    opt = torch.load(os.path.join(path, "optim.pt"), weights_only=False)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    rng = torch.load(os.path.join(path, f"rng_rank{accelerator.process_index}.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def truncate_metrics(path: str, start_step: int) -> None:
+    """On resume, drop lines of steps that will be run again (rewritten atomically)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def parse_cli() -> Args:
+    """tyro over Args; --config FILE (or, with a GPU and no --config, the default GSM8K config) sets defaults."""
+    argv = sys.argv[1:]
+    config = None
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            config = argv[i + 1]
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+    if config is None and torch.cuda.is_available() and "--model" not in argv:
+        config = os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml")
+    try:
+        default = load_yaml_defaults(config) if config else Args()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        sys.exit(f"rc_train.py: error: {e}")
+    return tyro.cli(Args, default=default, args=argv)
+
+
+def evaluate(args, llm, prompts, rows, rank, world, accelerator, seed):
+    """Greedy pass@1 on this rank's shard of the eval set; returns metrics and a few samples."""
+    shard = list(range(rank, len(prompts), world))
+    outs = generate(llm, [prompts[i] for i in shard], 1, args, seed, greedy=True) if shard else []
+    n_strict = n_flex = 0.0
+    samples = []
+    for i, group in zip(shard, outs):
+        text = group[0][2]
+        if args.task == "add":
+            n_strict += score_addition(text, rows[i]["gold"])
+        else:
+            n_strict += gsm8k.score_response(text, rows[i]["gold"], mode="strict")
+            n_flex += gsm8k.score_response(text, rows[i]["gold"], mode="flexible")
+        if len(samples) < 4:
+            samples.append({"question": rows[i]["question"], "gold": rows[i]["gold"], "response": text})
+    n_strict, n_flex, count = global_sum([n_strict, n_flex, len(shard)], accelerator)
+    if args.task == "add":
+        return {"eval/accuracy": n_strict / count}, samples
+    return {"eval/accuracy_strict": n_strict / count, "eval/accuracy_flexible": n_flex / count}, samples
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "plot":
+        import rc_plot
+
+        sys.exit(rc_plot.main(sys.argv[2:]))
+    args = parse_cli()
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # vLLM and torch share the cores
+
+    # ---- Setup: every check before the engine starts ----------------------------------------
+    try:
+        validate_args(args, world)
+        rc_config = build_correction_config(args.rc)
+        run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
+        run_dir = os.path.join(args.output_dir, run_name)
+        exists = os.path.isdir(run_dir) and os.listdir(run_dir)
+        if args.resume and not checkpoint_dirs(run_dir):
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
+        if exists and not (args.resume or args.overwrite):
+            raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
+        with accelerator.main_process_first():
+            model_path = build_tiny_model(args.tiny_vocab_size, args.seed) if args.model == TINY_MODEL else args.model
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        train_rows, n_skipped = load_problems(args, "train", args.train_limit)
+        eval_rows, _ = load_problems(args, "test", args.eval_limit)
+        train_prompts = encode_prompts(args, tokenizer, train_rows)
+        eval_prompts = encode_prompts(args, tokenizer, eval_rows)
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"rc_train.py: error: {e}")
+    if exists and args.overwrite and not args.resume and accelerator.is_main_process:
+        shutil.rmtree(run_dir)
+    accelerator.wait_for_everyone()
+    os.makedirs(run_dir, exist_ok=True)
+    if accelerator.is_main_process:
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump({"args": dataclasses.asdict(args), "world_size": world, "model_path": model_path,
+                            "rollout_correction": {k: getattr(rc_config, k) for k in
+                                                   [f.name for f in dataclasses.fields(rc_config) if f.init]},
+                            "train_rows": len(train_rows), "train_rows_skipped": n_skipped}, f, sort_keys=False)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    # ---- Models, optimizer, engine ------------------------------------------------------------
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.train_dtype)).to(device)
+        ref_model.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    start_step, position, counters = 0, 0, {"old_log_prob_passes": 0, "sync_count": 0}
+    if args.resume:
+        ckpt = checkpoint_dirs(run_dir)[-1]
+        state = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
+        start_step, position = state["step"] + 1, state["position"]
+        counters = {k: state[k] for k in counters}
+        if accelerator.is_main_process:
+            truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
+            print(f"resumed from {ckpt} at step {start_step}")
+    llm = start_engine(args, model_path, args.seed + rank)
+    on_gpu = torch.cuda.is_available() and args.vllm_sleep
+    if args.resume:
+        sync_weights(llm, accelerator.get_state_dict(model))
+    engine_synced = True
+
+    writer = None
+    if accelerator.is_main_process and args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(run_dir)
+    if accelerator.is_main_process and args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
+                   name=run_name, dir=run_dir, resume="allow")
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if accelerator.is_main_process else None
+    from tqdm import tqdm
+
+    bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    prompts_per_rank = args.num_prompts_per_step // world
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+
+    def forward_log_probs(net, batch, rows, with_grad, with_entropy=False):
+        ctx = torch.enable_grad() if with_grad else torch.no_grad()
+        with ctx:
+            return sequence_log_probs(net, batch["input_ids"][rows].to(device), batch["attention_mask"][rows].to(device),
+                                      batch["response_mask"].shape[1], args.temperature, args.train_dtype, with_entropy)
+
+    def no_grad_pass(net, batch):
+        B = batch["response_mask"].shape[0]
+        parts = [forward_log_probs(net, batch, torch.arange(s, min(s + args.micro_batch_size, B)), False)[0]
+                 for s in range(0, B, args.micro_batch_size)]
+        return torch.cat(parts).cpu()
+
+    for step in bar:
+        t_step = time.time()
+        timing = {}
+        # ---- Rollout: vLLM samples n responses per prompt with their (processed) log-probs ----
+        t0 = time.time()
+        indices = prompt_indices(len(train_prompts), args.seed, position, args.num_prompts_per_step)
+        position += args.num_prompts_per_step
+        indices = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
+        if on_gpu:
+            llm.wake_up()
+        groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
+                          seed=(args.seed * 1_000_003 + step * 1009 + rank) * 1000)
+        if on_gpu:
+            llm.sleep(level=1)
+        timing["timing/rollout_s"] = time.time() - t0
+
+        # ---- Reward and GRPO advantage (group = the n responses of one prompt) ---------------
+        t0 = time.time()
+        flat_prompts, flat_responses, group_ids, rewards, corrects = [], [], [], [], []
+        for g, (i, group) in enumerate(zip(indices, groups)):
+            for resp in group:
+                r, c = score(args, resp[2], train_rows[i]["gold"])
+                flat_prompts.append(train_prompts[i])
+                flat_responses.append(resp)
+                group_ids.append(g)
+                rewards.append(r)
+                corrects.append(c)
+        batch = make_batch(flat_prompts, flat_responses, pad_id)
+        mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
+        bad = ~torch.isfinite(rollout_lp) & (mask > 0)  # engine returned NaN/inf: drop those responses
+        n_bad = int(bad.sum())
+        if n_bad:
+            mask[bad.any(-1)] = 0.0
+            rollout_lp[~torch.isfinite(rollout_lp)] = 0.0
+        scores = torch.tensor(rewards, dtype=torch.float32)
+        advantages = rc_core.compute_grpo_outcome_advantage(scores, torch.tensor(group_ids), norm_adv_by_std=args.norm_adv_by_std,
+                                                            response_mask=mask)
+        timing["timing/reward_s"] = time.time() - t0
+
+        # ---- Old log-prob (decoupled mode only) and the correction, frozen for all epochs ------
+        old_lp = is_weights = keep_mask = None
+        metrics = {}
+        timing["timing/old_log_prob_s"] = 0.0  # bypass: pi_old := pi_rollout, no forward pass at all
+        if not rc_config.bypass_mode:
+            t0 = time.time()
+            model.eval()
+            old_lp = no_grad_pass(unwrapped, batch)
+            counters["old_log_prob_passes"] += 1
+            is_weights, keep_mask, corr = rc_core.compute_rollout_correction_and_rejection_mask(
+                old_lp, rollout_lp, mask, **rc_config.to_kwargs())
+            metrics.update(corr)
+            timing["timing/old_log_prob_s"] = time.time() - t0
+        ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
+
+        # ---- Update: epochs x minibatches (one optimizer step each) x micro-batches -----------
+        t0 = time.time()
+        model.train()
+        B = mask.shape[0]
+        per_mb = B // args.num_minibatches
+        gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
+        loss_sums, grad_norms, micro_metrics = [], [], []
+        K = args.loss_scale_factor or float(args.max_response_length)
+        for epoch in range(args.ppo_epochs):
+            perm = torch.randperm(B, generator=gen)
+            for mb in range(args.num_minibatches):
+                rows = perm[mb * per_mb:(mb + 1) * per_mb]
+                # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (rc_core §7.5)
+                n_tok, n_seq = global_sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())], accelerator)
+                denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
+                                    loss_scale_factor=K)
+                loss_sum = 0.0
+                micro = [rows[s:s + args.micro_batch_size] for s in range(0, len(rows), args.micro_batch_size)]
+                for j, mrows in enumerate(micro):
+                    log_prob, entropy = forward_log_probs(model, batch, mrows, True, with_entropy=True)
+                    m, a, rlp = mask[mrows].to(device), advantages[mrows].to(device), rollout_lp[mrows].to(device)
+                    if m.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
+                        loss, mm = (log_prob * 0).sum(), {}
+                    elif rc_config.bypass_mode:
+                        loss, mm = rc_core.compute_policy_loss_bypass_mode(
+                            log_prob, rlp, a, m, rc_config, args.loss_agg_mode, clip_low(args), clip_high(args),
+                            args.clip_ratio_c, **denominators)
+                    else:
+                        loss, mm = rc_core.compute_policy_loss_vanilla(
+                            old_lp[mrows].to(device), log_prob, a, m, args.loss_agg_mode, clip_low(args), clip_high(args),
+                            args.clip_ratio_c, None if is_weights is None else is_weights[mrows].to(device),
+                            keep_mask=keep_mask[mrows].to(device), rollout_log_prob=rlp, **denominators)
+                    prox = rlp if rc_config.bypass_mode else old_lp[mrows].to(device)
+                    if m.sum() > 0:
+                        with torch.no_grad():  # CleanRL's approx_kl: k3 of the PPO ratio (Schulman 2020)
+                            k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
+                            mm["actor/ppo_kl_k3"] = float(k3[m > 0].mean())
+                            mm["actor/entropy"] = float(entropy[m > 0].mean())
+                    if ref_lp is not None:
+                        kl = rc_core.kl_penalty(log_prob, ref_lp[mrows].to(device), args.kl_estimator)
+                        kl_loss = rc_core.agg_loss(kl, m, args.loss_agg_mode, response_mask=m, **denominators)
+                        loss = loss + args.kl_coef * kl_loss
+                        mm["actor/kl_loss"] = float(kl_loss) * len(micro)
+                    loss_sum += float(loss)
+                    sync_grads = j == len(micro) - 1
+                    with (accelerator.no_sync(model) if not sync_grads and world > 1 else torch.enable_grad()):
+                        # Each rank holds a partial numerator over global denominators; DDP averages, so x world.
+                        accelerator.backward(loss * world)
+                    micro_metrics.append(mm)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                loss_sums.append(loss_sum)
+                grad_norms.append(float(grad_norm))
+        timing["timing/update_s"] = time.time() - t0
+
+        # ---- Weight sync: push the new weights into the engine in place ------------------------
+        t0 = time.time()
+        engine_synced = False
+        if args.sync_every and (step + 1) % args.sync_every == 0:
+            if on_gpu:
+                llm.wake_up()
+            sync_weights(llm, accelerator.get_state_dict(model))
+            counters["sync_count"] += 1
+            engine_synced = True
+            if on_gpu:
+                llm.sleep(level=1)
+        timing["timing/sync_s"] = time.time() - t0
+
+        # ---- Evaluation (greedy pass@1); needs the engine to hold the trainer's weights ---------
+        last = step == args.num_steps - 1
+        eval_metrics = {}
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
+            t0 = time.time()
+            if on_gpu:
+                llm.wake_up()
+            if not engine_synced:
+                sync_weights(llm, accelerator.get_state_dict(model))
+                counters["sync_count"] += 1
+            eval_metrics, samples = evaluate(args, llm, eval_prompts, eval_rows, rank, world, accelerator, args.seed)
+            if on_gpu:
+                llm.sleep(level=1)
+            timing["timing/eval_s"] = time.time() - t0
+            if accelerator.is_main_process:
+                with open(os.path.join(run_dir, "eval_samples.jsonl"), "a") as f:
+                    for s in samples:
+                        f.write(json.dumps({"step": step, **s}) + "\n")
+
+        # ---- Logging ------------------------------------------------------------------------
+        lengths = mask.sum(-1)
+        for mm in micro_metrics:  # mean over micro-batches (bypass correction metrics included)
+            for k in mm:
+                metrics.setdefault(k, [])
+        for k in list(metrics):
+            if isinstance(metrics[k], list):
+                vals = [mm[k] for mm in micro_metrics if k in mm]
+                metrics[k] = float(np.mean(vals))
+        metrics.update({
+            "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
+            "reward/correct": float(np.mean(corrects)),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
+            "rollout/nonfinite_logprob_tokens": float(n_bad),
+            "actor/pg_loss": float(np.mean(loss_sums)), "actor/grad_norm": float(np.mean(grad_norms)),
+            "actor/lr": scheduler.get_last_lr()[0],
+            "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
+            "actor/sync_count": float(counters["sync_count"]),
+        })
+        metrics = reduce_metrics(metrics, accelerator)
+        metrics.update(eval_metrics)
+        timing["timing/step_s"] = time.time() - t_step
+        metrics.update(reduce_metrics(timing, accelerator) if world > 1 else timing)
+        if accelerator.is_main_process:
+            record = {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if writer:
+                for k, v in metrics.items():
+                    writer.add_scalar(k, v, step)
+            if args.track:
+                wandb.log(metrics, step=step)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}",
+                            step_s=f"{timing['timing/step_s']:.2f}")
+
+        # ---- Checkpoint ----------------------------------------------------------------------
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator, counters)
+
+    # ---- Final weights ------------------------------------------------------------------------
+    if args.save_final:
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+            tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+    if accelerator.is_main_process:
+        metrics_file.close()
+        if writer:
+            writer.close()
+        print(f"run folder: {run_dir}")
+    accelerator.wait_for_everyone()

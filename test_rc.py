@@ -1,0 +1,1364 @@
+"""Tests of rc_core against the project spec ``shared/notes/correction-semantics.md``.
+
+Expected values are derived by hand from the formulas of the spec (with ``math``), never copied
+from the code's output.  Section numbers ("§N") refer to the spec.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rc_core as rc
+
+F64 = torch.float64
+NAN = math.nan
+PROPS = settings(max_examples=30, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+def make(rows, garbage=NAN):
+    """Build (train, rollout, mask) from ragged rows of token ratios rho = pi_train / mu.
+
+    rollout log-prob = 0, train log-prob = log(rho), so l = log(rho) exactly.  Padded positions
+    (beyond a row's length; ``[]`` = fully padded row) hold ``garbage`` in both tensors.
+    """
+    width = max(len(r) for r in rows)
+    train = torch.full((len(rows), width), garbage, dtype=F64)
+    rollout = torch.full((len(rows), width), garbage, dtype=F64)
+    mask = torch.zeros((len(rows), width), dtype=F64)
+    for i, row in enumerate(rows):
+        for t, ratio in enumerate(row):
+            train[i, t] = math.log(ratio)
+            rollout[i, t] = 0.0
+            mask[i, t] = 1.0
+    return train, rollout, mask
+
+
+def _make_log(rows, garbage):
+    width = max(len(r) for r in rows)
+    train = torch.full((len(rows), width), garbage, dtype=F64)
+    rollout = torch.full((len(rows), width), garbage, dtype=F64)
+    mask = torch.zeros((len(rows), width), dtype=F64)
+    for i, row in enumerate(rows):
+        for t, v in enumerate(row):
+            train[i, t], rollout[i, t], mask[i, t] = v, 0.0, 1.0
+    return train, rollout, mask
+
+
+def logs(rows, garbage=NAN):
+    """(train, rollout, mask) with l given exactly (train = l, rollout = 0)."""
+    return _make_log(rows, garbage)
+
+
+def corr(train, rollout, mask, **kw):
+    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, **kw)
+    assert all(k.startswith("rollout_corr/") for k in met)
+    return w, m2, {k[len("rollout_corr/"):]: v for k, v in met.items()}
+
+
+def approx(x, rel=1e-9, abs_=1e-12):
+    return pytest.approx(x, rel=rel, abs=abs_)
+
+
+def std_pop(xs):
+    mean = sum(xs) / len(xs)
+    return math.sqrt(max(sum(x * x for x in xs) / len(xs) - mean * mean, 0.0))
+
+
+def std_unbiased(xs):
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    h = q * (len(xs) - 1)
+    lo, hi = math.floor(h), math.ceil(h)
+    return xs[lo] + (h - lo) * (xs[hi] - xs[lo])
+
+
+@st.composite
+def batches(draw, min_rows=1, max_rows=5, max_len=6, scale=None):
+    """Random (train, rollout, mask) in float64 with >= 1 valid token and NaN padding."""
+    b = draw(st.integers(min_rows, max_rows))
+    t = draw(st.integers(1, max_len))
+    seed = draw(st.integers(0, 2**31 - 1))
+    sc = draw(st.sampled_from([0.05, 0.3, 1.0])) if scale is None else scale
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand((b, t), generator=gen, dtype=F64) * 3
+    train = rollout + torch.randn((b, t), generator=gen, dtype=F64) * sc
+    lengths = torch.randint(0, t + 1, (b,), generator=gen)
+    lengths[torch.randint(0, b, (1,), generator=gen)] = torch.randint(1, t + 1, (1,),
+                                                                      generator=gen)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).to(F64)
+    train = torch.where(mask.bool(), train, torch.full_like(train, NAN))
+    rollout = torch.where(mask.bool(), rollout, torch.full_like(rollout, NAN))
+    return train, rollout, mask
+
+
+def same_metrics(a, b, rel=1e-7, abs_=1e-7):
+    """Equal metric dicts; the tolerance only absorbs reduction-order rounding (e.g. the
+    sqrt of a cancelled variance), far below the O(1/B) effect of a leaked padded row."""
+    assert set(a) == set(b)
+    for key in a:
+        if math.isnan(a[key]):
+            assert math.isnan(b[key]), key
+        else:
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=abs_), key
+
+
+# ------------------------------------------------------------------------------------------
+# primitives
+# ------------------------------------------------------------------------------------------
+
+
+def test_masked_reductions_select_valid_entries_and_ignore_nan_padding():
+    x = torch.tensor([[1.0, 2.0, NAN], [4.0, math.inf, 6.0]], dtype=F64)
+    m = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=F64)
+    assert rc.masked_sum(x, m).item() == 13.0
+    assert rc.masked_mean(x, m).item() == 3.25
+    assert rc.masked_sum(x, m, dim=-1).tolist() == [3.0, 10.0]
+    assert rc.masked_mean(x, m, dim=-1).tolist() == [1.5, 5.0]
+    # deviations from 3.25: -2.25, -1.25, 0.75, 2.75 -> sum of squares 14.75
+    assert rc.masked_var(x, m).item() == approx(14.75 / 3)
+    assert rc.masked_var(x, m, unbiased=False).item() == approx(14.75 / 4)
+    one = torch.tensor([[1, 0, 0], [0, 0, 0]], dtype=F64)
+    assert rc.masked_var(x, one).item() == 0.0
+
+
+def test_safety_clip_bounds_at_twenty():
+    x = torch.tensor([-25.0, -20.0, 3.0, 25.0])
+    assert rc.safety_clip(x).tolist() == [-20.0, -20.0, 3.0, 20.0]
+    assert rc.SAFETY_BOUND == 20.0
+
+
+def test_sequence_and_geometric_log_ratios():
+    train, rollout, mask = make([[2.0, 8.0], [4.0], []])
+    ell = rc.token_log_ratio(train, rollout)
+    seq = rc.sequence_log_ratio(ell, mask)
+    geo = rc.geometric_log_ratio(ell, mask)
+    assert seq.tolist() == [approx(math.log(16.0)), approx(math.log(4.0)), 0.0]
+    assert geo.tolist() == [approx(math.log(4.0)), approx(math.log(4.0)), 0.0]
+
+
+def test_log_probs_from_logits_hand_value():
+    logits = torch.tensor([[0.0, math.log(3.0)]], dtype=F64)
+    out = rc.log_probs_from_logits(logits, torch.tensor([1]))
+    assert out.item() == approx(math.log(0.75))
+    # temperature 2: softmax([0, log3 / 2]) -> p(1) = sqrt3 / (1 + sqrt3)
+    out = rc.log_probs_from_logits(logits, torch.tensor([1]), temperature=2.0)
+    assert out.item() == approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 4, 1024])
+def test_log_probs_from_logits_matches_log_softmax_and_gradient(temperature, chunk):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn((3, 5, 11), generator=gen, dtype=F64) * 3
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    upstream = torch.randn((3, 5), generator=gen, dtype=F64)
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    ours = rc.log_probs_from_logits(ours_in, labels, temperature=temperature, chunk_size=chunk)
+    ref = torch.log_softmax(ref_in / temperature, -1).gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    (ours * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_log_probs_from_logits_low_precision_noncontiguous_and_nograd():
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn((2, 7, 13), generator=gen).to(torch.bfloat16)
+    logits = full[:, :-1, :]  # non-contiguous slice, as the trainer takes it
+    labels = torch.randint(0, 13, (2, 6), generator=gen)
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
+    with torch.no_grad():
+        out = rc.log_probs_from_logits(logits, labels, chunk_size=3)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    leaf = full.clone().requires_grad_()
+    out = rc.log_probs_from_logits(leaf[:, :-1, :], labels, chunk_size=5)
+    out.sum().backward()
+    ref_leaf = full.float().clone().requires_grad_()
+    torch.log_softmax(ref_leaf[:, :-1, :], -1).gather(-1, labels[..., None]).sum().backward()
+    assert leaf.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(leaf.grad.float(), ref_leaf.grad, rtol=2e-2, atol=1e-2)
+    assert leaf.grad[:, -1].abs().sum().item() == 0.0  # the dropped position gets no gradient
+
+
+def test_log_probs_from_logits_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"\(2, 3, 5\).*\(2, 4\)"):
+        rc.log_probs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="0.0"):
+        rc.log_probs_from_logits(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), 0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# IS weights (§3) and IS metrics (§6.1)
+# ------------------------------------------------------------------------------------------
+
+
+def test_token_tis_weights_and_metrics_by_hand():
+    train, rollout, mask = make([[0.5, 3.0, 1.5], [1.2, 0.4]])
+    w, m2, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
+    assert w.tolist() == [approx(v) for v in [[0.5, 2.0, 1.5], [1.2, 0.4, 0.0]]]
+    assert torch.equal(m2, mask)
+    applied = [0.5, 2.0, 1.5, 1.2, 0.4]
+    mean = sum(applied) / 5  # 1.12
+    assert met["rollout_is_mean"] == approx(mean)
+    assert met["rollout_is_std"] == approx(std_pop(applied))
+    second = sum(v * v for v in applied) / 5
+    assert met["rollout_is_eff_sample_size"] == approx((mean + 1e-8) ** 2 / second)
+    assert met["rollout_is_max"] == approx(2.0)
+    assert met["rollout_is_min"] == approx(0.4)
+    assert met["rollout_is_ratio_fraction_high"] == approx(1 / 5)  # raw 3.0 > 2
+    assert met["rollout_is_ratio_fraction_low"] == approx(1 / 5)  # raw 0.4 < 1/2
+    row_means = [4.0 / 3.0, 0.8]
+    assert met["rollout_is_seq_mean"] == approx(sum(row_means) / 2)
+    assert met["rollout_is_seq_std"] == approx(std_unbiased(row_means))
+    assert met["rollout_is_seq_max"] == approx(4.0 / 3.0)
+    assert met["rollout_is_seq_min"] == approx(0.8)
+    assert met["rollout_is_seq_max_deviation"] == approx(1.0 / 3.0)
+    assert met["rollout_is_seq_fraction_high"] == 0.0  # raw row means 5/3 and 0.8
+    assert met["rollout_is_seq_fraction_low"] == 0.0
+    raw = [0.5, 3.0, 1.5, 1.2, 0.4]
+    for name, q in [("p25", .25), ("p50", .5), ("p75", .75), ("p95", .95), ("p99", .99)]:
+        assert met[f"rollout_is_{name}"] == approx(quantile(raw, q))
+    assert met["rollout_is_p95"] == approx(1.5 + 0.8 * 1.5)  # h = 3.8
+
+
+def test_sequence_tis_weights_and_metrics_by_hand():
+    train, rollout, mask = make([[2.0, 1.5], [0.5, 0.8, 1.0], []])
+    w, _, met = corr(train, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0)
+    # row 0: product 3 -> capped at 2; row 1: product 0.4 kept; padded row: 0
+    assert w.tolist() == [approx(v) for v in [[2.0, 2.0, 0.0], [0.4, 0.4, 0.4], [0, 0, 0]]]
+    applied = [2.0, 2.0, 0.4, 0.4, 0.4]
+    assert met["rollout_is_mean"] == approx(sum(applied) / 5)
+    assert met["rollout_is_std"] == approx(std_pop(applied))
+    assert met["rollout_is_max"] == approx(3.0)  # exp of the max unclipped log-sum
+    assert met["rollout_is_min"] == approx(0.4)
+    assert met["rollout_is_ratio_fraction_high"] == approx(0.5)  # over valid rows only
+    assert met["rollout_is_ratio_fraction_low"] == approx(0.5)  # 0.4 < 1/2
+    assert met["rollout_is_seq_mean"] == approx((2.0 + 0.4) / 2)
+    assert met["rollout_is_seq_std"] == approx(std_unbiased([2.0, 0.4]))
+    assert met["rollout_is_seq_max_deviation"] == approx(1.0)
+    assert met["rollout_is_seq_fraction_high"] == approx(0.5)  # raw row mean 3 > 2
+    assert met["rollout_is_seq_fraction_low"] == approx(0.5)
+    assert met["rollout_is_p50"] == approx(0.4)
+    assert met["rollout_is_p75"] == approx(3.0)
+    assert "rollout_is_oob_ratio" not in met
+
+
+def test_icepop_token_is_inclusive_and_keeps_mask():
+    train, rollout, mask = make([[0.4, 0.5, 4.0, 6.0, 1.0]])
+    w, m2, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold="0.5_4.0")
+    assert w.tolist() == [approx(v) for v in [[0.0, 0.5, 4.0, 0.0, 1.0]]]
+    assert torch.equal(m2, mask)  # IcePop never changes the mask
+    assert met["rollout_is_oob_ratio"] == approx(2 / 5)
+    assert met["rollout_is_ratio_fraction_low"] == approx(1 / 5)  # L' = L for IcePop
+    assert met["rollout_is_ratio_fraction_high"] == approx(1 / 5)
+    assert met["rollout_is_mean"] == approx(5.5 / 5)  # zeroed tokens still count
+
+
+def test_icepop_sequence_zeroes_whole_rows():
+    train, rollout, mask = make([[2.0, 2.0], [1.5, 1.0], [0.5, 0.5]])
+    w, m2, met = corr(train, rollout, mask, rollout_is="sequence", rollout_is_threshold="0.5_2.0")
+    # products 4 (out), 1.5 (in), 0.25 (out)
+    assert w.tolist() == [approx(v) for v in [[0, 0], [1.5, 1.5], [0, 0]]]
+    assert torch.equal(m2, mask)
+    assert met["rollout_is_oob_ratio"] == approx(4 / 6)
+
+
+def test_safety_bound_placement_token_vs_sequence():
+    # token level clips each l; sequence level clips the sum of unclipped terms
+    train, rollout, mask = logs([[15.0, 15.0], [-15.0, -15.0], [30.0, 0.0]])
+    w, _, met = corr(train, rollout, mask, rollout_is="sequence", rollout_is_threshold=1e10)
+    assert w[0, 0].item() == approx(math.exp(20.0))
+    assert w[1, 0].item() == approx(math.exp(-20.0))
+    assert met["rollout_is_max"] == approx(math.exp(20.0))
+    assert met["rollout_is_min"] == approx(math.exp(-30.0))  # not clipped
+    w, _, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=1e10)
+    assert w[2, 0].item() == approx(math.exp(20.0))
+    assert w[0, 0].item() == approx(math.exp(15.0))
+    # RS clips each token before summing: seq_sum_k1 sees -(20 + 0) for row 2
+    _, _, met = corr(*logs([[25.0, -10.0]]), rollout_rs="seq_sum_k2", rollout_rs_threshold=1e9)
+    assert met["rollout_rs_seq_sum_k2_seq_max"] == approx(0.5 * 400 + 0.5 * 100)
+
+
+def test_batch_normalization_token_and_sequence():
+    train, rollout, mask = make([[0.5, 3.0, 1.5], [1.2, 0.4]])
+    w, _, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
+                     rollout_is_batch_normalize=True)
+    z = 5.6 / 5
+    assert met["rollout_is_batch_norm_factor"] == approx(z)
+    assert met["rollout_is_mean"] == approx(z)  # metrics describe un-normalised weights
+    assert w[0].tolist() == [approx(v / z) for v in [0.5, 2.0, 1.5]]
+    w, _, _ = corr(*make([[0.2, 0.2, 3.0]]), rollout_is="token", rollout_is_threshold=2.0,
+                   rollout_is_batch_normalize=True)
+    assert w[0].tolist() == [approx(v) for v in [0.25, 0.25, 2.5]]  # Z = 0.8; 2.5 > U intended
+    train, rollout, mask = make([[2.0, 1.5], [0.5, 0.8, 1.0], []])
+    w, _, met = corr(train, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0,
+                     rollout_is_batch_normalize=True)
+    z = (2.0 + 0.4) / 2  # valid rows only, one value per sequence
+    assert met["rollout_is_batch_norm_factor"] == approx(z)
+    assert w[0, 0].item() == approx(2.0 / z)
+    assert w[1, 2].item() == approx(0.4 / z)
+    assert w[2].abs().sum().item() == 0.0
+
+
+def test_all_weights_zeroed_gives_zero_ess_and_unit_factor():
+    train, rollout, mask = make([[1.0, 1.1], [0.9, 1.0]])
+    w, _, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold="3_5",
+                     rollout_is_batch_normalize=True)
+    assert w.abs().sum().item() == 0.0
+    assert met["rollout_is_eff_sample_size"] == 0.0
+    assert met["rollout_is_batch_norm_factor"] == 1.0
+
+
+def test_is_weights_are_detached():
+    train, rollout, mask = make([[0.5, 3.0], [1.2, 0.4]])
+    train.requires_grad_()
+    for level in ("token", "sequence"):
+        w, _, _ = corr(train, rollout, mask, rollout_is=level)
+        assert not w.requires_grad
+
+
+def test_parse_is_threshold_forms():
+    assert rc.parse_is_threshold(2) == rc.ISThreshold("tis", None, 2.0)
+    assert rc.parse_is_threshold(" 3.5 ") == rc.ISThreshold("tis", None, 3.5)
+    assert rc.parse_is_threshold(" 0.5 _ 5 ") == rc.ISThreshold("icepop", 0.5, 5.0)
+    assert rc.parse_is_threshold("2_2") == rc.ISThreshold("icepop", 2.0, 2.0)
+    assert rc.parse_is_threshold(4.0).diagnostic_lower == 0.25
+
+
+# ------------------------------------------------------------------------------------------
+# rejection sampling (§4) and RS metrics (§6.2)
+# ------------------------------------------------------------------------------------------
+
+
+def _k3(v):
+    return math.exp(v) - 1.0 - v
+
+
+RS_CASES = [
+    # option, threshold, rows of log-ratios, expected per-row keep (token list or row bool)
+    ("token_k1", "0.5_2.0", [[math.log(0.4), math.log(0.6), math.log(1.9), math.log(2.1)]],
+     [[0, 1, 1, 0]]),
+    ("token_k2", 0.5, [[0.9, -0.9, 1.1, -1.1]], [[1, 1, 0, 0]]),  # |l| <= sqrt(2 U) = 1
+    ("token_k3", 0.1, [[0.4, -0.45, 0.45, -0.5]],
+     [[int(_k3(v) <= 0.1) for v in (0.4, -0.45, 0.45, -0.5)]]),
+    ("seq_sum_k1", "0.5_2.0",
+     [[math.log(1.5)] * 2, [math.log(1.5), math.log(1.2)], [math.log(0.7)] * 2,
+      [math.log(0.8), math.log(0.7)]], [0, 1, 0, 1]),  # products 2.25 1.8 0.49 0.56
+    ("seq_sum_k2", 0.5, [[0.6, 0.6], [0.8, 0.7]], [1, 0]),  # 0.36 / 0.565
+    ("seq_sum_k3", 0.1, [[0.2, 0.2], [0.4, 0.2]],  # 0.043 / 0.113
+     [int(_k3(.2) * 2 <= .1), int(_k3(.4) + _k3(.2) <= .1)]),
+    ("seq_mean_k1", "0.9_1.1",
+     [[math.log(1.2), math.log(0.95)], [math.log(1.3), 0.0], [math.log(0.8), math.log(0.9)]],
+     [1, 0, 0]),  # geometric means 1.068 1.140 0.849
+    ("seq_mean_k2", 0.1, [[0.4, 0.0], [0.6, 0.5]], [1, 0]),  # (0.08 + 0)/2, (0.18 + 0.125)/2
+    ("seq_mean_k3", 0.02, [[0.2, 0.1], [0.3, 0.2]],
+     [int((_k3(.2) + _k3(.1)) / 2 <= .02), int((_k3(.3) + _k3(.2)) / 2 <= .02)]),
+    ("seq_max_k2", 0.125, [[0.4, -0.5], [0.1, -0.6]], [1, 0]),  # max 0.125 (inclusive) / 0.18
+    ("seq_max_k3", 0.05, [[0.3, -0.2], [0.35, 0.0]],
+     [int(max(_k3(.3), _k3(-.2)) <= .05), int(_k3(.35) <= .05)]),
+]
+
+
+@pytest.mark.parametrize("option,threshold,rows,expected", RS_CASES,
+                         ids=[c[0] for c in RS_CASES])
+def test_each_rs_option_keep_mask_by_hand(option, threshold, rows, expected):
+    train, rollout, mask = logs(rows)
+    w, m2, met = corr(train, rollout, mask, rollout_rs=option, rollout_rs_threshold=threshold)
+    assert w is None
+    if isinstance(expected[0], list):
+        assert m2.tolist() == [[float(v) for v in row] for row in expected]
+    else:
+        want = [[float(keep)] * len(row) for keep, row in zip(expected, rows)]
+        assert m2.tolist() == want
+    assert 0 in (m2.flatten().tolist()) and 1 in m2.flatten().tolist()  # cases are mixed
+    rejected = 1 - m2.sum().item() / mask.sum().item()
+    assert met[f"rollout_rs_{option}_masked_fraction"] == approx(rejected)
+
+
+@pytest.mark.parametrize("option", ["token_k1", "seq_sum_k1", "seq_mean_k1"])
+def test_k1_bounds_apply_to_rho_in_ratio_space(option):
+    # asymmetric spec: keep iff 0.8 <= rho <= 1.5 (project direction, §11 item 1)
+    rows = [[0.79], [0.81], [1.49], [1.51]]
+    _, m2, _ = corr(*make(rows), rollout_rs=option, rollout_rs_threshold="0.8_1.5")
+    assert m2[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
+    # inclusive on exactly representable bounds
+    _, m2, _ = corr(*make([[0.5], [2.0], [0.25]]), rollout_rs=option,
+                    rollout_rs_threshold="0.5_2.0")
+    assert m2[:, 0].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_rs_metrics_token_k1_by_hand():
+    train, rollout, mask = make([[0.4, 1.0, 2.5], [1.0, 0.8], []])
+    _, m2, met = corr(train, rollout, mask, rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    assert m2.tolist() == [[0, 1, 0], [1, 1, 0], [0, 0, 0]]
+    q = [-math.log(0.4), 0.0, -math.log(2.5), 0.0, -math.log(0.8)]
+    a, b = -math.log(2.0), -math.log(0.5)
+    p = "rollout_rs_token_k1_"
+    assert met[p + "mean"] == approx(sum(q) / 5)
+    assert met[p + "max"] == approx(-math.log(0.4))
+    assert met[p + "min"] == approx(-math.log(2.5))
+    assert met[p + "fraction_high"] == approx(1 / 5)  # rho 0.4 below L
+    assert met[p + "fraction_low"] == approx(1 / 5)  # rho 2.5 above U
+    assert met[p + "std"] == approx(std_pop([min(max(v, a), b) for v in q]))
+    rows = [sum(q[:3]) / 3, sum(q[3:]) / 2]
+    assert met[p + "seq_mean"] == approx(sum(rows) / 2)
+    assert met[p + "seq_std"] == approx(std_unbiased(rows))
+    assert met[p + "seq_max"] == approx(max(rows))
+    assert met[p + "seq_min"] == approx(min(rows))
+    assert met[p + "seq_max_deviation"] == approx(max(abs(r) for r in rows))
+    assert met[p + "seq_fraction_high"] == 0.0
+    assert met[p + "seq_fraction_low"] == 0.0
+    assert met[p + "masked_fraction"] == approx(2 / 5)
+    assert met[p + "seq_masked_fraction"] == approx(1 / 2)  # padded row excluded
+    assert met["rollout_rs_masked_fraction"] == approx(2 / 5)
+    assert met["rollout_rs_seq_masked_fraction"] == approx(1 / 2)
+
+
+def test_rs_metrics_sequence_k2_by_hand():
+    rows = [[0.2, -0.4], [0.6], []]
+    _, m2, met = corr(*logs(rows), rollout_rs="seq_sum_k2", rollout_rs_threshold=0.15)
+    big_q = [0.5 * (0.04 + 0.16), 0.5 * 0.36]  # 0.10 and 0.18
+    assert m2.tolist() == [[1, 1], [0, 0], [0, 0]]
+    p = "rollout_rs_seq_sum_k2_"
+    assert met[p + "mean"] == approx((2 * big_q[0] + big_q[1]) / 3)  # length-weighted
+    assert met[p + "max"] == approx(0.18)
+    assert met[p + "min"] == approx(0.10)
+    assert met[p + "fraction_high"] == approx(0.5)
+    assert met[p + "fraction_low"] == 0.0
+    assert met[p + "std"] == approx(std_pop([0.10, 0.10, 0.15]))  # clipped to [0, U]
+    assert met[p + "seq_mean"] == approx(0.14)
+    assert met[p + "seq_max_deviation"] == approx(0.18)
+    assert met[p + "seq_fraction_high"] == approx(0.5)
+    assert p + "seq_fraction_low" not in met
+    assert met[p + "masked_fraction"] == approx(1 / 3)
+    assert met[p + "seq_masked_fraction"] == approx(1 / 2)
+
+
+def test_rs_broadcast_and_per_option_thresholds():
+    rows = [[math.log(1.9), 0.0], [math.log(2.1), 0.0], [1.9, 0.0]]
+    _, m2, _ = corr(*logs(rows), rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold=2.0)
+    # token_k1 [0.5, 2]: rejects token (1, 0) and (2, 0); seq_max_k2 U = 2: |l| <= 2 keeps all
+    assert m2.tolist() == [[1, 1], [0, 1], [0, 1]]
+    _, m2, _ = corr(*logs(rows), rollout_rs="token_k1, seq_max_k2",
+                    rollout_rs_threshold="3.0, 1.0")
+    # token_k1 [1/3, 3] rejects only (2, 0) (rho = e^1.9); seq_max_k2 U = 1 rejects row 2
+    # (0.5 * 1.9^2 = 1.805), and keeps row 1 (0.5 * log(2.1)^2 = 0.275)
+    assert m2.tolist() == [[1, 1], [1, 1], [0, 0]]
+    with pytest.raises(ValueError, match="k2/k3"):
+        rc.RolloutCorrectionConfig(rollout_rs="token_k1,token_k2", rollout_rs_threshold="0.5_2")
+
+
+def test_legacy_names_map_to_canonical_options():
+    cases = [("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")]
+    rows = [[1.3, 0.9], [0.7, 0.75], [1.1, 1.25], [1.0, 0.8]]
+    for legacy, canonical in cases:
+        _, m_legacy, met = corr(*make(rows), rollout_rs=legacy, rollout_rs_threshold=1.2,
+                                rollout_rs_threshold_lower=0.8)
+        _, m_canon, met_c = corr(*make(rows), rollout_rs=canonical,
+                                 rollout_rs_threshold="0.8_1.2")
+        assert torch.equal(m_legacy, m_canon)
+        same_metrics(met, met_c)
+        assert f"rollout_rs_{canonical}_mean" in met
+        assert "rollout_rs_mean" not in met and "rollout_rs_eff_sample_size" not in met
+        _, m_default, _ = corr(*make(rows), rollout_rs=legacy, rollout_rs_threshold=1.2)
+        _, m_recip, _ = corr(*make(rows), rollout_rs=canonical, rollout_rs_threshold=1.2)
+        assert torch.equal(m_default, m_recip)  # default lower = 1/U
+    spec = rc.parse_rs_options("geometric", 1.001)[0]
+    assert spec == rc.RSOption("seq_mean_k1", "k1", "seq_mean", 1 / 1.001, 1.001)
+
+
+def test_rs_does_not_change_is_weights():
+    train, rollout, mask = make([[0.5, 3.0, 1.5], [1.2, 0.4]])
+    w1, _, _ = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
+    w2, m2, _ = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
+                     rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    assert torch.equal(w1, w2)  # rejected tokens keep their IS weight
+    assert m2.tolist() == [[1, 0, 1], [1, 0, 0]]
+
+
+# ------------------------------------------------------------------------------------------
+# veto (§4.5)
+# ------------------------------------------------------------------------------------------
+
+
+def test_veto_uses_unclipped_ratios_and_rejects_whole_rows():
+    tau = math.exp(-21.0)
+    rows = [[0.0, -25.0], [-19.0, 0.0], [0.0, 0.0, 0.0], []]
+    train, rollout, mask = logs(rows)
+    train[1, 2] = -100.0  # padded position: never read
+    _, m2, met = corr(train, rollout, mask, rollout_token_veto_threshold=tau)
+    assert m2.tolist() == [[0, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
+    assert met["rollout_is_veto_fraction"] == approx(1 / 3)
+    assert met["rollout_is_catastrophic_token_fraction"] == approx(1 / 7)
+    # strict inequality: rho == tau is kept
+    _, m2, _ = corr(*make([[0.25, 1.0], [0.2, 1.0]]), rollout_token_veto_threshold=0.25)
+    assert m2.tolist() == [[1, 1], [0, 0]]
+
+
+def test_veto_is_anded_after_rs():
+    rows = [[1.0, 3.0], [1.0, 1e-5], [1.0, 1.0]]
+    _, m2, met = corr(*make(rows), rollout_rs="token_k1", rollout_rs_threshold=2.0,
+                      rollout_token_veto_threshold=1e-4)
+    assert m2.tolist() == [[1, 0], [0, 0], [1, 1]]
+    # the global RS metric excludes the veto
+    assert met["rollout_rs_masked_fraction"] == approx(2 / 6)
+    assert met["rollout_is_veto_fraction"] == approx(1 / 3)
+
+
+# ------------------------------------------------------------------------------------------
+# off-policy, consistency and TV metrics (§6.4, §6.5, §12.7)
+# ------------------------------------------------------------------------------------------
+
+
+def _offpolicy_example():
+    train = torch.tensor([[-1.0, -2.0], [-0.5, NAN], [NAN, NAN]], dtype=F64)
+    rollout = torch.tensor([[-1.5, -1.5], [-1.0, NAN], [NAN, NAN]], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]], dtype=F64)
+    return train, rollout, mask
+
+
+def test_offpolicy_metrics_by_hand():
+    train, rollout, mask = _offpolicy_example()
+    met = rc.compute_offpolicy_metrics(train, rollout, mask)
+    e = math.exp
+    assert met["training_ppl"] == approx((e(1.5) + e(0.5)) / 2)
+    assert met["training_log_ppl"] == approx(1.0)
+    assert met["rollout_ppl"] == approx((e(1.5) + e(1.0)) / 2)
+    assert met["rollout_log_ppl"] == approx(1.25)
+    ell = [0.5, -0.5, 0.5]
+    assert met["kl"] == approx(-sum(ell) / 3)
+    assert met["k3_kl"] == approx(sum(e(v) - v - 1 for v in ell) / 3)
+    d = [0.0, -0.5]  # row-mean rollout minus row-mean train
+    assert met["log_ppl_diff"] == approx(-0.25)
+    assert met["log_ppl_abs_diff"] == approx(0.25)
+    assert met["log_ppl_diff_max"] == approx(0.0)
+    assert met["log_ppl_diff_min"] == approx(-0.5)
+    assert met["ppl_ratio"] == approx((e(d[0]) + e(d[1])) / 2)
+    assert met["chi2_token"] == approx((e(1) + e(-1) + e(1)) / 3 - 1)
+    assert met["chi2_seq"] == approx((e(0) + e(1.0)) / 2 - 1)
+    only = rc.compute_offpolicy_metrics(train, None, mask)
+    assert set(only) == {"training_ppl", "training_log_ppl"}
+    assert only["training_log_ppl"] == approx(1.0)
+
+
+def test_consistency_and_tv_metrics_by_hand():
+    train, rollout, mask = _offpolicy_example()
+    _, _, met = corr(train, rollout, mask)
+    e = math.exp
+    p_tr, p_ro = [e(-1), e(-2), e(-0.5)], [e(-1.5), e(-1.5), e(-1.0)]
+    delta = [abs(a - b) for a, b in zip(p_tr, p_ro)]
+    assert met["rollout_probs_diff_max"] == approx(max(delta))
+    assert met["rollout_probs_diff_mean"] == approx(sum(delta) / 3)
+    assert met["rollout_probs_diff_std"] == approx(std_unbiased(delta))
+    mx, my = sum(p_tr) / 3, sum(p_ro) / 3
+    cov = sum((a - mx) * (b - my) for a, b in zip(p_tr, p_ro))
+    vx = sum((a - mx) ** 2 for a in p_tr)
+    vy = sum((b - my) ** 2 for b in p_ro)
+    assert met["rollout_actor_probs_pearson_corr"] == approx(cov / math.sqrt(vx * vy))
+    assert met["tv_mismatch"] == approx(0.5 * (2 * abs(1 - e(0.5)) + abs(1 - e(-0.5))) / 3)
+    single = rc.compute_consistency_metrics(train[:1, :1], rollout[:1, :1], mask[:1, :1])
+    assert single["rollout_probs_diff_std"] == 0.0
+    assert math.isnan(single["rollout_actor_probs_pearson_corr"])
+
+
+# ------------------------------------------------------------------------------------------
+# metric key sets (§6)
+# ------------------------------------------------------------------------------------------
+
+IS_KEYS = {f"rollout_is_{k}" for k in (
+    "mean", "std", "eff_sample_size", "max", "min", "ratio_fraction_high",
+    "ratio_fraction_low", "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
+    "seq_fraction_high", "seq_fraction_low", "p25", "p50", "p75", "p95", "p99")}
+OFFPOLICY_KEYS = {
+    "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "kl", "k3_kl",
+    "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
+    "chi2_token", "chi2_seq"}
+ALWAYS_KEYS = OFFPOLICY_KEYS | {
+    "rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std",
+    "rollout_actor_probs_pearson_corr", "tv_mismatch"}
+VETO_KEYS = {"rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction"}
+
+
+def rs_keys(option):
+    suffixes = ["mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean",
+                "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
+                "masked_fraction", "seq_masked_fraction"]
+    if option.endswith("k1"):
+        suffixes.append("seq_fraction_low")
+    return {f"rollout_rs_{option}_{s}" for s in suffixes}
+
+
+RS_GLOBAL = {"rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"}
+KEY_CASES = [
+    ({}, ALWAYS_KEYS),
+    ({"rollout_is": "token"}, ALWAYS_KEYS | IS_KEYS),
+    ({"rollout_is": "sequence", "rollout_is_threshold": "0.5_5",
+      "rollout_is_batch_normalize": True},
+     ALWAYS_KEYS | IS_KEYS | {"rollout_is_oob_ratio", "rollout_is_batch_norm_factor"}),
+    ({"rollout_rs": "token_k1,seq_max_k3", "rollout_rs_threshold": 2.0},
+     ALWAYS_KEYS | rs_keys("token_k1") | rs_keys("seq_max_k3") | RS_GLOBAL),
+    ({"rollout_rs": "geometric", "rollout_rs_threshold": 1.01,
+      "rollout_token_veto_threshold": 1e-4},
+     ALWAYS_KEYS | rs_keys("seq_mean_k1") | RS_GLOBAL | VETO_KEYS),
+    ({"rollout_token_veto_threshold": 1e-4}, ALWAYS_KEYS | VETO_KEYS),
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_2", "rollout_rs": "seq_mean_k2",
+      "rollout_rs_threshold": 0.1, "rollout_token_veto_threshold": 1e-3},
+     ALWAYS_KEYS | IS_KEYS | {"rollout_is_oob_ratio"} | rs_keys("seq_mean_k2") | RS_GLOBAL
+     | VETO_KEYS),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", KEY_CASES)
+def test_metric_key_sets_match_spec_exactly(kwargs, expected):
+    _, _, met = corr(*make([[1.1, 0.9, 1.0], [1.2, 0.95]]), **kwargs)
+    assert set(met) == expected
+    assert all(isinstance(v, float) for v in met.values())
+    assert len(rs_keys("seq_max_k2")) == 14 and len(rs_keys("token_k1")) == 15
+
+
+def test_rs_metric_fraction_low_is_zero_for_k2_k3():
+    _, _, met = corr(*make([[1.1, 0.9]]), rollout_rs="token_k3", rollout_rs_threshold=0.5)
+    assert met["rollout_rs_token_k3_fraction_low"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# losses (§7) and actor metrics (§6.6)
+# ------------------------------------------------------------------------------------------
+
+
+def _ppo_example():
+    ratios = [1.5, 0.5, 0.5, 5.0, 1.1]
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -2.0]], dtype=F64)
+    old = torch.full((1, 5), -1.0, dtype=F64)
+    log_prob = (old + torch.log(torch.tensor([ratios], dtype=F64))).requires_grad_()
+    mask = torch.ones((1, 5), dtype=F64)
+    return ratios, adv, old, log_prob, mask
+
+
+def test_ppo_loss_asymmetric_dual_clip_and_is_after_clipping():
+    ratios, adv, old, log_prob, mask = _ppo_example()
+    w = torch.tensor([[1.0, 2.0, 0.5, 1.0, 1.0]], dtype=F64)
+    rollout = old - math.log(2.0)  # pi_old / mu = 2 everywhere
+    loss, met = rc.compute_policy_loss_vanilla(
+        old, log_prob, adv, mask, "token-mean", 0.2, 0.28, 3.0, w, rollout_log_prob=rollout)
+    # per token: -1.28 (clip high), -0.5, 0.8 (clip low), 3.0 (dual clip), 2.2
+    phi = [-1.28, -0.5, 0.8, 3.0, 2.2]
+    assert loss.item() == approx(sum(p * wi for p, wi in zip(phi, w[0].tolist())) / 5)
+    assert met["actor/pg_loss"] == approx(loss.item())
+    assert met["actor/pg_clipfrac"] == approx(2 / 5)
+    assert met["actor/pg_clipfrac_lower"] == approx(1 / 5)
+    assert met["actor/ppo_kl"] == approx(-sum(math.log(r) for r in ratios) / 5)
+    assert met["actor/tv_update"] == approx(0.5 * sum(abs(2 - 2 * r) for r in ratios) / 5)
+    loss.backward()
+    # d phi / d log pi = -A r where unclipped, 0 where clipped; times w, over N = 5
+    grad = [0.0, -1.0 * 0.5 * 2.0 / 5, 0.0, 0.0, 2.0 * 1.1 / 5]
+    assert log_prob.grad[0].tolist() == [approx(g) for g in grad]
+    _, met = rc.compute_policy_loss_vanilla(old, log_prob.detach(), adv, mask)
+    assert "actor/tv_update" not in met
+    assert set(met) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                        "actor/ppo_kl"}
+
+
+def test_reinforce_loss_value_gradient_and_detached_weights():
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, NAN]], dtype=F64,
+                            requires_grad=True)
+    rollout = torch.tensor([[-1.2, -1.5, -0.5], [-0.3, -1.0, NAN]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]], dtype=F64)
+    keep = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=F64)
+    weights = torch.exp(log_prob - rollout)  # carries a graph: must be detached inside
+    loss, met = rc.compute_policy_loss_reinforce(log_prob, rollout, adv, mask, "token-mean",
+                                                 weights, keep_mask=keep)
+    wv = [[math.exp(0.2), math.exp(-0.5), 1.0], [1.0, math.exp(0.3), 0.0]]
+    lp = [[-1.0, -2.0, -0.5], [-0.3, -0.7]]
+    kept = [(0, 0), (0, 2), (1, 0), (1, 1)]
+    want = sum(-adv[i, t].item() * lp[i][t] * wv[i][t] for i, t in kept) / 5
+    assert loss.item() == approx(want)
+    loss.backward()
+    expected = torch.zeros((2, 3), dtype=F64)
+    for i, t in kept:
+        expected[i, t] = -adv[i, t].item() * wv[i][t] / 5
+    torch.testing.assert_close(log_prob.grad, expected, rtol=1e-12, atol=1e-12)
+    assert met["actor/ppo_kl"] == approx((-0.2 + 0.0 + 0.0 - 0.3) / 4)
+    assert set(met) == {"actor/pg_loss", "actor/ppo_kl"}
+
+
+AGG_CASES = [
+    ("token-mean", None, 13 / 5, 13 / 10),
+    ("token-sum", None, 13.0, 13.0),
+    ("seq-mean-token-sum", None, 13 / 2, 13 / 4),
+    ("seq-mean-token-mean", None, (4 / 3 + 9 / 2) / 2, (4 / 3 + 9 / 2) / 4),
+    ("seq-mean-token-sum-norm", 4.0, 13 / (2 * 4), 13 / (4 * 4)),
+    ("seq-mean-token-sum-norm", None, 13 / (2 * 3), 13 / (4 * 3)),
+]
+
+
+@pytest.mark.parametrize("mode,scale,local,global_", AGG_CASES)
+def test_agg_loss_modes_with_original_mask_denominators(mode, scale, local, global_):
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN], [NAN, NAN, NAN]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]], dtype=F64)
+    effective = torch.tensor([[1, 0, 1], [1, 1, 0], [0, 0, 0]], dtype=F64)
+    got = rc.agg_loss(loss_mat, effective, mode, response_mask=mask, loss_scale_factor=scale)
+    assert got.item() == approx(local)
+    got = rc.agg_loss(loss_mat, effective, mode, response_mask=mask, global_token_count=10,
+                      global_seq_count=torch.tensor(4.0), loss_scale_factor=scale)
+    assert got.item() == approx(global_)
+
+
+def test_no_kept_token_contributes_exactly_zero():
+    _, adv, old, log_prob, mask = _ppo_example()
+    keep = torch.zeros_like(mask)
+    for mode in rc.LOSS_AGG_MODES:
+        loss, met = rc.compute_policy_loss_vanilla(old, log_prob, adv, mask, mode,
+                                                   keep_mask=keep, loss_scale_factor=8)
+        assert loss.item() == 0.0
+        assert met["actor/pg_clipfrac"] == 0.0 and met["actor/ppo_kl"] == 0.0
+        loss.backward()
+        assert torch.equal(log_prob.grad, torch.zeros_like(log_prob))
+        log_prob.grad = None
+    assert rc.agg_loss(torch.ones(2, 2), torch.zeros(2, 2), global_token_count=4).item() == 0.0
+
+
+def test_nan_padding_does_not_leak_into_loss_or_gradient():
+    log_prob = torch.tensor([[-1.0, NAN], [-0.5, -0.2]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[-1.1, math.inf], [-0.4, -0.2]], dtype=F64)
+    rollout = torch.tensor([[-1.2, NAN], [-0.6, -0.1]], dtype=F64)
+    adv = torch.tensor([[1.0, NAN], [-1.0, 1.0]], dtype=F64)
+    mask = torch.tensor([[1, 0], [1, 1]], dtype=F64)
+    cfg = rc.RolloutCorrectionConfig.bypass_pg_is()
+    for fn in (lambda: rc.compute_policy_loss_vanilla(old, log_prob, adv, mask,
+                                                      rollout_log_prob=rollout),
+               lambda: rc.compute_policy_loss_reinforce(log_prob, rollout, adv, mask),
+               lambda: rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg)):
+        loss, met = fn()
+        loss.backward()
+        assert math.isfinite(loss.item())
+        assert torch.isfinite(log_prob.grad).all() and log_prob.grad[0, 1].item() == 0.0
+        assert all(math.isfinite(v) for k, v in met.items() if "pearson" not in k)
+        log_prob.grad = None
+
+
+def test_bypass_ppo_clip_ignores_is_weights_but_reports_them():
+    gen = torch.Generator().manual_seed(3)
+    rollout = -torch.rand((3, 4), generator=gen, dtype=F64)
+    log_prob = rollout + 0.05 * torch.randn((3, 4), generator=gen, dtype=F64)
+    adv = torch.randn((3, 4), generator=gen, dtype=F64)
+    mask = torch.ones((3, 4), dtype=F64)
+    plain = rc.RolloutCorrectionConfig.bypass_ppo_clip()
+    with pytest.warns(UserWarning, match="only adds"):
+        with_is = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.01,
+                                             bypass_mode=True)
+    loss_a, met_a = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, plain)
+    loss_b, met_b = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, with_is)
+    assert loss_a.item() == loss_b.item()
+    assert "rollout_corr/rollout_is_mean" in met_b and "rollout_corr/rollout_is_mean" not in met_a
+    assert "actor/pg_clipfrac" in met_a and "rollout_corr/kl" in met_a
+    # the PPO ratio against mu: pi_theta/mu = exp(log_prob - rollout)
+    ref, _ = rc.compute_policy_loss_vanilla(rollout, log_prob, adv, mask)
+    assert loss_a.item() == approx(ref.item())
+
+
+def test_bypass_reinforce_uses_weights_from_current_policy():
+    gen = torch.Generator().manual_seed(4)
+    rollout = -torch.rand((3, 4), generator=gen, dtype=F64)
+    log_prob = (rollout + 0.3 * torch.randn((3, 4), generator=gen, dtype=F64)).requires_grad_()
+    adv = torch.randn((3, 1), generator=gen, dtype=F64).expand(3, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=F64)
+    cfg = rc.RolloutCorrectionConfig.bypass_pg_is(threshold=1.2)
+    loss, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg,
+                                                   "seq-mean-token-sum")
+    loss.backward()
+    seq = [min(math.exp(sum((log_prob[i, t] - rollout[i, t]).item() for t in range(4)
+                            if mask[i, t])), 1.2) for i in range(3)]
+    want = torch.zeros((3, 4), dtype=F64)
+    for i in range(3):
+        for t in range(4):
+            if mask[i, t]:
+                want[i, t] = -adv[i, t].item() * seq[i] / 3  # V = 3 valid rows
+    torch.testing.assert_close(log_prob.grad, want, rtol=1e-10, atol=1e-12)
+    assert "rollout_corr/rollout_is_seq_mean" in met and "actor/ppo_kl" in met
+
+
+# ------------------------------------------------------------------------------------------
+# GRPO advantage (§8)
+# ------------------------------------------------------------------------------------------
+
+
+def grpo_loop(scores, index, eps=1e-6, norm=True):
+    """Per-sample reference written from §8."""
+    out = []
+    for i, s in enumerate(scores):
+        group = [scores[j] for j in range(len(scores)) if index[j] == index[i]]
+        if len(group) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(group) / len(group)
+            std = math.sqrt(sum((g - mean) ** 2 for g in group) / (len(group) - 1))
+        out.append((s - mean) / (std + eps) if norm else s - mean)
+    return out
+
+
+def test_grpo_by_hand_singleton_and_equal_groups():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.7, 0.3, 0.3, 0.3], dtype=F64)
+    index = ["a", "a", "a", "a", "solo", "b", "b", "b"]
+    adv = rc.compute_grpo_outcome_advantage(scores, index)
+    std_a = math.sqrt(1.0 / 3.0)
+    assert adv[:4].tolist() == [approx(v) for v in [.5 / (std_a + 1e-6), -.5 / (std_a + 1e-6)] * 2]
+    assert adv[4].item() == approx(0.7 / (1 + 1e-6))  # singleton keeps its raw score
+    assert adv[5:].tolist() == [0.0, 0.0, 0.0]  # exactly zero, not rounding noise
+    dr = rc.compute_grpo_outcome_advantage(scores, index, norm_adv_by_std=False)
+    assert dr.tolist() == [approx(v) for v in [0.5, -0.5, 0.5, -0.5, 0.7, 0, 0, 0]]
+
+
+def test_grpo_matches_loop_reference_with_tensor_ids_token_scores_and_mask():
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 6, (40,), generator=gen)
+    token_scores = torch.rand((40, 3), generator=gen, dtype=F64)
+    ref = grpo_loop(token_scores.sum(-1).tolist(), ids.tolist())
+    got = rc.compute_grpo_outcome_advantage(token_scores, ids)
+    assert got.tolist() == [approx(v, rel=1e-9, abs_=1e-9) for v in ref]
+    same = rc.compute_grpo_outcome_advantage(token_scores, [f"p{i}" for i in ids.tolist()])
+    torch.testing.assert_close(same, got)
+    mask = (torch.rand((40, 5), generator=gen) > 0.3).to(F64)
+    full = rc.compute_grpo_outcome_advantage(token_scores, ids, response_mask=mask)
+    torch.testing.assert_close(full, got[:, None] * mask)
+    with pytest.raises(ValueError, match="39"):
+        rc.compute_grpo_outcome_advantage(token_scores, ids[:39])
+
+
+@PROPS
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 1.0, 0.5, 2.0])),
+                min_size=1, max_size=20), st.booleans())
+def test_grpo_property_matches_loop(pairs, norm):
+    index = [p[0] for p in pairs]
+    scores = [p[1] for p in pairs]
+    got = rc.compute_grpo_outcome_advantage(torch.tensor(scores, dtype=F64), index,
+                                            norm_adv_by_std=norm)
+    ref = grpo_loop(scores, index, norm=norm)
+    assert got.tolist() == [approx(v, rel=1e-9, abs_=1e-9) for v in ref]
+
+
+# ------------------------------------------------------------------------------------------
+# KL penalty (§7.6)
+# ------------------------------------------------------------------------------------------
+
+
+def test_kl_penalty_estimators_by_hand_and_straight_through():
+    logp = torch.tensor([[-1.0, -2.0, -40.0]], dtype=F64)
+    ref = torch.tensor([[-1.5, -1.7, -10.0]], dtype=F64)
+    d = [0.5, -0.3, -30.0]
+    k3 = [min(math.exp(-v) + v - 1, 10.0) for v in d[:2]] + [10.0]  # kappa clipped at 20
+    expect = {"kl": d, "k1": d, "abs": [abs(v) for v in d], "mse": [0.5 * v * v for v in d],
+              "k2": [0.5 * v * v for v in d], "low_var_kl": k3, "k3": k3}
+    for name, values in expect.items():
+        assert rc.kl_penalty(logp, ref, name)[0].tolist() == [approx(v) for v in values]
+        leaf = logp.clone().requires_grad_()
+        out = rc.kl_penalty(leaf, ref, name + "+")
+        assert out[0].tolist() == [approx(v) for v in values]
+        out.sum().backward()
+        assert leaf.grad[0].tolist() == [approx(v) for v in d]  # the k2 gradient
+    assert set(rc.KL_ESTIMATORS) == set(expect) | {k + "+" for k in expect}
+
+
+@pytest.mark.parametrize("name", ["full", "full+", "k4", "low-var-kl"])
+def test_kl_penalty_rejects_unknown(name):
+    with pytest.raises(ValueError, match=repr(name).replace("+", r"\+")):
+        rc.kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), name)
+
+
+# ------------------------------------------------------------------------------------------
+# validation (§10)
+# ------------------------------------------------------------------------------------------
+
+C = rc.RolloutCorrectionConfig
+CONFIG_ERRORS = [
+    ({"rollout_is": 1}, TypeError, "1"),
+    ({"rollout_is": "geometric"}, ValueError, "seq_mean_k1"),
+    ({"rollout_is": "seq"}, ValueError, "'seq'"),
+    ({"rollout_is": "token", "rollout_is_threshold": None}, ValueError, "None"),
+    ({"rollout_is": "token", "rollout_is_threshold": True}, TypeError, "True"),
+    ({"rollout_is": "token", "rollout_is_threshold": [2.0]}, TypeError, "[2.0]"),
+    ({"rollout_is": "token", "rollout_is_threshold": ""}, ValueError, "''"),
+    ({"rollout_is": "token", "rollout_is_threshold": "abc"}, ValueError, "'abc'"),
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_1_2"}, ValueError, "'0.5_1_2'"),
+    ({"rollout_is": "token", "rollout_is_threshold": "_2"}, ValueError, "'_2'"),
+    ({"rollout_is": "token", "rollout_is_threshold": math.nan}, ValueError, "nan"),
+    ({"rollout_is": "token", "rollout_is_threshold": math.inf}, ValueError, "inf"),
+    ({"rollout_is": "token", "rollout_is_threshold": -1.5}, ValueError, "-1.5"),
+    ({"rollout_is": "token", "rollout_is_threshold": 0}, ValueError, "0"),
+    ({"rollout_is": "token", "rollout_is_threshold": "3_2"}, ValueError, "'3_2'"),
+    ({"rollout_is_batch_normalize": "yes"}, TypeError, "'yes'"),
+    ({"rollout_rs": 5}, TypeError, "5"),
+    ({"rollout_rs": " , ,"}, ValueError, "' , ,'"),
+    ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 1}, ValueError, "'seq_max_k1'"),
+    ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1}, ValueError, "'token_k4'"),
+    ({"rollout_rs": "token_k1,token_k1", "rollout_rs_threshold": 2}, ValueError,
+     "duplicate option 'token_k1'"),
+    ({"rollout_rs": "token,token_k1", "rollout_rs_threshold": 2}, ValueError, "'token,token_k1'"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": None}, ValueError, "None"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": True}, TypeError, "True"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": [2]}, TypeError, "[2]"),
+    ({"rollout_rs": "token_k1,token_k2,token_k3", "rollout_rs_threshold": "2,0.1"}, ValueError,
+     "2 entries"),
+    ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_0.5"}, ValueError, "'0.1_0.5'"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "abc"}, ValueError, "'abc'"),
+    ({"rollout_rs": "token_k2", "rollout_rs_threshold": "nan"}, ValueError, "'nan'"),
+    ({"rollout_rs": "token_k3", "rollout_rs_threshold": -0.5}, ValueError, "-0.5"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "2_1"}, ValueError, "'2_1'"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 0.5}, ValueError, "0.5"),
+    ({"rollout_rs_threshold_lower": 0.25}, ValueError, "0.25"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": 0.25},
+     ValueError, "0.25"),
+    ({"rollout_rs": "token", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": -0.25},
+     ValueError, "-0.25"),
+    ({"rollout_rs": "token", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": 2.5},
+     ValueError, "2.5"),
+    ({"rollout_rs": "sequence", "rollout_rs_threshold": 0.5}, ValueError, "0.5"),
+    ({"rollout_rs": "geometric", "rollout_rs_threshold": "0.9_1.1"}, ValueError, "'0.9_1.1'"),
+    ({"rollout_token_veto_threshold": True}, TypeError, "True"),
+    ({"rollout_token_veto_threshold": "0.1"}, TypeError, "'0.1'"),
+    ({"rollout_token_veto_threshold": 1.0}, ValueError, "1.0"),
+    ({"rollout_token_veto_threshold": 0.0}, ValueError, "0.0"),
+    ({"rollout_token_veto_threshold": math.nan}, ValueError, "nan"),
+    ({"bypass_mode": "yes"}, TypeError, "'yes'"),
+    ({"loss_type": "ppo"}, ValueError, "'ppo'"),
+    ({"loss_type": "reinforce"}, ValueError, "'reinforce'"),
+    ({"bypass_mode": True, "loss_type": "reinforce", "use_policy_gradient": False}, ValueError,
+     "False"),
+    ({"bypass_mode": True, "loss_type": "ppo_clip", "use_policy_gradient": True}, ValueError,
+     "'ppo_clip'"),
+    ({"use_policy_gradient": True}, ValueError, "True"),
+    ({"use_policy_gradient": "yes", "bypass_mode": True}, TypeError, "'yes'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,fragment", CONFIG_ERRORS,
+                         ids=[repr(c[0])[:60] for c in CONFIG_ERRORS])
+def test_config_errors_name_the_bad_value(kwargs, exc, fragment):
+    with pytest.raises(exc) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        C(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_error_messages_list_alternatives():
+    with pytest.raises(ValueError) as info:
+        C(rollout_rs="seq_max_k1", rollout_rs_threshold=1.0)
+    assert all(name in str(info.value) for name in rc.RS_OPTIONS + ("token", "geometric"))
+    with pytest.raises(ValueError, match="3 options"):
+        C(rollout_rs="token_k1,token_k2,token_k3", rollout_rs_threshold="2,0.1")
+
+
+def test_config_accepts_valid_edge_cases():
+    assert C(rollout_rs_threshold=5.0).rs_specs == ()  # ignored without rollout_rs
+    assert C(rollout_is="token", rollout_is_threshold="2_2").is_spec.lower == 2.0
+    assert C(bypass_mode=True, use_policy_gradient=True).loss_type == "reinforce"
+    assert C(bypass_mode=True, use_policy_gradient=False).loss_type == "ppo_clip"
+    assert C(bypass_mode=True, loss_type="reinforce", use_policy_gradient=True).loss_type == \
+        "reinforce"
+    assert C(bypass_mode=True, loss_type=None, use_policy_gradient=True).loss_type == "reinforce"
+    assert C(loss_type=None).loss_type == "ppo_clip"
+    cfg = C(rollout_rs="token_k1, seq_mean_k3", rollout_rs_threshold="0.5_2.0, 0.01")
+    assert cfg.rs_specs == (rc.RSOption("token_k1", "k1", "token", 0.5, 2.0),
+                            rc.RSOption("seq_mean_k3", "k3", "seq_mean", None, 0.01))
+
+
+LOSS_SETTING_ERRORS = [
+    ((1.0, 0.2, 3.0, "token-mean"), "1.0"), ((-0.1, 0.2, 3.0, "token-mean"), "-0.1"),
+    ((0.2, -0.1, 3.0, "token-mean"), "-0.1"), ((0.2, 0.2, 1.0, "token-mean"), "1.0"),
+    ((0.2, 0.2, 3.0, "mean"), "'mean'"), ((0.2, 0.2, 3.0, "token-mean", 0), "0"),
+    ((0.2, 0.2, 3.0, "seq-mean-token-sum-norm", -4.0), "-4.0"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", LOSS_SETTING_ERRORS)
+def test_check_loss_settings(args, fragment):
+    with pytest.raises(ValueError) as info:
+        rc.check_loss_settings(*args)
+    assert fragment in str(info.value)
+    if args[3] == "mean":
+        assert all(mode in str(info.value) for mode in rc.LOSS_AGG_MODES)
+
+
+def test_tensor_validation_errors():
+    good = torch.zeros((2, 3))
+    mask = torch.ones((2, 3))
+    with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 3\)"):
+        rc.compute_rollout_correction_and_rejection_mask(torch.zeros((2, 4)), good, mask)
+    with pytest.raises(ValueError, match="at least one valid token"):
+        rc.compute_rollout_correction_and_rejection_mask(good, good, torch.zeros((2, 3)))
+    with pytest.raises(ValueError, match="2.0"):
+        rc.compute_rollout_correction_and_rejection_mask(good, good, mask * 2)
+    bad = good.clone()
+    bad[0, 0], bad[1, 2] = NAN, -math.inf
+    with pytest.raises(ValueError, match="2 non-finite"):
+        rc.compute_rollout_correction_and_rejection_mask(bad, good, mask)
+    partial = mask.clone()
+    partial[1, 2] = 0.0  # the -inf sits on padding now: only the NaN counts
+    with pytest.raises(ValueError, match="log_prob has 1 non-finite"):
+        rc.compute_policy_loss_vanilla(good, bad, good, partial)
+    with pytest.raises(ValueError, match="at least one valid token"):
+        rc.compute_policy_loss_reinforce(good, good, good, torch.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"\(3, 3\)"):
+        rc.compute_offpolicy_metrics(good, torch.zeros((3, 3)), mask)
+    with pytest.raises(ValueError, match="at least one valid token"):
+        rc.agg_loss(good, torch.zeros((2, 3)))
+
+
+# ------------------------------------------------------------------------------------------
+# presets (§9.2, §9.3)
+# ------------------------------------------------------------------------------------------
+
+PRESET_TABLE = {
+    # name: (rollout_is, is_threshold, rollout_rs, rs_threshold, bypass, loss_type, veto)
+    "decoupled_token_is": ("token", 2.0, None, None, False, "ppo_clip", None),
+    "decoupled_seq_is": ("sequence", 2.0, None, None, False, "ppo_clip", None),
+    "decoupled_token_icepop": ("token", "0.5_5.0", None, None, False, "ppo_clip", None),
+    "decoupled_seq_is_rs": ("sequence", 2.0, "seq_sum_k1", "0.5_2.0", False, "ppo_clip", None),
+    "decoupled_geo_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", False, "ppo_clip", None),
+    "bypass_ppo_clip": (None, 2.0, None, None, True, "ppo_clip", None),
+    "bypass_ppo_clip_geo_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", True, "ppo_clip", None),
+    "bypass_ppo_clip_k3_rs": (None, 2.0, "seq_mean_k3", 0.01, True, "ppo_clip", None),
+    "bypass_pg_is": ("sequence", 2.0, None, None, True, "reinforce", None),
+    "bypass_pg_token_icepop": ("token", "0.5_5.0", None, None, True, "reinforce", None),
+    "bypass_pg_geo_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce", None),
+    "decoupled_geo_rs_seq_tis": ("sequence", 2.0, "seq_mean_k1", "0.999_1.001", False,
+                                 "ppo_clip", None),
+    "decoupled_geo_rs_token_tis": ("token", 2.0, "seq_mean_k1", "0.999_1.001", False,
+                                   "ppo_clip", None),
+    "bypass_pg_geo_rs_seq_tis": ("sequence", 2.0, "seq_mean_k1", "0.999_1.001", True,
+                                 "reinforce", None),
+    "bypass_pg_geo_rs_token_tis": ("token", 2.0, "seq_mean_k1", "0.999_1.001", True,
+                                   "reinforce", None),
+    "decoupled_k3_rs": (None, 2.0, "seq_mean_k3", 0.01, False, "ppo_clip", None),
+    "decoupled_k3_rs_seq_tis": ("sequence", 2.0, "seq_mean_k3", 0.01, False, "ppo_clip", None),
+    "decoupled_k3_rs_token_tis": ("token", 2.0, "seq_mean_k3", 0.01, False, "ppo_clip", None),
+    "disabled": (None, 2.0, None, None, False, "ppo_clip", None),
+    "naive": (None, 2.0, None, None, False, "ppo_clip", None),
+    "ppo_is_bypass": ("token", 2.0, None, None, True, "ppo_clip", None),
+    "pg_is": ("sequence", 2.0, None, None, True, "reinforce", None),
+    "pg_rs": (None, 2.0, "geometric", 1.001, True, "reinforce", 1e-4),
+    "bypass_pg_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce", None),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESET_TABLE))
+def test_every_preset_matches_the_spec_table(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no preset warns (ppo_is_bypass is metrics-only on purpose)
+        cfg = C.from_name(name)
+    fields = (cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold,
+              cfg.bypass_mode, cfg.loss_type, cfg.rollout_token_veto_threshold)
+    assert fields == PRESET_TABLE[name]
+    assert cfg.rollout_is_batch_normalize is False
+    assert cfg == getattr(C, name)()
+
+
+def test_preset_names_and_lookup():
+    assert len(rc.PRESET_NAMES) == 24 and set(rc.PRESET_NAMES) == set(PRESET_TABLE)
+    assert C.from_name("decoupled_seq_is", threshold=3.0).rollout_is_threshold == 3.0
+    assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25
+                       ).is_spec == rc.ISThreshold("icepop", 0.25, 4.0)
+    with pytest.raises(ValueError) as info:
+        C.from_name("decoupled_k1_rs")
+    assert "'decoupled_k1_rs'" in str(info.value) and "bypass_pg_geo_rs" in str(info.value)
+    assert C.naive() == C.disabled()
+
+
+def test_preset_variants_with_veto_and_legacy_lower():
+    cfg = C.decoupled_geo_rs(rs_threshold=1.001, veto_threshold=1e-4)
+    assert cfg.rs_specs[0] == rc.RSOption("seq_mean_k1", "k1", "seq_mean", 1 / 1.001, 1.001)
+    assert cfg.veto_tau == 1e-4
+    cfg = C.decoupled_geo_rs(rs_threshold=1.002, rs_threshold_lower=0.999)
+    assert cfg.rollout_rs == "geometric"
+    assert cfg.rs_specs[0] == rc.RSOption("seq_mean_k1", "k1", "seq_mean", 0.999, 1.002)
+    assert C.pg_rs(rs_threshold_lower=0.998).rs_specs[0].lower == 0.998
+    assert C.decoupled_seq_is_rs(is_threshold=3.0).is_spec == rc.ISThreshold("tis", None, 3.0)
+
+
+def test_to_kwargs_round_trip():
+    cfg = C.decoupled_geo_rs_token_tis()
+    train, rollout, mask = make([[1.0005, 0.9995], [1.01, 1.0]])
+    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask,
+                                                                  **cfg.to_kwargs())
+    assert m2.tolist() == [[1, 1], [0, 0]]
+    assert w is not None and "rollout_corr/rollout_rs_seq_mean_k1_mean" in met
+
+
+def test_bypass_ppo_clip_with_is_warns():
+    with pytest.warns(UserWarning, match="only adds IS metrics"):
+        C(rollout_is="sequence", bypass_mode=True, loss_type="ppo_clip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C(rollout_is="sequence", bypass_mode=True, loss_type="reinforce")
+        C(rollout_is="sequence")
+
+
+# ------------------------------------------------------------------------------------------
+# property tests (hypothesis)
+# ------------------------------------------------------------------------------------------
+
+CORR_CONFIGS = [
+    {},
+    {"rollout_is": "token", "rollout_is_threshold": 1.5},
+    {"rollout_is": "sequence", "rollout_is_threshold": "0.5_3", "rollout_is_batch_normalize": True},
+    {"rollout_is": "token", "rollout_is_threshold": "0.7_1.3", "rollout_is_batch_normalize": True},
+    {"rollout_rs": "token_k1,seq_mean_k3,seq_max_k2", "rollout_rs_threshold": "0.6_1.6,0.05,0.3"},
+    {"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 1.5,
+     "rollout_token_veto_threshold": 0.3},
+]
+
+
+@PROPS
+@given(batches(), st.sampled_from(CORR_CONFIGS), st.integers(1, 3))
+def test_padding_invariance(batch, kwargs, extra):
+    train, rollout, mask = batch
+    w, m2, met = corr(train, rollout, mask, **kwargs)
+    b, t = mask.shape
+
+    def pad(x, v):
+        return torch.nn.functional.pad(x, (0, extra, 0, extra), value=v)
+
+    w_p, m2_p, met_p = corr(pad(train, NAN), pad(rollout, -math.inf), pad(mask, 0.0), **kwargs)
+    same_metrics(met, met_p)
+    assert torch.equal(m2_p[:b, :t], m2) and m2_p[b:].abs().sum() == 0
+    if w is not None:
+        torch.testing.assert_close(w_p[:b, :t], w)
+        assert w_p[b:].abs().sum() == 0 and w_p[:, t:].abs().sum() == 0
+    adv = torch.linspace(-1, 1, b * t, dtype=F64).reshape(b, t)
+    for mode in rc.LOSS_AGG_MODES:
+        loss, _ = rc.compute_policy_loss_vanilla(rollout, train, adv, mask, mode, keep_mask=m2,
+                                                 loss_scale_factor=7)
+        loss_p, _ = rc.compute_policy_loss_vanilla(pad(rollout, 0.0), pad(train, 0.0),
+                                                   pad(adv, 5.0), pad(mask, 0.0), mode,
+                                                   keep_mask=m2_p, loss_scale_factor=7)
+        assert loss_p.item() == approx(loss.item())
+
+
+@PROPS
+@given(batches(min_rows=2), st.sampled_from(CORR_CONFIGS), st.randoms())
+def test_row_permutation_equivariance(batch, kwargs, rnd):
+    train, rollout, mask = batch
+    perm = list(range(mask.shape[0]))
+    rnd.shuffle(perm)
+    perm = torch.tensor(perm)
+    w, m2, met = corr(train, rollout, mask, **kwargs)
+    w_p, m2_p, met_p = corr(train[perm], rollout[perm], mask[perm], **kwargs)
+    same_metrics(met, met_p)
+    assert torch.equal(m2_p, m2[perm])
+    if w is not None:
+        torch.testing.assert_close(w_p, w[perm])
+
+
+@PROPS
+@given(batches(), st.sampled_from(["token", "sequence"]), st.floats(1.0, 3.0))
+def test_tis_never_exceeds_cap_and_pads_with_zero(batch, level, cap):
+    train, rollout, mask = batch
+    w, _, met = corr(train, rollout, mask, rollout_is=level, rollout_is_threshold=cap)
+    assert w.max().item() <= cap
+    assert w[mask == 0].abs().sum().item() == 0.0
+    assert met["rollout_is_max"] <= cap or level == "sequence"
+    if level == "sequence":  # all valid tokens of a row share one weight
+        for i in range(mask.shape[0]):
+            vals = w[i][mask[i] == 1]
+            assert vals.numel() == 0 or torch.all(vals == vals[0])
+
+
+@PROPS
+@given(batches(), st.sampled_from(CORR_CONFIGS[4:] + [
+    {"rollout_rs": "seq_sum_k2,token_k3", "rollout_rs_threshold": 0.05}]))
+def test_rs_never_adds_tokens(batch, kwargs):
+    train, rollout, mask = batch
+    _, m2, _ = corr(train, rollout, mask, **kwargs)
+    assert torch.all(m2 <= mask)
+
+
+@PROPS
+@given(batches(), st.sampled_from(["token", "sequence"]), st.sampled_from([1.2, "0.5_2.0"]))
+def test_batch_normalization_gives_mean_one(batch, level, threshold):
+    train, rollout, mask = batch
+    w, _, met = corr(train, rollout, mask, rollout_is=level, rollout_is_threshold=threshold,
+                     rollout_is_batch_normalize=True)
+    m = mask.bool()
+    if met["rollout_is_batch_norm_factor"] == 1.0 and w[m].sum() == 0:
+        return  # everything zeroed by IcePop: factor 1, weights unchanged
+    if level == "token":
+        assert w[m].mean().item() == approx(1.0, rel=1e-9)
+    else:
+        rows = [w[i][m[i]].mean().item() for i in range(m.shape[0]) if m[i].any()]
+        assert sum(rows) / len(rows) == approx(1.0, rel=1e-9)
+
+
+@PROPS
+@given(batches(min_rows=2), st.sampled_from(rc.LOSS_AGG_MODES), st.data())
+def test_micro_batch_split_independence(batch, mode, data):
+    train, rollout, mask = batch
+    b = mask.shape[0]
+    cut = data.draw(st.integers(1, b - 1))
+    adv = torch.sin(torch.arange(mask.numel(), dtype=F64)).reshape(mask.shape)
+    _, keep, _ = corr(train, rollout, mask, rollout_rs="token_k1", rollout_rs_threshold=1.3)
+    w, _, _ = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=1.5)
+    n_tok, n_seq = mask.sum(), (mask.sum(-1) > 0).sum()
+    current = (train + 0.01).requires_grad_()
+    kw = {"global_token_count": n_tok, "global_seq_count": n_seq, "loss_scale_factor": 9.0}
+    full, _ = rc.compute_policy_loss_vanilla(train, current, adv, mask, mode,
+                                             rollout_is_weights=w, keep_mask=keep, **kw)
+    full.backward()
+    grad_full, current.grad = current.grad.clone(), None
+    total = 0.0
+    for sl in (slice(0, cut), slice(cut, b)):
+        if mask[sl].sum() == 0:
+            continue  # an all-padded micro-batch contributes nothing
+        part, _ = rc.compute_policy_loss_vanilla(train[sl], current[sl], adv[sl], mask[sl], mode,
+                                                 rollout_is_weights=w[sl], keep_mask=keep[sl],
+                                                 **kw)
+        part.backward()
+        total += part.item()
+    assert total == approx(full.item(), rel=1e-9, abs_=1e-12)
+    torch.testing.assert_close(current.grad, grad_full)
+
+
+@PROPS
+@given(batches(), st.sampled_from(rc.LOSS_AGG_MODES), st.booleans())
+def test_rs_equals_zeroing_rejected_token_losses(batch, mode, bypass):
+    train, rollout, mask = batch
+    adv = torch.cos(torch.arange(mask.numel(), dtype=F64)).reshape(mask.shape)
+    rs = {"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.8_1.25,0.02"}
+    _, keep, _ = corr(train, rollout, mask, **rs)
+    zeroed_adv = torch.where(keep.bool(), adv, torch.zeros_like(adv))  # phi(A = 0) = 0
+    if bypass:
+        with_rs = C(bypass_mode=True, **rs)
+        loss, _ = rc.compute_policy_loss_bypass_mode(train, rollout, adv, mask, with_rs, mode,
+                                                     loss_scale_factor=5)
+        ref, _ = rc.compute_policy_loss_bypass_mode(train, rollout, zeroed_adv, mask,
+                                                    C.bypass_ppo_clip(), mode,
+                                                    loss_scale_factor=5)
+    else:
+        current = train + 0.05
+        loss, _ = rc.compute_policy_loss_vanilla(train, current, adv, mask, mode, keep_mask=keep,
+                                                 loss_scale_factor=5)
+        ref, _ = rc.compute_policy_loss_vanilla(train, current, zeroed_adv, mask, mode,
+                                                loss_scale_factor=5)
+    assert loss.item() == approx(ref.item(), rel=1e-12, abs_=1e-15)
+
+
+@PROPS
+@given(batches(scale=0.05), st.sampled_from(["token-mean", "seq-mean-token-mean"]))
+def test_bypass_ppo_clip_gradient_is_is_weighted_policy_gradient(batch, mode):
+    train, rollout, mask = batch  # |log pi_theta - log mu| small: inside the clip w.h.p.
+    theta = torch.where(mask.bool(), train, torch.zeros_like(train))
+    inside = ((theta - rollout).abs() < math.log(1.19)) | ~mask.bool()
+    if not bool(inside.all()):
+        return
+    adv = torch.tanh(torch.arange(mask.numel(), dtype=F64).reshape(mask.shape) - 3.0)
+    a = theta.clone().requires_grad_()
+    loss, _ = rc.compute_policy_loss_bypass_mode(a, rollout, adv, mask, C.bypass_ppo_clip(), mode)
+    loss.backward()
+    b = theta.clone().requires_grad_()
+    rho = torch.exp(theta - torch.where(mask.bool(), rollout, torch.zeros_like(rollout)))
+    ref, _ = rc.compute_policy_loss_reinforce(b, rollout, adv, mask, mode, rollout_is_weights=rho)
+    ref.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+@PROPS
+@given(batches())
+def test_reinforce_gradient_is_minus_a_w_over_n(batch):
+    train, rollout, mask = batch
+    adv = torch.sin(torch.arange(mask.numel(), dtype=F64)).reshape(mask.shape)
+    lp = torch.where(mask.bool(), train, torch.zeros_like(train)).requires_grad_()
+    weights = torch.exp(lp - torch.where(mask.bool(), rollout, torch.zeros_like(rollout)))
+    keep = (torch.arange(mask.numel()).reshape(mask.shape) % 3 != 0).to(F64)
+    loss, _ = rc.compute_policy_loss_reinforce(lp, rollout, adv, mask, "token-mean",
+                                               rollout_is_weights=weights, keep_mask=keep)
+    loss.backward()
+    expected = torch.where((mask * keep).bool(), -adv * weights.detach() / mask.sum(),
+                           torch.zeros_like(adv))
+    torch.testing.assert_close(lp.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+@PROPS
+@given(batches(scale=1.0), st.floats(0.3, 0.95), st.floats(1.05, 3.0))
+def test_k1_direction_with_asymmetric_bounds(batch, lower, upper):
+    train, rollout, mask = batch
+    _, m2, _ = corr(train, rollout, mask, rollout_rs="token_k1",
+                    rollout_rs_threshold=f"{lower}_{upper}")
+    rho = torch.exp(torch.clamp(train - rollout, -20, 20))
+    expected = mask.bool() & (rho >= lower) & (rho <= upper)
+    assert torch.equal(m2.bool(), expected)
+
+
+@PROPS
+@given(batches(scale=0.3), st.lists(st.sampled_from(rc.RS_OPTIONS), min_size=2, max_size=4,
+                                    unique=True))
+def test_chaining_is_product_of_single_masks(batch, options):
+    train, rollout, mask = batch
+    thresholds = ["0.7_1.4" if o.endswith("k1") else "0.03" for o in options]
+    _, chained, _ = corr(train, rollout, mask, rollout_rs=",".join(options),
+                         rollout_rs_threshold=",".join(thresholds))
+    product = mask.clone()
+    for option, threshold in zip(options, thresholds):
+        _, single, _ = corr(train, rollout, mask, rollout_rs=option,
+                            rollout_rs_threshold=threshold)
+        product = product * single
+    assert torch.equal(chained, product)
+
+
+@PROPS
+@given(batches(scale=0.3), st.sampled_from(list(rc.LEGACY_RS_NAMES)), st.floats(1.01, 2.0),
+       st.one_of(st.none(), st.floats(0.5, 0.99)))
+def test_legacy_names_equal_canonical_mapping(batch, legacy, upper, lower):
+    train, rollout, mask = batch
+    _, m_legacy, met = corr(train, rollout, mask, rollout_rs=legacy, rollout_rs_threshold=upper,
+                            rollout_rs_threshold_lower=lower)
+    spec = f"{1 / upper if lower is None else lower}_{upper}"
+    _, m_canon, met_c = corr(train, rollout, mask, rollout_rs=rc.LEGACY_RS_NAMES[legacy],
+                             rollout_rs_threshold=spec)
+    assert torch.equal(m_legacy, m_canon)
+    same_metrics(met, met_c)
+
+
+@PROPS
+@given(batches(scale=1.0), st.floats(0.05, 0.9))
+def test_veto_on_unclipped_ratios(batch, tau):
+    train, rollout, mask = batch
+    train = train * 12  # produce log-ratios beyond the safety bound too
+    _, m2, met = corr(train, rollout, mask, rollout_token_veto_threshold=tau)
+    for i in range(mask.shape[0]):
+        valid = mask[i].bool()
+        vetoed = bool(((train[i] - rollout[i])[valid] < math.log(tau)).any())
+        assert torch.equal(m2[i].bool(), valid & (not vetoed))
+    assert 0.0 <= met["rollout_is_veto_fraction"] <= 1.0
+
+
+@PROPS
+@given(batches(scale=0.05), st.sampled_from(["token", "sequence"]))
+def test_ess_is_zero_when_icepop_zeroes_everything(batch, level):
+    train, rollout, mask = batch
+    w, m2, met = corr(train, rollout, mask, rollout_is=level, rollout_is_threshold="1e3_1e4",
+                      rollout_is_batch_normalize=True)
+    assert w.abs().sum().item() == 0.0
+    assert torch.equal(m2, mask)
+    assert met["rollout_is_eff_sample_size"] == 0.0
+    assert met["rollout_is_batch_norm_factor"] == 1.0
+    assert met["rollout_is_oob_ratio"] == 1.0

@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 # vLLM must live in this process so that weights can be pushed into it in place (see README).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -48,23 +48,23 @@ class CorrectionArgs:
 
     preset: str = "bypass_ppo_clip"
     """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled"""
-    rollout_is: Optional[str] = None
+    rollout_is: str | None = None
     """override: IS level 'token' | 'sequence' | 'none'"""
-    rollout_is_threshold: Optional[str] = None
+    rollout_is_threshold: str | None = None
     """override: TIS cap (a number) or IcePop bounds 'L_U'"""
-    rollout_is_batch_normalize: Optional[bool] = None
+    rollout_is_batch_normalize: bool | None = None
     """override: self-normalise IS weights over the batch (seed 000 §3.6)"""
-    rollout_rs: Optional[str] = None
+    rollout_rs: str | None = None
     """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'), or 'none'"""
-    rollout_rs_threshold: Optional[str] = None
+    rollout_rs_threshold: str | None = None
     """override: rejection thresholds, one entry or one per option ('0.999_1.001', '0.01')"""
-    rollout_rs_threshold_lower: Optional[float] = None
+    rollout_rs_threshold_lower: float | None = None
     """override: lower bound for the legacy RS names token/sequence/geometric"""
-    rollout_token_veto_threshold: Optional[str] = None
+    rollout_token_veto_threshold: str | None = None
     """override: veto tau in (0,1): reject a sequence if any token ratio < tau; 'none' disables"""
-    bypass_mode: Optional[bool] = None
+    bypass_mode: bool | None = None
     """override: True = bypass (pi_old := pi_rollout), False = decoupled"""
-    loss_type: Optional[str] = None
+    loss_type: str | None = None
     """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode)"""
 
 
@@ -75,11 +75,11 @@ class Args:
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment (rank r uses seed + r for sampling)"""
-    config: Optional[str] = None
+    config: str | None = None
     """YAML file whose keys become the defaults; flags on the command line still win"""
     output_dir: str = "runs"
     """parent folder of the run folder"""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """run folder name (default: {task}__{exp_name}__{preset}__{seed}__{time})"""
     overwrite: bool = False
     """allow replacing an existing run folder (otherwise an existing run is never touched)"""
@@ -89,7 +89,7 @@ class Args:
     """log to Weights & Biases"""
     wandb_project_name: str = "rollout-correction"
     """the wandb project name"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: str | None = None
     """the wandb entity (team)"""
     tensorboard: bool = False
     """also write tensorboard event files into the run folder"""
@@ -103,7 +103,7 @@ class Args:
     """GSM8K source: HF dataset id (openai/gsm8k), or a folder/file of JSONL/parquet; 'auto' = local copy if present"""
     dataset_config: str = "main"
     """HF dataset config name"""
-    train_limit: Optional[int] = None
+    train_limit: int | None = None
     """use only the first N training problems"""
     reward_mode: Literal["strict", "flexible"] = "strict"
     """GSM8K scoring: 'strict' needs '#### N'; 'flexible' takes the last number"""
@@ -159,15 +159,15 @@ class Args:
     """sequences per forward/backward (gradient accumulation inside a minibatch)"""
     clip_ratio: float = 0.2
     """PPO clip epsilon (both sides unless overridden)"""
-    clip_ratio_low: Optional[float] = None
+    clip_ratio_low: float | None = None
     """PPO lower clip epsilon (default: clip_ratio)"""
-    clip_ratio_high: Optional[float] = None
+    clip_ratio_high: float | None = None
     """PPO upper clip epsilon (default: clip_ratio; DAPO clip-higher uses 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip constant c > 1 (negative advantages only)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
-    loss_scale_factor: Optional[float] = None
+    loss_scale_factor: float | None = None
     """divisor K of seq-mean-token-sum-norm (default: max_response_length)"""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)"""
@@ -181,7 +181,7 @@ class Args:
     # Evaluation, checkpoints
     eval_every: int = 0
     """greedy pass@1 on the eval set every N steps (0 = only at the end)"""
-    eval_limit: Optional[int] = 200
+    eval_limit: int | None = 200
     """number of eval problems (None = whole split)"""
     checkpoint_every: int = 0
     """save model, optimizer, scheduler, RNG and data position every N steps (0 = never)"""
@@ -219,7 +219,7 @@ def _as_str(v):
     return None if v is None else str(v)
 
 
-def _override_value(text: Optional[str]):
+def _override_value(text: str | None):
     """CLI strings -> config values: 'none' -> None, numeric strings -> float, else the string."""
     if text is None or text.strip().lower() in ("none", "null"):
         return None
@@ -285,7 +285,7 @@ def clip_high(args: Args) -> float:
 # ---------------------------------------------------------------------------------------------
 # The tiny local model: a Qwen2-architecture network and a BPE tokenizer, built here, no download
 # ---------------------------------------------------------------------------------------------
-def local_gsm8k_dir() -> Optional[str]:
+def local_gsm8k_dir() -> str | None:
     """A local GSM8K copy: ./data/gsm8k, or ../shared/data/gsm8k next to this repository."""
     for path in (os.path.join(HERE, "data", "gsm8k"), os.path.join(HERE, "..", "shared", "data", "gsm8k")):
         if os.path.isfile(os.path.join(path, "train.jsonl")):
@@ -367,7 +367,7 @@ def score_addition(response: str, gold: str) -> float:
     return float(digits != "" and int(digits) == int(gold))
 
 
-def load_problems(args: Args, split: str, limit: Optional[int]):
+def load_problems(args: Args, split: str, limit: int | None):
     """Rows {'question', 'gold'} of the task, and how many rows were skipped as unparseable."""
     if args.task == "add":
         rows = addition_problems(split)
@@ -890,8 +890,7 @@ if __name__ == "__main__":
             timing["timing/eval_s"] = time.time() - t0
             if accelerator.is_main_process:
                 with open(os.path.join(run_dir, "eval_samples.jsonl"), "a") as f:
-                    for s in samples:
-                        f.write(json.dumps({"step": step, **s}) + "\n")
+                    f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
 
         # ---- Logging ------------------------------------------------------------------------
         lengths = mask.sum(-1)

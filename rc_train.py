@@ -894,13 +894,9 @@ if __name__ == "__main__":
 
         # ---- Logging ------------------------------------------------------------------------
         lengths = mask.sum(-1)
-        for mm in micro_metrics:  # mean over micro-batches (bypass correction metrics included)
-            for k in mm:
-                metrics.setdefault(k, [])
-        for k in list(metrics):
-            if isinstance(metrics[k], list):
-                vals = [mm[k] for mm in micro_metrics if k in mm]
-                metrics[k] = float(np.mean(vals))
+        # mean over micro-batches (bypass correction metrics included)
+        for k in {k for mm in micro_metrics for k in mm} - set(metrics):
+            metrics[k] = float(np.mean([mm[k] for mm in micro_metrics if k in mm]))
         metrics.update({
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
             "reward/correct": float(np.mean(corrects)),

@@ -67,7 +67,7 @@ def test_stale_engine_mismatch_grows_then_resets(tmp_path):
                         "--learning-rate", "5e-3")
     k3 = [r["rollout_corr/k3_kl"] for r in rows]
     assert k3[0] < 1e-6 and k3[4] < 1e-6, k3  # fresh engine at steps 0 and 4 (synced after step 3)
-    # measured (seeded, deterministic on CPU): 0, 0.048, 0.042, 0.102, 0, 0.011: three stale steps > one
+    # measured (seeded, deterministic on CPU): 0, 0.207, 0.401, 0.338, 0, 0.355: three stale steps > one
     assert k3[1] > 1e-4 and k3[3] > k3[1] and k3[5] > 1e-4, k3
     # one sync, after step 3; the final step's evaluation then pushes the trainer's weights once more
     assert rows[3]["actor/sync_count"] == 1 and rows[4]["actor/sync_count"] == 1 and rows[5]["actor/sync_count"] == 2
@@ -76,14 +76,13 @@ def test_stale_engine_mismatch_grows_then_resets(tmp_path):
 # ---- 3. Learning: reward rises in both modes (a sign error in the loss fails this) -----------------------
 @pytest.mark.parametrize("preset", ["bypass_ppo_clip", "decoupled_token_is"])
 def test_reward_rises(tmp_path, preset):
-    # The policy first learns to answer with a digit (reward 0.005 -> ~0.1 by step ~70: a random digit
-    # is right 1 time in 10), then, after a seed-dependent plateau, the table itself. A sign error in the
-    # loss drives the reward to 0 instead, so the first phase is enough to catch it.
-    rows, _ = run_train(tmp_path, "--num-steps", "60", "--eval-limit", "10", "--no-save-final",
+    # Measured (seed 1, both modes): reward 0.016 over steps 0-4, 0.74 at step 20, ~0.8 over steps
+    # 150-199. A sign error in the loss drives the reward to 0 instead; a broken sampler or sync stalls it.
+    rows, _ = run_train(tmp_path, "--num-steps", "30", "--eval-limit", "10", "--no-save-final",
                         "--rc.preset", preset)
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
-    assert last > 0.04 and last > 3 * first, (first, last)
+    assert first < 0.1 and last > 0.5 and last > first + 0.4, (first, last)
 
 
 # ---- 5. Every preset runs end to end ---------------------------------------------------------------------
@@ -129,3 +128,14 @@ def test_bad_yaml_key_and_existing_run_are_refused(tmp_path):
     _, proc = run_train(tmp_path, check=False, timeout=180)
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
     assert (existing / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+# ---- Scoring of the synthetic task (pure function; no engine) -------------------------------------------
+def test_score_addition_reads_first_ascii_integer():
+    import rc_train
+
+    assert rc_train.score_addition("7", "7") == 1.0 and rc_train.score_addition(" 7 and 3", "7") == 1.0
+    assert rc_train.score_addition("17", "7") == 0.0 and rc_train.score_addition("x", "7") == 0.0
+    assert rc_train.score_addition("³7", "7") == 1.0 and rc_train.score_addition("³", "3") == 0.0
+    problems = rc_train.addition_problems("train")
+    assert len(problems) == 55 and all(int(p["gold"]) <= 9 for p in problems)

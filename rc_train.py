@@ -144,6 +144,19 @@ class Args:
     vllm_sleep: bool = True
     """GPU: put the engine to sleep (level 1) during the update, wake it for rollout"""
 
+    # Mismatch dials (the lab, README "What the lab shows"): each off by default; each makes the engine's
+    # policy mu differ from the trainer's pi in one documented way. rollout_dtype and sync_every are dials too.
+    rollout_weight_quant: Literal["none", "int8", "int4"] = "none"
+    """engine gets fake-quantised weights (symmetric, per output channel, round to nearest; matrices only): models INT8/INT4 weight-only rollout (FlashRL)"""
+    rollout_weight_noise: float = 0.0
+    """engine gets weights + s*rms(W)*eps with a fixed seeded eps per matrix (s = this value): a synthetic, monotone dial for kernel/quantiser error"""
+    rollout_temperature: float | None = None
+    """engine samples at this temperature while the trainer scores at --temperature (a sampling-config mismatch); None = same"""
+    rollout_logprobs: Literal["processed", "raw"] = "processed"
+    """engine log-probs: 'processed' (after temperature/top-p: the sampling distribution) or 'raw' (before: the trl#4159 pitfall; differs only if T != 1 or top-p < 1)"""
+    dump_log_ratio_every: int = 0
+    """every N steps save log(pi_trainer/pi_rollout) of rank 0's valid tokens to log_ratio/step_N.npy (0 = never; for IS-weight histograms)"""
+
     # Optimisation
     learning_rate: float = 5e-4
     """AdamW learning rate"""
@@ -182,7 +195,7 @@ class Args:
 
     # Evaluation, checkpoints
     eval_every: int = 0
-    """greedy pass@1 on the eval set every N steps (0 = only at the end)"""
+    """greedy pass@1 on the eval set every N steps (0 = only at the end); a stale engine is synced first"""
     eval_limit: int | None = 200
     """number of eval problems (None = whole split)"""
     checkpoint_every: int = 0
@@ -265,6 +278,11 @@ def validate_args(args: Args, world_size: int) -> None:
          f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
     need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    need(args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
+         f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}")
+    need(args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
+         f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
+    need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
     need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
     need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
@@ -422,7 +440,8 @@ def start_engine(args: Args, model_path: str, seed: int):
     from vllm import LLM
 
     kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
-                  logprobs_mode="processed_logprobs",  # temperature applied: the distribution that sampled
+                  # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
+                  logprobs_mode=f"{args.rollout_logprobs}_logprobs",
                   enable_prefix_caching=True)
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
@@ -448,7 +467,8 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool
     from vllm import SamplingParams
 
     params = [SamplingParams(n=n, max_tokens=args.max_response_length, logprobs=None if greedy else 0,
-                             temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+                             temperature=0.0 if greedy else (args.rollout_temperature or args.temperature),
+                             top_p=1.0 if greedy else args.top_p,
                              seed=None if greedy else sampling_seed(*seed_keys, i)) for i in range(len(prompt_ids))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     result = []
@@ -460,6 +480,38 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool
             group.append((ids, lps, o.text))
         result.append(group)
     return result
+
+
+def fake_quantise(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric per-output-channel round-to-nearest: W_q = s * clamp(round(W / s), -q, q), s = max|W_row| / q,
+    q = 2^(bits-1) - 1. The weight-only INT8/INT4 scheme whose rollout mismatch FlashRL (Yao et al. 2025)
+    measures; quantisation happens once per sync, like a calibration-free quantised engine."""
+    q = 2 ** (bits - 1) - 1
+    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / q
+    return (weight / scale).round().clamp(-q, q) * scale
+
+
+def rollout_weights(state_dict: dict, args: Args) -> dict:
+    """The weights the engine receives: the trainer's, or a perturbed copy when a weight dial is on.
+
+    Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept,
+    as weight-only quantisers do. The noise eps is drawn from a generator seeded by (--seed, tensor index),
+    so every sync sends the same perturbation pattern: a persistent error, like a quantiser's, not fresh noise.
+    """
+    if args.rollout_weight_quant == "none" and args.rollout_weight_noise == 0:
+        return state_dict
+    out = {}
+    for i, (name, w) in enumerate(state_dict.items()):
+        if w.dim() >= 2 and w.is_floating_point():
+            w = w.detach().float()
+            if args.rollout_weight_noise:
+                gen = torch.Generator(device="cpu").manual_seed(args.seed * 100_003 + i)
+                eps = torch.randn(w.shape, generator=gen).to(w.device)
+                w = w + args.rollout_weight_noise * w.pow(2).mean().sqrt() * eps
+            if args.rollout_weight_quant != "none":
+                w = fake_quantise(w, int(args.rollout_weight_quant[3:]))
+        out[name] = w
+    return out
 
 
 def sync_weights(llm, state_dict) -> None:
@@ -731,8 +783,9 @@ if __name__ == "__main__":
             print(f"resumed from {ckpt} at step {start_step}")
     llm = start_engine(args, model_path, args.seed + rank)
     on_gpu = torch.cuda.is_available() and args.vllm_sleep
-    if args.resume:
-        sync_weights(llm, accelerator.get_state_dict(model))
+    weight_dial = args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
+    if args.resume or weight_dial:  # the engine loaded the clean initial weights from disk
+        sync_weights(llm, rollout_weights(accelerator.get_state_dict(model), args))
     engine_synced = True
 
     writer = None
@@ -808,6 +861,7 @@ if __name__ == "__main__":
         # ---- Old log-prob (decoupled mode only) and the correction, frozen for all epochs ------
         old_lp = is_weights = keep_mask = None
         metrics = {}
+        log_ratios = []  # log(pi_trainer/pi_rollout) of valid tokens, for --dump-log-ratio-every
         timing["timing/old_log_prob_s"] = 0.0  # bypass: pi_old := pi_rollout, no forward pass at all
         if not rc_config.bypass_mode:
             t0 = time.time()
@@ -817,6 +871,7 @@ if __name__ == "__main__":
             is_weights, keep_mask, corr = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_lp, rollout_lp, mask, **rc_config.to_kwargs())
             metrics.update(corr)
+            log_ratios.append((old_lp - rollout_lp)[mask > 0])
             timing["timing/old_log_prob_s"] = time.time() - t0
         ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
 
@@ -872,6 +927,8 @@ if __name__ == "__main__":
                         # optimizer step; later the comparison with pi_rollout adds the update itself (policy
                         # drift, logged as actor/ppo_kl). rollout_corr/* measure the mismatch alone.
                         mm = {k: v for k, v in mm.items() if not k.startswith("rollout_corr/")}
+                    elif rc_config.bypass_mode:
+                        log_ratios.append((log_prob.detach() - rlp)[m > 0].cpu())
                     micro_metrics.append(mm)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
@@ -880,6 +937,10 @@ if __name__ == "__main__":
                 loss_sums.append(loss_sum)
                 grad_norms.append(float(grad_norm))
         timing["timing/update_s"] = time.time() - t0
+        if args.dump_log_ratio_every and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process:
+            os.makedirs(os.path.join(run_dir, "log_ratio"), exist_ok=True)
+            np.save(os.path.join(run_dir, "log_ratio", f"step_{step:06d}.npy"),
+                    torch.cat(log_ratios).float().numpy() if log_ratios else np.zeros(0, np.float32))
 
         # ---- Weight sync: push the new weights into the engine in place ------------------------
         t0 = time.time()
@@ -887,7 +948,7 @@ if __name__ == "__main__":
         if args.sync_every and (step + 1) % args.sync_every == 0:
             if on_gpu:
                 llm.wake_up()
-            sync_weights(llm, accelerator.get_state_dict(model))
+            sync_weights(llm, rollout_weights(accelerator.get_state_dict(model), args))
             counters["sync_count"] += 1
             engine_synced = True
             if on_gpu:
@@ -901,10 +962,12 @@ if __name__ == "__main__":
             t0 = time.time()
             if on_gpu:
                 llm.wake_up()
-            if not engine_synced:
+            if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
                 sync_weights(llm, accelerator.get_state_dict(model))
-                counters["sync_count"] += 1
+                counters["sync_count"] += int(not engine_synced)
             eval_metrics, samples = evaluate(args, llm, eval_prompts, eval_rows, rank, world, accelerator)
+            if weight_dial and not last:  # back to the perturbed weights the next rollout must use
+                sync_weights(llm, rollout_weights(accelerator.get_state_dict(model), args))
             if on_gpu:
                 llm.sleep(level=1)
             timing["timing/eval_s"] = time.time() - t0

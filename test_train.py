@@ -73,6 +73,35 @@ def test_stale_engine_mismatch_grows_then_resets(tmp_path):
     assert rows[3]["actor/sync_count"] == 1 and rows[4]["actor/sync_count"] == 1 and rows[5]["actor/sync_count"] == 2
 
 
+# ---- 2b. Mismatch dials (the lab): each dial's mismatch grows with its level; level 0 is exact -----------
+@pytest.mark.parametrize("dial, levels", [
+    ("--rollout-weight-noise", ["0", "0.3", "1.0"]),
+    ("--rollout-weight-quant", ["none", "int8", "int4"]),
+    ("--rollout-temperature", ["1.0", "1.3", "2.0"]),
+    ("--top-p", ["1.0", "0.9", "0.5"]),
+])
+def test_mismatch_dials_are_monotone(tmp_path, dial, levels):
+    k3, tv = [], []
+    for i, level in enumerate(levels):
+        rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "2", "--max-response-length", "4",
+                            "--rc.preset", "decoupled_token_is", dial, level, name=f"level{i}")
+        k3.append(sum(r["rollout_corr/k3_kl"] for r in rows) / len(rows))
+        tv.append(sum(r["rollout_corr/tv_mismatch"] for r in rows) / len(rows))
+    assert k3[0] < 1e-6 and 1e-6 < k3[1] < k3[2], (dial, k3)  # measured int8: 4.8e-6, int4: 1.2e-3
+    assert tv[0] < 1e-3 and tv[0] < tv[1] < tv[2], (dial, tv)
+
+
+def test_raw_engine_log_probs_show_the_temperature_pitfall(tmp_path):
+    # T = 0.7: processed log-probs are those of the sampling distribution (ratio ~1); raw ones are the
+    # untempered model's, so the "mismatch" is the trl#4159 bug the raw mode reproduces.
+    k3 = {}
+    for mode in ("processed", "raw"):
+        rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "1", "--max-response-length", "4", "--temperature", "0.7",
+                            "--rollout-logprobs", mode, "--rc.preset", "decoupled_token_is", name=mode)
+        k3[mode] = rows[0]["rollout_corr/k3_kl"]
+    assert k3["processed"] < 1e-6 and k3["raw"] > 1e-4, k3
+
+
 # ---- 3. Learning: reward rises in both modes (a sign error in the loss fails this) -----------------------
 @pytest.mark.parametrize("preset", ["bypass_ppo_clip", "decoupled_token_is"])
 def test_reward_rises(tmp_path, preset):
@@ -108,6 +137,8 @@ def test_every_preset_runs(tmp_path, preset):
     (["--max-model-len", "4"], "--max-model-len 4"),
     (["--num-prompts-per-step", "0"], "--num-prompts-per-step"),
     (["--loss-agg-mode", "seq-mean"], "seq-mean"),
+    (["--rollout-weight-noise", "-0.5"], "-0.5"),
+    (["--rollout-temperature", "0"], "--rollout-temperature"),
 ])
 def test_bad_config_fails_before_engine(tmp_path, flags, needle):
     _, proc = run_train(tmp_path, *flags, check=False, timeout=180)

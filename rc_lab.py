@@ -1,0 +1,565 @@
+# Mismatch lab: sweep presets x one mismatch dial x seeds of rc_train.py, then tabulate and plot.
+"""Does uncorrected ("naive") PPO degrade under training-inference mismatch while corrected presets do not?
+
+    python rc_lab.py sweep --out runs/lab --presets naive,decoupled_token_is,bypass_ppo_clip \\
+        --dial rollout_weight_noise --levels 0,0.1,0.3 --seeds 1,2,3 --jobs 2 --steps 40 -- --eval-every 10
+    python rc_lab.py report runs/lab --reward-level 0.5      # summary.md/.csv, reward/k3/alpha/is_hist PNGs
+
+Each run is `rc_train.py --output-dir OUT --run-name PRESET__DIAL=LEVEL__sSEED --rc.preset PRESET --seed SEED
+--DIAL LEVEL --num-steps STEPS EXTRA...` (OMP_NUM_THREADS=1), its output in OUT/RUN_NAME.log. A run whose
+metrics.jsonl already holds steps 0..STEPS-1 is skipped, so an interrupted sweep resumes; an incomplete run
+folder is re-run with --overwrite. The alpha plot shows the estimates of the three-policy TRPO bound
+(seed 004 Theorem 2): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`, alpha_1 = D_TV(mu, pi_old) ~
+`rollout_corr/tv_mismatch` (in bypass presets the latter estimates beta = D_TV(mu, pi_theta) instead and
+tv_update is not logged; see rc_core.compute_rollout_correction_and_rejection_mask).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from rc_plot import load_metrics, run_series
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The trainer each run executes; RC_LAB_TRAIN points it elsewhere (tests use a tiny fake trainer).
+RC_TRAIN = os.environ.get("RC_LAB_TRAIN", os.path.join(HERE, "rc_train.py"))
+SWEEP_FILE = "sweep.json"
+LAST_N = 10  # final reward = mean reward/mean over the last LAST_N steps
+DASH = "–"  # shown for anything that could not be computed
+# Flags the runner sets itself; passing them again after `--` would silently change the sweep.
+RESERVED = ("--output-dir", "--run-name", "--rc.preset", "--seed", "--num-steps", "--overwrite", "--resume")
+
+
+class LabError(Exception):
+    """Bad user input: printed as `rc_lab: error: ...`, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep
+# ---------------------------------------------------------------------------------------------
+def run_name(preset: str, dial: str, level: str, seed: int) -> str:
+    return f"{preset}__{dial}={level}__s{seed}"
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in items):
+        raise LabError(f"--{what}: empty list or empty item in {text!r}")
+    dup = sorted({s for s in items if items.count(s) > 1})
+    if dup:
+        raise LabError(f"--{what}: duplicate value(s) {', '.join(dup)} in {text!r}")
+    return items
+
+
+def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
+    """Validate the sweep arguments (nothing is started or created) and return the sweep spec."""
+    import rc_core  # imports torch: only needed here
+
+    presets = _split(args.presets, "presets")
+    bad = [p for p in presets if p not in rc_core.PRESET_NAMES]
+    if bad:
+        raise LabError(f"unknown preset(s) {', '.join(bad)}; known: {', '.join(rc_core.PRESET_NAMES)}")
+    dial_flag = "--" + args.dial.replace("_", "-")
+    if not args.dial.isidentifier() or dial_flag in RESERVED:
+        raise LabError(f"--dial must be an rc_train.py Args field name like rollout_weight_noise (not one the "
+                       f"sweep sets itself), got {args.dial!r}")
+    levels = _split(args.levels, "levels")
+    bad = [v for v in levels if "/" in v or os.sep in v or any(c.isspace() for c in v)]
+    if bad:
+        raise LabError(f"--levels: value(s) {', '.join(bad)} cannot be part of a run folder name")
+    try:
+        seeds = [int(s) for s in _split(args.seeds, "seeds")]
+    except ValueError as e:
+        raise LabError(f"--seeds must be integers: {e}") from None
+    if args.jobs < 1:
+        raise LabError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.steps < 1:
+        raise LabError(f"--steps must be >= 1, got {args.steps}")
+    clash = [f for f in extra if f.split("=")[0] in RESERVED + (dial_flag,)]
+    if clash:
+        raise LabError(f"extra flag(s) {', '.join(clash)} are set by the sweep itself")
+    out, runs = os.path.abspath(args.out), []
+    for preset in presets:
+        for level in levels:
+            for seed in seeds:
+                name = run_name(preset, args.dial, level, seed)
+                cmd = [sys.executable, RC_TRAIN, "--output-dir", out, "--run-name", name, "--rc.preset", preset,
+                       "--seed", str(seed), dial_flag, level, "--num-steps", str(args.steps), *extra]
+                runs.append({"name": name, "preset": preset, "level": level, "seed": seed, "cmd": cmd})
+    return {"presets": presets, "dial": args.dial, "levels": levels, "seeds": seeds, "steps": args.steps,
+            "extra": list(extra), "jobs": args.jobs, "trainer": RC_TRAIN, "runs": runs}
+
+
+def is_complete(run_dir: str, steps: int) -> bool:
+    """True if run_dir/metrics.jsonl holds exactly the steps 0..steps-1 (a finished run of this length)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            records = load_metrics(run_dir)
+    except (FileNotFoundError, ValueError):
+        return False
+    return {int(r["step"]) for r in records} == set(range(steps))
+
+
+def launch(cmd: list[str], log_path: str) -> int:
+    """Run one trainer command with OMP_NUM_THREADS=1, stdout+stderr to log_path; return its exit code."""
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        with _LIVE_LOCK:
+            if _STOP.is_set():  # Ctrl-C arrived while this run was queued
+                return -2
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            _LIVE.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
+
+
+_LIVE: set = set()  # running trainer processes, terminated on Ctrl-C
+_LIVE_LOCK = threading.Lock()
+_STOP = threading.Event()
+
+
+def tail(path: str, n: int = 15) -> str:
+    """The last n lines of a log file."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
+    """Run every run of `spec` under `out` with spec['jobs'] workers; return the number of failed runs."""
+    os.makedirs(out, exist_ok=True)
+    _STOP.clear()
+    sweep_path = os.path.join(out, SWEEP_FILE)
+    if os.path.isfile(sweep_path):
+        with open(sweep_path) as f:
+            old = json.load(f)
+        if old.get("extra") != spec["extra"] and not overwrite:
+            print(f"rc_lab: note: previous sweep used extra flags {old.get('extra')}; completed runs are kept "
+                  "(pass --overwrite to re-run them)", file=sys.stderr)
+    todo = []
+    for run in spec["runs"]:
+        run_dir = os.path.join(out, run["name"])
+        if not overwrite and is_complete(run_dir, spec["steps"]):
+            run["status"] = "skipped"
+            continue
+        if os.path.isdir(run_dir):  # incomplete (or --overwrite): rc_train replaces the folder
+            run["cmd"] = run["cmd"] + ["--overwrite"]
+        run["status"] = "pending"
+        todo.append(run)
+    t0 = time.time()
+    spec["started"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _write_json(sweep_path, spec)
+
+    def work(run):
+        start = time.time()
+        code = launch(run["cmd"], os.path.join(out, run["name"] + ".log"))
+        if code == 0 and not is_complete(os.path.join(out, run["name"]), spec["steps"]):
+            code = -1  # the trainer exited cleanly but its metrics.jsonl is not a full run
+        run.update(returncode=code, seconds=round(time.time() - start, 1), status="ok" if code == 0 else "failed")
+        return run
+
+    n_skip = len(spec["runs"]) - len(todo)
+    bar = tqdm(total=len(spec["runs"]), initial=n_skip, desc="rc_lab sweep", dynamic_ncols=True)
+    bar.set_postfix(skipped=n_skip, failed=0)
+    failed = []
+    pool = ThreadPoolExecutor(max_workers=spec["jobs"])
+    try:
+        for fut in as_completed([pool.submit(work, r) for r in todo]):
+            run = fut.result()
+            if run["status"] == "failed":
+                failed.append(run)
+                bar.write(f"rc_lab: FAILED {run['name']} (exit {run['returncode']})")
+            bar.update(1)
+            bar.set_postfix(skipped=n_skip, failed=len(failed))
+    except KeyboardInterrupt:  # stop queued runs, terminate the running ones (only the processes we started)
+        with _LIVE_LOCK:
+            _STOP.set()
+            for proc in _LIVE:
+                proc.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+        spec["wall_time_s"] = round(time.time() - t0, 1)
+        _write_json(sweep_path, spec)
+    for run in failed:
+        log = os.path.join(out, run["name"] + ".log")
+        print(f"\nrc_lab: run {run['name']} failed (exit {run['returncode']}); last lines of {log}:\n{tail(log)}",
+              file=sys.stderr)
+    print(f"rc_lab: {len(todo) - len(failed)} ran, {n_skip} skipped, {len(failed)} failed "
+          f"in {spec['wall_time_s']:.0f}s")
+    return len(failed)
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: numbers
+# ---------------------------------------------------------------------------------------------
+def load_sweep(out: str) -> dict:
+    """sweep.json of `out` plus runs[i]['records'] (list of metric dicts, or None if the run has no metrics)."""
+    path = os.path.join(out, SWEEP_FILE)
+    if not os.path.isfile(path):
+        raise LabError(f"no {SWEEP_FILE} in {out!r} (not a sweep folder)")
+    try:
+        with open(path) as f:
+            sweep = json.load(f)
+    except json.JSONDecodeError as e:
+        raise LabError(f"{path}: not valid JSON ({e})") from None
+    for run in sweep["runs"]:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run["records"] = load_metrics(os.path.join(out, run["name"]))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"rc_lab: note: {run['name']} left out ({e})", file=sys.stderr)
+            run["records"] = None
+    return sweep
+
+
+def final_reward(records: list[dict], last: int = LAST_N) -> float | None:
+    """Mean `reward/mean` over the last `last` logged steps of one run (None if never logged)."""
+    _, values = run_series(records, "reward/mean")
+    return float(values[-last:].mean()) if values.size else None
+
+
+def steps_to_reach(records: list[dict], level: float) -> int | None:
+    """First step whose `reward/mean` >= level (None if never reached)."""
+    steps, values = run_series(records, "reward/mean")
+    hit = np.nonzero(values >= level)[0]
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def _mean_std(xs: list) -> tuple[float | None, float | None, int]:
+    """(mean, sample std (ddof=1; None for one value), n) of the non-None values."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None, 0
+    return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else None, len(xs)
+
+
+def _series_stat(records: list[dict], key: str, fn) -> float | None:
+    _, values = run_series(records, key)
+    return float(fn(values)) if values.size else None
+
+
+def _fraction(records: list[dict], key: str) -> float:
+    """Mean over steps of `key`, a missing value counting as 0 (nothing masked)."""
+    vals = [rec.get(key) for rec in records]
+    return float(np.mean([v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]))
+
+
+def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
+    """One row per (preset, level) in sweep order with the summary statistics over seeds (None = missing)."""
+    rows = []
+    has_veto = any(r["records"] and any("rollout_corr/rollout_is_veto_fraction" in x for x in r["records"])
+                   for r in sweep["runs"])
+    for preset in sweep["presets"]:
+        for level in sweep["levels"]:
+            recs = [r["records"] for r in sweep["runs"]
+                    if r["preset"] == preset and r["level"] == level and r["records"]]
+            rew, rew_std, _ = _mean_std([final_reward(x) for x in recs])
+            evals = [_series_stat(x, "eval/accuracy", lambda v: v[-1]) for x in recs]
+            acc, acc_std, n_acc = _mean_std(evals)
+            reach = [s for s in (steps_to_reach(x, reward_level) for x in recs) if s is not None]
+            maxes = {k: [m for m in (_series_stat(x, k, np.max) for x in recs) if m is not None]
+                     for k in ("rollout_corr/k3_kl", "actor/grad_norm")}
+            rows.append({
+                "preset": preset, "level": level, "n_seeds": len(recs),
+                "final_reward": rew, "final_reward_std": rew_std,
+                "eval_acc": acc, "eval_acc_std": acc_std, "n_eval": n_acc,
+                "steps_to_reach": float(np.mean(reach)) if reach else None,
+                "reached": f"{len(reach)}/{len(recs)}",
+                "max_k3_kl": max(maxes["rollout_corr/k3_kl"], default=None),
+                "max_grad_norm": max(maxes["actor/grad_norm"], default=None),
+                "masked_fraction": float(np.mean([_fraction(x, "rollout_corr/rollout_rs_masked_fraction")
+                                                  for x in recs])) if recs else None,
+            })
+            if has_veto:
+                rows[-1]["veto_fraction"] = float(np.mean(
+                    [_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs])) if recs else None
+    for row in rows:  # compare with the same preset at the first (zero-mismatch) level
+        ref = next(r for r in rows if r["preset"] == row["preset"] and r["level"] == sweep["levels"][0])
+        row["delta_eval_acc"], row["flag"] = None, DASH
+        if row is ref:
+            row["delta_eval_acc"], row["flag"] = (0.0, "ref") if ref["eval_acc"] is not None else (None, "ref")
+        elif row["eval_acc"] is not None and ref["eval_acc"] is not None:
+            row["delta_eval_acc"] = row["eval_acc"] - ref["eval_acc"]
+            dof = row["n_eval"] + ref["n_eval"] - 2
+            pooled = math.sqrt(((row["n_eval"] - 1) * (row["eval_acc_std"] or 0) ** 2
+                                + (ref["n_eval"] - 1) * (ref["eval_acc_std"] or 0) ** 2) / dof) if dof > 0 else 0.0
+            row["flag"] = "below" if -row["delta_eval_acc"] > max(2 * pooled, 0.05) else ""
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: files
+# ---------------------------------------------------------------------------------------------
+COLUMNS = (  # (row key, csv header, markdown header, format)
+    ("preset", "preset", "preset", "{}"), ("level", "level", "level", "{}"), ("n_seeds", "n_seeds", "n", "{}"),
+    ("final_reward", "final_reward_mean", "final reward", "{:.3f}"),
+    ("final_reward_std", "final_reward_std", None, "{:.3f}"),
+    ("eval_acc", "eval_acc_mean", "eval acc", "{:.3f}"), ("eval_acc_std", "eval_acc_std", None, "{:.3f}"),
+    ("steps_to_reach", "steps_to_reach_mean", "steps to reward ≥ {lvl}", "{:.1f}"),
+    ("reached", "reached", "reached", "{}"), ("max_k3_kl", "max_k3_kl", "max k3 KL", "{:.2e}"),
+    ("max_grad_norm", "max_grad_norm", "max grad norm", "{:.3g}"),
+    ("masked_fraction", "rs_masked_fraction", "RS masked", "{:.4f}"),
+    ("veto_fraction", "veto_fraction", "veto", "{:.4f}"),
+    ("delta_eval_acc", "delta_eval_acc_vs_level0", "Δ vs level 0", "{:+.3f}"), ("flag", "flag", "flag", "{}"),
+)
+
+
+def _fmt(value, fmt: str) -> str:
+    return DASH if value is None else fmt.format(value)
+
+
+def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) -> tuple[str, str]:
+    """Write out/summary.csv (full precision) and out/summary.md (rounded, mean ± std); return both paths."""
+    cols = [c for c in COLUMNS if c[0] in rows[0]] if rows else list(COLUMNS)
+    csv_path, md_path = os.path.join(out, "summary.csv"), os.path.join(out, "summary.md")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([c[1] for c in cols])
+        w.writerows([[DASH if r.get(k) is None else r[k] for k, *_ in cols] for r in rows])
+    md_cols = [c for c in cols if c[2] is not None]
+    lines = [f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps", "",
+             "| " + " | ".join(c[2].format(lvl=reward_level) for c in md_cols) + " |",
+             "|" + "---|" * len(md_cols)]
+    for r in rows:
+        cells = []
+        for key, _, _, fmt in md_cols:
+            cell = _fmt(r.get(key), fmt)
+            if key in ("final_reward", "eval_acc") and r.get(key + "_std") is not None:
+                cell += " ± " + fmt.format(r[key + "_std"])
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    columns = (f"final reward: mean `reward/mean` over the last {LAST_N} steps of each seed; eval acc: last "
+               "`eval/accuracy` of each seed; both mean ± sample std over seeds. Steps to reward: first step with "
+               f"`reward/mean` ≥ {reward_level}, mean over the seeds that reached it (reached: seeds that did). "
+               "max k3 KL, max grad norm: max over steps and seeds. RS masked / veto: mean over steps of the "
+               f"logged fraction (0 when not logged), mean over seeds. {DASH}: not logged / not computable.")
+    rule = (f"Δ vs level 0: eval acc minus that of the same preset at the first level "
+            f"(`{sweep['dial']}={sweep['levels'][0]}`, `ref`). Flag rule: a row is marked `below` when its mean "
+            "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
+            "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2).")
+    lines += ["", columns, "", rule, ""]
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines))
+    return csv_path, md_path
+
+
+def _new_figure(n_panels: int, sharey: bool = True):
+    fig = Figure(figsize=(4.6 * n_panels, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, n_panels, sharey=sharey, squeeze=False).ravel()
+
+
+def _seed_band(runs: list[dict], key: str):
+    """(steps, mean, min, max) of `key` over the runs' seeds, per step (steps where any seed logged it)."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for s, v in zip(*run_series(run["records"], key)):
+            by_step.setdefault(int(s), []).append(float(v))
+    steps = np.array(sorted(by_step), dtype=int)
+    vals = [by_step[s] for s in steps]
+    return steps, np.array([np.mean(v) for v in vals]), np.array([min(v) for v in vals]), \
+        np.array([max(v) for v in vals])
+
+
+def _legend(axes, fontsize: int) -> None:
+    """Legend in the first panel that has lines; 'not logged' in the empty panels."""
+    with_lines = [ax for ax in axes if ax.get_legend_handles_labels()[0]]
+    if with_lines:
+        with_lines[0].legend(fontsize=fontsize)
+    for ax in axes:
+        if ax not in with_lines:
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", color="0.5", style="italic")
+
+
+def _groups(sweep: dict, level: str):
+    """(preset, colour, runs with metrics) for one dial level."""
+    for i, preset in enumerate(sweep["presets"]):
+        runs = [r for r in sweep["runs"] if r["preset"] == preset and r["level"] == level and r["records"]]
+        yield preset, f"C{i % 10}", runs
+
+
+def plot_curves(sweep: dict, key: str, path: str, ylabel: str, log: bool = False) -> str:
+    """One panel per dial level: per preset, the mean of `key` over seeds vs step, min–max shaded; shared y."""
+    fig, axes = _new_figure(len(sweep["levels"]))
+    positive = False
+    for ax, level in zip(axes, sweep["levels"]):
+        for preset, color, runs in _groups(sweep, level):
+            steps, mean, lo, hi = _seed_band(runs, key)
+            if steps.size:
+                ax.plot(steps, mean, color=color, label=preset, linewidth=1.4)
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
+                positive |= bool(np.any(hi > 0))
+        ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    if log and positive:
+        axes[0].set_yscale("log", nonpositive="mask")
+    axes[0].set_ylabel(ylabel + (" (log)" if log and positive else ""))
+    _legend(axes, 8)
+    fig.suptitle(f"{key}: mean over seeds, min–max shaded")
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def plot_alpha(sweep: dict, path: str) -> str:
+    """Per dial level: alpha_0 (`actor/tv_update`, solid) and alpha_1 (`rollout_corr/tv_mismatch`, dashed) vs step."""
+    fig, axes = _new_figure(len(sweep["levels"]))
+    for ax, level in zip(axes, sweep["levels"]):
+        for preset, color, runs in _groups(sweep, level):
+            for key, style, sym in (("actor/tv_update", "-", "α₀"), ("rollout_corr/tv_mismatch", "--", "α₁")):
+                steps, mean, _, _ = _seed_band(runs, key)
+                if steps.size:
+                    ax.plot(steps, mean, color=color, linestyle=style, label=f"{preset} {sym}", linewidth=1.3)
+        ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("total variation (mean over seeds)")
+    _legend(axes, 7)
+    fig.suptitle("three-policy TRPO: α₀ = tv_update (solid), α₁ = tv_mismatch (dashed; β in bypass presets)")
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def plot_is_hist(sweep: dict, out: str, path: str, step: int | None = None) -> str | None:
+    """Histogram of the token IS ratio exp(log ratio) at `step` (default: the largest step all runs dumped),
+    one panel per dial level, presets overlaid (seeds pooled). Returns None (with a note) if nothing to plot."""
+    runs = [r for r in sweep["runs"] if r["records"]]
+    dumped = [{int(os.path.basename(p)[5:-4]) for p in glob.glob(os.path.join(out, r["name"], "log_ratio",
+                                                                                "step_*.npy"))} for r in runs]
+    if step is None:
+        common = set.intersection(*dumped) if dumped else set()
+        if not common:
+            print("rc_lab: note: no log_ratio/step_N.npy shared by all runs (train with --dump-log-ratio-every K); "
+                  "is_hist.png skipped")
+            return None
+        step = max(common)
+    fig, axes = _new_figure(len(sweep["levels"]), sharey=False)
+    drawn = False
+    for ax, level in zip(axes, sweep["levels"]):
+        ratios = {}
+        for preset, color, group in _groups(sweep, level):
+            files = [os.path.join(out, r["name"], "log_ratio", f"step_{step:06d}.npy") for r in group]
+            arrays = [np.load(f).astype(np.float64).ravel() for f in files if os.path.isfile(f)]
+            ratio = np.exp(np.clip(np.concatenate(arrays), -20, 20)) if arrays else np.zeros(0)
+            if ratio.size:
+                ratios[preset] = (color, ratio)
+        if ratios:  # common bins over the bulk (0.1%-99.9% quantiles) so one outlier cannot squash the rest
+            lo, hi = np.quantile(np.concatenate([r for _, r in ratios.values()]), [0.001, 0.999])
+            bins = np.linspace(lo, hi if hi > lo else lo + 1e-6, 61)
+            for preset, (color, ratio) in ratios.items():
+                ax.hist(np.clip(ratio, lo, hi), bins=bins, histtype="step", color=color,
+                        label=f"{preset} (n={ratio.size})")
+            drawn = True
+        ax.set_yscale("log")
+        ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
+        ax.set_xlabel("token IS ratio π_trainer / π_rollout")
+        if ratios:
+            ax.legend(fontsize=7)
+    if not drawn:
+        print(f"rc_lab: note: no non-empty log_ratio/step_{step:06d}.npy; is_hist.png skipped")
+        return None
+    print(f"rc_lab: IS histogram at step {step}")
+    axes[0].set_ylabel("tokens (log)")
+    fig.suptitle(f"token IS ratio at step {step} (seeds pooled)")
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) -> list[str]:
+    """Write summary.md/.csv and the PNGs of a sweep folder; return the written paths."""
+    sweep = load_sweep(out)
+    rows = summarise(sweep, reward_level)
+    written = list(write_summary(rows, sweep, out, reward_level))
+    written.append(plot_curves(sweep, "reward/mean", os.path.join(out, "reward.png"), "reward/mean"))
+    written.append(plot_curves(sweep, "rollout_corr/k3_kl", os.path.join(out, "k3.png"), "k3 KL", log=True))
+    written.append(plot_alpha(sweep, os.path.join(out, "alpha.png")))
+    hist = plot_is_hist(sweep, out, os.path.join(out, "is_hist.png"), hist_step)
+    written += [hist] if hist else []
+    with open(written[1]) as f:
+        print(f.read())
+    print("rc_lab: wrote " + ", ".join(written))
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rc_lab.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweep", help="run presets x dial levels x seeds, then report",
+                       epilog="flags after `--` are passed verbatim to rc_train.py")
+    s.add_argument("--out", required=True, help="sweep folder (runs, logs, sweep.json, summary)")
+    s.add_argument("--presets", required=True, help="comma-separated rc_core.PRESET_NAMES, e.g. naive,decoupled_token_is")
+    s.add_argument("--dial", required=True, help="rc_train.py Args field, e.g. rollout_weight_noise, sync_every")
+    s.add_argument("--levels", required=True, help="comma-separated dial values, the zero-mismatch one first")
+    s.add_argument("--seeds", default="1,2,3", help="comma-separated integer seeds (default 1,2,3)")
+    s.add_argument("--jobs", type=int, default=1, help="runs in parallel (default 1)")
+    s.add_argument("--steps", type=int, default=40, help="--num-steps of each run (default 40)")
+    s.add_argument("--overwrite", action="store_true", help="re-run runs that are already complete")
+    s.add_argument("--reward-level", type=float, default=0.5, help="reward level of the report (default 0.5)")
+    r = sub.add_parser("report", help="summary table and plots of a sweep folder")
+    r.add_argument("out", metavar="SWEEP_DIR")
+    r.add_argument("--reward-level", type=float, default=0.5, help="'steps to reach' level (default 0.5)")
+    r.add_argument("--hist-step", type=int, default=None, help="step of the IS histogram (default: largest common)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: 0 = success, 1 = some run failed, 2 = bad input (nothing started)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if args.command == "report":
+            if extra:
+                raise LabError(f"extra flags {extra} are only for `sweep`")
+            report(args.out, args.reward_level, args.hist_step)
+            return 0
+        spec = build_spec(args, extra)
+        failed = run_sweep(spec, args.out, args.overwrite)
+        report(args.out, args.reward_level)
+        return 1 if failed else 0
+    except LabError as e:
+        print(f"rc_lab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Tests for rc_lab.py: the report numbers, summary files, plots, input checks, and the sweep runner
+end to end against a tiny fake trainer (no vLLM, no torch training).
+
+    .venv/bin/python -m pytest test_lab.py -q
+"""
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+import rc_lab
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DIAL = "rollout_weight_noise"
+PRESETS = ["naive", "decoupled_token_is", "bypass_ppo_clip"]
+LEVELS = ["0", "0.3"]
+SEEDS = [1, 2]
+N_STEPS = 20
+REWARD_LEVEL = 0.71
+
+# Per (preset, level): reward bases of seeds 1, 2 (reward/mean = base + 0.02 * step) and their final
+# eval accuracies.
+#   naive:              eval 0.80,0.82 -> 0.60,0.62: delta -0.20, pooled std 0.0141 -> flagged (0.05 rule)
+#   decoupled_token_is: eval 0.80,0.80 -> 0.78,0.76: delta -0.03 > 2 * pooled std 0.01 but < 0.05 -> not flagged
+#   bypass_ppo_clip:    eval 0.70,0.90 -> 0.60,0.80: delta -0.10 < 2 * pooled std 0.1414 -> not flagged
+BASES = {("naive", "0"): (0.5, 0.6), ("naive", "0.3"): (0.1, 0.3),
+         ("decoupled_token_is", "0"): (0.4, 0.4), ("decoupled_token_is", "0.3"): (0.4, 0.2),
+         ("bypass_ppo_clip", "0"): (0.4, 0.4), ("bypass_ppo_clip", "0.3"): (0.4, 0.4)}
+EVALS = {("naive", "0"): (0.80, 0.82), ("naive", "0.3"): (0.60, 0.62),
+         ("decoupled_token_is", "0"): (0.80, 0.80), ("decoupled_token_is", "0.3"): (0.78, 0.76),
+         ("bypass_ppo_clip", "0"): (0.70, 0.90), ("bypass_ppo_clip", "0.3"): (0.60, 0.80)}
+
+
+def fake_records(preset, level, seed):
+    """20 steps. k3 only for non-bypass presets (bypass: the key is missing); RS masked fraction only for
+    decoupled_token_is, 0.1 on even steps and absent on odd ones; veto only for decoupled_token_is seed 1."""
+    base = BASES[(preset, level)][seed - 1]
+    out = []
+    for s in range(N_STEPS):
+        r = {"step": s, "reward/mean": base + 0.02 * s, "actor/grad_norm": s + 100.0 * seed,
+             "rollout_corr/tv_mismatch": 0.01 * float(level) + 0.001 * s, "timing/step_s": 1.0}
+        if not preset.startswith("bypass"):
+            r["rollout_corr/k3_kl"] = 1e-3 * (s + 1) * seed * (1 + float(level))
+            r["actor/tv_update"] = 0.002 * s
+        if preset == "decoupled_token_is" and s % 2 == 0:
+            r["rollout_corr/rollout_rs_masked_fraction"] = 0.1
+        if preset == "decoupled_token_is" and seed == 1:
+            r["rollout_corr/rollout_is_veto_fraction"] = 0.02
+        if s == 9:
+            r["eval/accuracy"] = 0.0  # an earlier eval: the report must use the last one
+        if s == N_STEPS - 1:
+            r["eval/accuracy"] = EVALS[(preset, level)][seed - 1]
+        out.append(r)
+    return out
+
+
+def write_sweep(out, presets=PRESETS, levels=LEVELS, seeds=SEEDS, records=fake_records, steps=N_STEPS):
+    """A sweep folder as `rc_lab.py sweep` leaves it: sweep.json plus one run folder per run."""
+    runs = []
+    for p in presets:
+        for lv in levels:
+            for sd in seeds:
+                name = rc_lab.run_name(p, DIAL, lv, sd)
+                recs = records(p, lv, sd)
+                if recs is not None:
+                    os.makedirs(out / name, exist_ok=True)
+                    with open(out / name / "metrics.jsonl", "w") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in recs)
+                runs.append({"name": name, "preset": p, "level": lv, "seed": sd, "cmd": []})
+    with open(out / "sweep.json", "w") as f:
+        json.dump({"presets": list(presets), "dial": DIAL, "levels": list(levels), "seeds": list(seeds),
+                   "steps": steps, "extra": [], "jobs": 1, "runs": runs}, f)
+    return out
+
+
+def row_of(rows, preset, level):
+    (row,) = [r for r in rows if r["preset"] == preset and r["level"] == level]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers
+# ---------------------------------------------------------------------------------------------
+def test_final_reward_and_steps_to_reach():
+    recs = fake_records("naive", "0", 1)  # reward 0.5 + 0.02 s, s = 0..19
+    assert rc_lab.final_reward(recs) == pytest.approx(0.5 + 0.02 * 14.5)  # mean of steps 10..19
+    assert rc_lab.final_reward(recs, last=1) == pytest.approx(0.88)
+    assert rc_lab.steps_to_reach(recs, 0.71) == 11
+    assert rc_lab.steps_to_reach(recs, 0.5) == 0
+    assert rc_lab.steps_to_reach(recs, 0.9) is None
+    assert rc_lab.final_reward([{"step": 0}]) is None
+    assert rc_lab.steps_to_reach([{"step": 0}], 0.1) is None
+
+
+def test_summarise_exact_values(tmp_path):
+    sweep = rc_lab.load_sweep(str(write_sweep(tmp_path)))
+    rows = rc_lab.summarise(sweep, REWARD_LEVEL)
+    assert [(r["preset"], r["level"]) for r in rows] == [(p, lv) for p in PRESETS for lv in LEVELS]
+    r = row_of(rows, "naive", "0")
+    assert r["n_seeds"] == 2
+    assert r["final_reward"] == pytest.approx(0.84)  # seeds 0.79, 0.89
+    assert r["final_reward_std"] == pytest.approx(0.1 / np.sqrt(2))  # sample std (ddof=1)
+    assert r["eval_acc"] == pytest.approx(0.81) and r["eval_acc_std"] == pytest.approx(0.02 / np.sqrt(2))
+    assert r["steps_to_reach"] == pytest.approx(8.5) and r["reached"] == "2/2"  # steps 11 and 6
+    assert r["max_grad_norm"] == pytest.approx(219.0)
+    assert r["max_k3_kl"] == pytest.approx(0.04)
+    assert r["masked_fraction"] == 0.0 and r["veto_fraction"] == 0.0
+    assert r["delta_eval_acc"] == 0.0 and r["flag"] == "ref"
+    r = row_of(rows, "naive", "0.3")
+    assert r["final_reward"] == pytest.approx(0.49) and r["final_reward_std"] == pytest.approx(0.2 / np.sqrt(2))
+    assert r["steps_to_reach"] is None and r["reached"] == "0/2"
+    assert r["max_k3_kl"] == pytest.approx(0.04 * 1.3)
+    assert r["delta_eval_acc"] == pytest.approx(-0.20) and r["flag"] == "below"
+    r = row_of(rows, "decoupled_token_is", "0.3")
+    assert r["steps_to_reach"] == pytest.approx(16.0) and r["reached"] == "1/2"
+    assert r["masked_fraction"] == pytest.approx(0.05)  # 0.1 on even steps, missing (0) on odd ones
+    assert r["veto_fraction"] == pytest.approx(0.01)  # seed 1: 0.02, seed 2: not logged (0)
+    assert r["eval_acc"] == pytest.approx(0.77) and r["eval_acc_std"] == pytest.approx(0.02 / np.sqrt(2))
+    assert r["delta_eval_acc"] == pytest.approx(-0.03) and r["flag"] == ""  # 0.03 < 0.05
+    r = row_of(rows, "bypass_ppo_clip", "0.3")
+    assert r["max_k3_kl"] is None  # never logged
+    assert r["delta_eval_acc"] == pytest.approx(-0.10) and r["flag"] == ""  # 0.10 < 2 * 0.1414
+
+
+def test_summary_files(tmp_path):
+    out = write_sweep(tmp_path)
+    sweep = rc_lab.load_sweep(str(out))
+    rows = rc_lab.summarise(sweep, REWARD_LEVEL)
+    csv_path, md_path = rc_lab.write_summary(rows, sweep, str(out), REWARD_LEVEL)
+    with open(csv_path) as f:
+        table = list(csv.DictReader(f))
+    assert [(t["preset"], t["level"]) for t in table] == [(p, lv) for p in PRESETS for lv in LEVELS]
+    naive3 = table[1]
+    assert float(naive3["final_reward_mean"]) == pytest.approx(0.49)
+    assert float(naive3["delta_eval_acc_vs_level0"]) == pytest.approx(-0.2)
+    assert naive3["flag"] == "below" and naive3["steps_to_reach_mean"] == "–" and naive3["reached"] == "0/2"
+    assert table[5]["max_k3_kl"] == "–"
+    assert [t["flag"] for t in table] == ["ref", "below", "ref", "", "ref", ""]
+    md = Path(md_path).read_text()
+    assert "| naive | 0.3 | 2 | 0.490 ± 0.141 | 0.610 ± 0.014 | – | 0/2 |" in md
+    assert "| bypass_ppo_clip | 0.3 | 2 | 0.690 ± 0.000 | 0.700 ± 0.141 | 16.0 | 2/2 | – | 219 |" in md
+    assert sum(line.endswith("| below |") for line in md.splitlines()) == 1
+    assert "max(2 × pooled std, 0.05)" in md and "`rollout_weight_noise=0`" in md
+
+
+def test_missing_keys_and_missing_runs(tmp_path):
+    """A run with only step + reward, and a run with no metrics at all: no crash, '–' where unknown."""
+    def records(p, lv, sd):
+        if sd == 2:
+            return None
+        return [{"step": s, "reward/mean": 0.25} for s in range(3)]
+
+    out = write_sweep(tmp_path, presets=["naive"], records=records)
+    written = rc_lab.report(str(out), 0.2)
+    assert {os.path.basename(p) for p in written} == {"summary.csv", "summary.md", "reward.png", "k3.png",
+                                                       "alpha.png"}
+    with open(out / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert table[0]["n_seeds"] == "1" and float(table[0]["final_reward_mean"]) == 0.25
+    assert table[0]["final_reward_std"] == "–" and table[0]["eval_acc_mean"] == "–"
+    assert table[0]["max_k3_kl"] == "–" and table[0]["max_grad_norm"] == "–"
+    assert table[0]["rs_masked_fraction"] == "0.0" and "veto_fraction" not in table[0]
+    assert table[1]["delta_eval_acc_vs_level0"] == "–" and table[1]["flag"] == "–"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------
+def check_png(path, n_panels):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.path.getsize(path) > 5000
+    assert imread(path).shape[1] == round(4.6 * 90 * n_panels)  # one panel per dial level
+
+
+def test_report_writes_all_pngs_and_histogram(tmp_path, capsys):
+    out = write_sweep(tmp_path)
+    rng = np.random.default_rng(0)
+    for i, run in enumerate(json.loads((out / "sweep.json").read_text())["runs"]):
+        d = out / run["name"] / "log_ratio"
+        d.mkdir()
+        for step in (0, 10) if i else (0, 10, 15):  # step 15 exists for one run only
+            np.save(d / f"step_{step:06d}.npy", (0.05 * rng.standard_normal(200)).astype(np.float32))
+    written = rc_lab.report(str(out), REWARD_LEVEL)
+    assert "rc_lab: IS histogram at step 10" in capsys.readouterr().out  # largest step that all runs have
+    for name in ("reward.png", "k3.png", "alpha.png", "is_hist.png"):
+        assert str(out / name) in written
+        check_png(out / name, len(LEVELS))
+    os.remove(out / "is_hist.png")
+    rc_lab.plot_is_hist(rc_lab.load_sweep(str(out)), str(out), str(out / "is_hist.png"), step=15)
+    assert "at step 15" in capsys.readouterr().out
+    check_png(out / "is_hist.png", len(LEVELS))
+
+
+def test_histogram_skipped_without_npy(tmp_path, capsys):
+    out = write_sweep(tmp_path)
+    written = rc_lab.report(str(out), REWARD_LEVEL)
+    assert "is_hist.png skipped" in capsys.readouterr().out
+    assert not (out / "is_hist.png").exists() and str(out / "is_hist.png") not in written
+    assert rc_lab.plot_is_hist(rc_lab.load_sweep(str(out)), str(out), str(out / "h.png"), step=5) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: exit 2, the bad value named, nothing created
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, bad", [
+    (["--presets", "naive,not_a_preset"], "not_a_preset"),
+    (["--levels", "0,0.1,0.1"], "0.1"),
+    (["--jobs", "0"], "0"),
+    (["--levels", ""], "--levels"),
+    (["--seeds", "1,x"], "x"),
+    (["--dial", "rollout-weight-noise"], "rollout-weight-noise"),
+    (["--dial", "seed"], "seed"),
+    (["--steps", "0"], "0"),
+])
+def test_bad_sweep_input(tmp_path, capsys, monkeypatch, flags, bad):
+    monkeypatch.setattr(rc_lab, "launch", lambda *a: pytest.fail("nothing may start"))
+    base = {"--out": str(tmp_path / "lab"), "--presets": "naive", "--dial": DIAL, "--levels": "0,0.1",
+            "--seeds": "1", "--jobs": "1"}
+    base.update(dict(zip(flags[::2], flags[1::2])))
+    code = rc_lab.main(["sweep", *[x for kv in base.items() for x in kv]])
+    err = capsys.readouterr().err
+    assert code == 2 and bad in err and "rc_lab: error" in err
+    assert not (tmp_path / "lab").exists()
+
+
+def test_extra_flag_clash(tmp_path, capsys):
+    code = rc_lab.main(["sweep", "--out", str(tmp_path / "lab"), "--presets", "naive", "--dial", DIAL,
+                        "--levels", "0", "--", "--seed", "3"])
+    assert code == 2 and "--seed" in capsys.readouterr().err and not (tmp_path / "lab").exists()
+
+
+def test_cli_errors_subprocess(tmp_path):
+    """The real command line: exit code 2 and the bad value on stderr."""
+    missing = tmp_path / "nope"
+    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "report", str(missing)],
+                       capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert p.returncode == 2 and str(missing) in p.stderr and not missing.exists()
+    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "sweep", "--out", "lab", "--presets",
+                        "naive,bogus", "--dial", DIAL, "--levels", "0"],
+                       capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert p.returncode == 2 and "bogus" in p.stderr and not (tmp_path / "lab").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep end to end with a fake trainer
+# ---------------------------------------------------------------------------------------------
+FAKE_TRAIN = r'''
+import argparse, json, os, sys, time
+p = argparse.ArgumentParser()
+for flag in ("--output-dir", "--run-name", "--rollout-weight-noise"):
+    p.add_argument(flag)
+p.add_argument("--rc.preset", dest="preset")
+p.add_argument("--seed", type=int)
+p.add_argument("--num-steps", type=int)
+p.add_argument("--overwrite", action="store_true")
+a, rest = p.parse_known_args()
+start = time.time()
+time.sleep(0.4)
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls.jsonl"), "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "omp": os.environ.get("OMP_NUM_THREADS"), "start": start,
+                        "end": time.time()}) + "\n")
+run_dir = os.path.join(a.output_dir, a.run_name)
+if os.path.isdir(run_dir) and os.listdir(run_dir) and not a.overwrite:
+    sys.exit("fake: run folder exists")
+if a.preset == "decoupled_seq_is" and a.rollout_weight_noise == "0.3":
+    print("fake: boom at step 2")
+    sys.exit(3)
+os.makedirs(run_dir, exist_ok=True)
+with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    for s in range(a.num_steps):
+        f.write(json.dumps({"step": s, "reward/mean": 0.1 * s + 0.01 * a.seed}) + "\n")
+print("fake: done", rest)
+'''
+
+
+def read_calls(tmp_path):
+    """The fake trainer's call records, one per launch."""
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def write_metrics(run_dir, steps, reward):
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": s, "reward/mean": reward}) + "\n" for s in range(steps))
+
+
+def test_sweep_end_to_end(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(rc_lab, "RC_TRAIN", str(fake))
+    out = tmp_path / "lab"
+    write_metrics(out / f"naive__{DIAL}=0__s1", 5, 9.0)  # complete: skipped
+    write_metrics(out / f"naive__{DIAL}=0.3__s2", 2, 9.0)  # incomplete: re-run with --overwrite
+    argv = ["sweep", "--out", str(out), "--presets", "naive,decoupled_seq_is", "--dial", DIAL, "--levels",
+            "0,0.3", "--seeds", "1,2", "--jobs", "2", "--steps", "5", "--", "--eval-every", "2"]
+    assert rc_lab.main(argv) == 1  # two runs fail
+    cap = capsys.readouterr()
+
+    calls = read_calls(tmp_path)
+    names = sorted(c["argv"][c["argv"].index("--run-name") + 1] for c in calls)
+    assert len(calls) == 7 and f"naive__{DIAL}=0__s1" not in names
+    assert all(c["omp"] == "1" for c in calls)
+    spans = sorted((c["start"], c["end"]) for c in calls)
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))  # --jobs 2: some runs overlapped
+    by_name = {c["argv"][c["argv"].index("--run-name") + 1]: c["argv"] for c in calls}
+    assert by_name[f"naive__{DIAL}=0.3__s2"][-1] == "--overwrite"
+    assert by_name[f"naive__{DIAL}=0.3__s1"] == [
+        "--output-dir", str(out), "--run-name", f"naive__{DIAL}=0.3__s1", "--rc.preset", "naive",
+        "--seed", "1", "--rollout-weight-noise", "0.3", "--num-steps", "5", "--eval-every", "2"]
+
+    # the skipped run is untouched, the incomplete one was replaced, logs exist for every launched run
+    assert rc_lab.load_metrics(str(out / f"naive__{DIAL}=0__s1"))[0]["reward/mean"] == 9.0
+    assert rc_lab.load_metrics(str(out / f"naive__{DIAL}=0.3__s2"))[4]["reward/mean"] == pytest.approx(0.42)
+    assert sorted(p.name for p in out.glob("*.log")) == sorted(n + ".log" for n in names)
+    assert "fake: done ['--eval-every', '2']" in (out / f"naive__{DIAL}=0.3__s1.log").read_text()
+
+    # failures: reported with the log tail, the sweep went on
+    for sd in (1, 2):
+        name = f"decoupled_seq_is__{DIAL}=0.3__s{sd}"
+        assert f"run {name} failed (exit 3)" in cap.err
+    assert "fake: boom at step 2" in cap.err
+    spec = json.loads((out / "sweep.json").read_text())
+    assert spec["presets"] == ["naive", "decoupled_seq_is"] and spec["levels"] == ["0", "0.3"]
+    assert spec["seeds"] == [1, 2] and spec["steps"] == 5 and spec["extra"] == ["--eval-every", "2"]
+    assert spec["wall_time_s"] >= 0
+    status = {r["name"]: r["status"] for r in spec["runs"]}
+    assert list(status.values()).count("failed") == 2 and list(status.values()).count("skipped") == 1
+    assert list(status.values()).count("ok") == 5
+
+    # the report ran: failed cell has no seeds
+    with open(out / "summary.csv") as f:
+        table = {(t["preset"], t["level"]): t for t in csv.DictReader(f)}
+    assert table[("decoupled_seq_is", "0.3")]["n_seeds"] == "0"
+    assert float(table[("decoupled_seq_is", "0")]["final_reward_mean"]) == pytest.approx(0.215)
+    assert (out / "reward.png").stat().st_size > 0
+
+    # resume: only the failed runs are launched again
+    (tmp_path / "calls.jsonl").unlink()
+    assert rc_lab.main(argv) == 1
+    again = read_calls(tmp_path)
+    assert sorted(c["argv"][c["argv"].index("--run-name") + 1] for c in again) == [
+        f"decoupled_seq_is__{DIAL}=0.3__s1", f"decoupled_seq_is__{DIAL}=0.3__s2"]
+
+
+def test_sweep_all_ok_exit_zero(tmp_path, monkeypatch):
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(rc_lab, "RC_TRAIN", str(fake))
+    out = tmp_path / "lab"
+    assert rc_lab.main(["sweep", "--out", str(out), "--presets", "naive", "--dial", DIAL, "--levels", "0",
+                        "--seeds", "1", "--steps", "3"]) == 0
+    assert (out / "summary.md").exists()
+    # a trainer that exits 0 without a complete metrics.jsonl counts as failed
+    monkeypatch.setattr(rc_lab, "launch", lambda cmd, log: 0)
+    assert rc_lab.main(["sweep", "--out", str(out), "--presets", "naive", "--dial", DIAL, "--levels", "0",
+                        "--seeds", "1", "--steps", "4"]) == 1
+
+
+def test_cli_sweep_subprocess(tmp_path):
+    """`python rc_lab.py sweep` as a user runs it, the trainer swapped through RC_LAB_TRAIN."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    env = {**os.environ, "RC_LAB_TRAIN": str(fake)}
+    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "sweep", "--out", "lab", "--presets",
+                        "naive", "--dial", DIAL, "--levels", "0,0.1", "--seeds", "7", "--steps", "3"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
+    assert p.returncode == 0, p.stderr
+    assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout and "| naive | 0.1 | 1 |" in p.stdout
+    spec = json.loads((tmp_path / "lab" / "sweep.json").read_text())
+    assert [r["cmd"][1] for r in spec["runs"]] == [str(fake)] * 2
+    assert [r["status"] for r in spec["runs"]] == ["ok", "ok"]
+    assert rc_lab.load_metrics(str(tmp_path / "lab" / f"naive__{DIAL}=0.1__s7"))[2]["reward/mean"] == pytest.approx(0.27)

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment (rank r uses seed + r for sampling)"""
+    """seed of the experiment (rollouts are seeded by a hash of seed, step, rank and prompt)"""
     config: str | None = None
     """YAML file whose keys become the defaults; flags on the command line still win"""
     output_dir: str = "runs"
@@ -200,6 +201,8 @@ class Args:
     """number of eval problems (None = whole split)"""
     checkpoint_every: int = 0
     """save model, optimizer, scheduler, RNG and data position every N steps (0 = never)"""
+    log_rank_checksums: bool = False
+    """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens} to ranks/rank{r}.jsonl (DDP check)"""
     save_final: bool = True
     """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
 
@@ -633,6 +636,8 @@ def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokeni
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, "optim.pt"))
+        if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
+            os.kill(os.getpid(), signal.SIGKILL)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
             json.dump({"step": step, "position": position, **counters}, f)
         os.replace(tmp, final)
@@ -666,8 +671,14 @@ def truncate_metrics(path: str, start_step: int) -> None:
     """On resume, drop lines of steps that will be run again (rewritten atomically)."""
     if not os.path.isfile(path):
         return
+    keep = []
     with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
+        for line in f:
+            try:
+                if json.loads(line)["step"] < start_step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):  # a line torn by the kill that interrupted the run
+                continue
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
@@ -779,7 +790,10 @@ if __name__ == "__main__":
         start_step, position = state["step"] + 1, state["position"]
         counters = {k: state[k] for k in counters}
         if accelerator.is_main_process:
-            truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
+            for name in ("metrics.jsonl", "eval_samples.jsonl"):
+                truncate_metrics(os.path.join(run_dir, name), start_step)
+        truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), start_step)
+        if accelerator.is_main_process:
             print(f"resumed from {ckpt} at step {start_step}")
     llm = start_engine(args, model_path, args.seed + rank)
     on_gpu = torch.cuda.is_available() and args.vllm_sleep
@@ -918,7 +932,7 @@ if __name__ == "__main__":
                         kl_loss = rc_core.agg_loss(kl, m, args.loss_agg_mode, response_mask=m, **denominators)
                         loss = loss + args.kl_coef * kl_loss
                         mm["actor/kl_loss"] = float(kl_loss) * len(micro)
-                    loss_sum += float(loss)
+                    loss_sum += float(loss.detach())
                     sync_grads = j == len(micro) - 1
                     with (accelerator.no_sync(model) if not sync_grads and world > 1 else torch.enable_grad()):
                         # Each rank holds a partial numerator over global denominators; DDP averages, so x world.
@@ -1006,6 +1020,16 @@ if __name__ == "__main__":
                 wandb.log(metrics, step=step)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}",
                             step_s=f"{timing['timing/step_s']:.2f}")
+
+        if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
+            weights = hashlib.sha256()
+            for name, tensor in sorted(unwrapped.state_dict().items()):
+                weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+            rollout = hashlib.sha256(json.dumps([r[0] for r in flat_responses]).encode()).hexdigest()
+            os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
+            with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "weights_sha256": weights.hexdigest(),
+                                    "rollout_sha256": rollout}) + "\n")
 
         # ---- Checkpoint ----------------------------------------------------------------------
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:

@@ -170,3 +170,99 @@ def test_score_addition_reads_first_ascii_integer():
     assert rc_train.score_addition("³7", "7") == 1.0 and rc_train.score_addition("³", "3") == 0.0
     problems = rc_train.addition_problems("train")
     assert len(problems) == 55 and all(int(p["gold"]) <= 9 for p in problems)
+
+
+# ---- Issue 4: several processes, kill and resume, the GSM8K smoke run, malformed data ---------------------
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_processes_same_weights_different_samples(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "ddp", *QUICK,
+           "--num-steps", "3", "--log-rank-checksums", "--rc.preset", "decoupled_token_is"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [read_jsonl(tmp_path / "ddp" / "ranks" / f"rank{r}.jsonl") for r in (0, 1)]
+    assert [len(r) for r in ranks] == [3, 3]
+    for a, b in zip(*ranks):
+        assert a["world_size"] == b["world_size"] == 2 and a["step"] == b["step"]
+        assert a["weights_sha256"] == b["weights_sha256"], a["step"]  # DDP kept the replicas identical
+        assert a["rollout_sha256"] != b["rollout_sha256"], a["step"]  # each rank sampled its own shard
+    assert len({r["weights_sha256"] for r in ranks[0]}) == 3  # and the weights did change every step
+    rows = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+def _same_metrics(a, b):
+    keys = {k for k in a if not k.startswith("timing/")}
+    assert keys == {k for k in b if not k.startswith("timing/")}
+    return all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in keys)  # NaN == NaN here
+
+
+@pytest.mark.parametrize("kill", ["between_checkpoints", "during_checkpoint"])
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
+    import signal
+    import time
+
+    flags = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--rc.preset", "decoupled_token_is"]
+    reference, _ = run_train(tmp_path, *flags, name="reference")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    if kill == "during_checkpoint":
+        env["RC_TRAIN_KILL_IN_CHECKPOINT"] = "3"  # the process SIGKILLs itself inside the step-3 checkpoint
+    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "killed",
+           *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=HERE)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    if kill == "between_checkpoints":  # after step 2 is logged: step_000001 is complete, step_000003 not begun
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    ckpts = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
+    if kill == "during_checkpoint":
+        assert ckpts == ["step_000001", "step_000003.tmp"]  # the half-written one is left as .tmp
+    rows, out = run_train(tmp_path, *flags, "--resume", name="killed")
+    assert "resumed from" in out.stdout + out.stderr and "step_000001" in out.stdout + out.stderr
+    assert [r["step"] for r in rows] == list(range(6))
+    for a, b in zip(rows, reference):
+        assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+
+
+def test_gsm8k_smoke_config_on_the_real_files(tmp_path):
+    rows, _ = run_train(tmp_path, "--config", os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"), "--no-save-final")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {"eval/accuracy_strict", "eval/accuracy_flexible"} <= set(rows[1]) and "eval/accuracy_strict" in rows[2]
+    samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")
+    assert samples and {"question", "gold", "response"} <= set(samples[0])
+    import yaml
+
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["train_rows"] == 7473 and config["train_rows_skipped"] == 0
+
+
+def test_malformed_gsm8k_rows_are_counted_and_an_all_bad_file_fails(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    good = [{"question": f"What is {i} plus 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
+    bad = [{"question": "no answer field"}, {"question": "q", "answer": "#### seven"}, {"answer": "#### 3"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
+    flags = ["--task", "gsm8k", "--dataset", str(data), "--num-steps", "1", "--num-prompts-per-step", "2",
+             "--num-samples-per-prompt", "2", "--max-response-length", "8", "--eval-limit", "2", "--no-save-final"]
+    rows, proc = run_train(tmp_path, *flags)
+    import yaml
+
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["train_rows"] == 6 and config["train_rows_skipped"] == 3 and len(rows) == 1
+    assert "skipped 3" in proc.stderr.lower() or "3 of 9" in proc.stderr, proc.stderr[-2000:]
+    data.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    _, proc = run_train(tmp_path, *flags, name="all_bad", check=False, timeout=180)
+    assert proc.returncode != 0 and "error" in proc.stderr and str(data) in proc.stderr, proc.stderr[-2000:]
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    _, proc = run_train(tmp_path, *[f if f != str(data) else str(empty) for f in flags], name="empty", check=False,
+                        timeout=180)
+    assert proc.returncode != 0 and "empty" in proc.stderr and ENGINE_STARTED not in proc.stderr

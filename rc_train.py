@@ -927,12 +927,12 @@ if __name__ == "__main__":
                             k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
                             mm["actor/ppo_kl_k3"] = float(k3[m > 0].mean())
                             mm["actor/entropy"] = float(entropy[m > 0].mean())
+                    loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
                     if ref_lp is not None:
                         kl = rc_core.kl_penalty(log_prob, ref_lp[mrows].to(device), args.kl_estimator)
                         kl_loss = rc_core.agg_loss(kl, m, args.loss_agg_mode, response_mask=m, **denominators)
                         loss = loss + args.kl_coef * kl_loss
                         mm["actor/kl_loss"] = float(kl_loss) * len(micro)
-                    loss_sum += float(loss.detach())
                     sync_grads = j == len(micro) - 1
                     with (accelerator.no_sync(model) if not sync_grads and world > 1 else torch.enable_grad()):
                         # Each rank holds a partial numerator over global denominators; DDP averages, so x world.

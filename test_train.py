@@ -266,3 +266,30 @@ def test_malformed_gsm8k_rows_are_counted_and_an_all_bad_file_fails(tmp_path):
     _, proc = run_train(tmp_path, *[f if f != str(data) else str(empty) for f in flags], name="empty", check=False,
                         timeout=180)
     assert proc.returncode != 0 and "empty" in proc.stderr and ENGINE_STARTED not in proc.stderr
+
+
+def test_final_weights_load_in_transformers_and_vllm(tmp_path):
+    flags = [f for f in QUICK if f != "--no-save-final"]
+    run_train(tmp_path, *flags, "--num-steps", "3", "--log-rank-checksums", "--learning-rate", "5e-3")
+    final = tmp_path / "run" / "final"
+    trained_sha = read_jsonl(tmp_path / "run" / "ranks" / "rank0.jsonl")[-1]["weights_sha256"]
+    samples = [s for s in read_jsonl(tmp_path / "run" / "eval_samples.jsonl") if s["step"] == 2]
+    script = f"""
+import hashlib, json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(final)!r})
+h = hashlib.sha256()
+for name, t in sorted(model.state_dict().items()):
+    h.update(name.encode() + t.detach().contiguous().numpy().tobytes())
+from vllm import LLM, SamplingParams
+llm = LLM(model={str(final)!r}, dtype="float32", enforce_eager=True, max_model_len=64)
+outs = llm.generate({[s["question"] for s in samples]!r}, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+print("RESULT", json.dumps({{"sha": h.hexdigest(), "responses": [o.outputs[0].text for o in outs]}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert result["sha"] == trained_sha  # transformers loads exactly the trainer's last weights
+    assert result["responses"] == [s["response"] for s in samples]  # vLLM loads them too: same greedy answers

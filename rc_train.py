@@ -762,7 +762,8 @@ if __name__ == "__main__":
     os.makedirs(run_dir, exist_ok=True)
     if accelerator.is_main_process:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump({"args": dataclasses.asdict(args), "world_size": world, "model_path": model_path,
+            yaml.safe_dump({"args": dataclasses.asdict(args), "world_size": world,
+                            "distributed_type": str(accelerator.distributed_type), "model_path": model_path,
                             "rollout_correction": {k: getattr(rc_config, k) for k in
                                                    [f.name for f in dataclasses.fields(rc_config) if f.init]},
                             "train_rows": len(train_rows), "train_rows_skipped": n_skipped}, f, sort_keys=False)

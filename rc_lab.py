@@ -415,12 +415,16 @@ def plot_curves(sweep: dict, key: str, path: str, ylabel: str, log: bool = False
     fig, axes = _new_figure(len(sweep["levels"]))
     positive = False
     for ax, level in zip(axes, sweep["levels"]):
+        panel_positive = False
         for preset, color, runs in _groups(sweep, level):
             steps, mean, lo, hi = _seed_band(runs, key)
             if steps.size:
                 ax.plot(steps, mean, color=color, label=preset, linewidth=1.4)
                 ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
-                positive |= bool(np.any(hi > 0))
+                panel_positive |= bool(np.any(hi > 0))
+        if log and not panel_positive:  # a log axis cannot show it: say so instead of an empty panel
+            ax.text(0.5, 0.5, f"{key} = 0 at every step", transform=ax.transAxes, ha="center", fontsize=9)
+        positive |= panel_positive
         ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

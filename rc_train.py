@@ -517,6 +517,22 @@ def rollout_weights(state_dict: dict, args: Args) -> dict:
     return out
 
 
+def engine_state_dict(accelerator, model) -> dict:
+    """The full weights on every rank, for that rank's own engine.
+
+    DDP: each rank already holds them. FSDP: accelerator.get_state_dict gathers them onto rank 0 only (enough for
+    saving, not for syncing), so gather onto every rank instead (torch.distributed.checkpoint, full_state_dict
+    without cpu_offload). The FSDP path is untested here: Accelerate's FSDP needs GPUs (on CPU it falls back to DDP).
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return accelerator.get_state_dict(model)
+
+
 def sync_weights(llm, state_dict) -> None:
     """Push every tensor (tied lm_head included: the CPU build keeps its own packed copy) and drop
     the prefix cache, whose KV was computed with the old weights."""
@@ -800,7 +816,7 @@ if __name__ == "__main__":
     on_gpu = torch.cuda.is_available() and args.vllm_sleep
     weight_dial = args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
     if args.resume or weight_dial:  # the engine loaded the clean initial weights from disk
-        sync_weights(llm, rollout_weights(accelerator.get_state_dict(model), args))
+        sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
     engine_synced = True
 
     writer = None
@@ -963,7 +979,7 @@ if __name__ == "__main__":
         if args.sync_every and (step + 1) % args.sync_every == 0:
             if on_gpu:
                 llm.wake_up()
-            sync_weights(llm, rollout_weights(accelerator.get_state_dict(model), args))
+            sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
             counters["sync_count"] += 1
             engine_synced = True
             if on_gpu:
@@ -978,11 +994,11 @@ if __name__ == "__main__":
             if on_gpu:
                 llm.wake_up()
             if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                sync_weights(llm, accelerator.get_state_dict(model))
+                sync_weights(llm, engine_state_dict(accelerator, model))
                 counters["sync_count"] += int(not engine_synced)
             eval_metrics, samples = evaluate(args, llm, eval_prompts, eval_rows, rank, world, accelerator)
             if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                sync_weights(llm, rollout_weights(accelerator.get_state_dict(model), args))
+                sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
             if on_gpu:
                 llm.sleep(level=1)
             timing["timing/eval_s"] = time.time() - t0

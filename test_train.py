@@ -19,16 +19,25 @@ ENGINE_STARTED = "Initializing a V1 LLM engine"
 QUICK = ["--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10", "--no-save-final"]
 
 
+def train_env(tmp_path):
+    """One thread per process (vLLM and torch share the cores); the tiny model cached once per test session."""
+    return dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def run_train(tmp_path, *flags, name="run", check=True, timeout=600):
     """Run rc_train.py; return (metrics rows, completed process)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    env = train_env(tmp_path)
     cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", name,
            *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE)
     if check and proc.returncode != 0:
         raise AssertionError(f"rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     path = tmp_path / name / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = read_jsonl(path) if path.exists() else []
     return rows, proc
 
 
@@ -173,12 +182,8 @@ def test_score_addition_reads_first_ascii_integer():
 
 
 # ---- Issue 4: several processes, kill and resume, the GSM8K smoke run, malformed data ---------------------
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_two_processes_same_weights_different_samples(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    env = train_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "ddp", *QUICK,
            "--num-steps", "3", "--log-rank-checksums", "--rc.preset", "decoupled_token_is"]
@@ -208,7 +213,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
 
     flags = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--rc.preset", "decoupled_token_is"]
     reference, _ = run_train(tmp_path, *flags, name="reference")
-    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    env = train_env(tmp_path)
     if kill == "during_checkpoint":
         env["RC_TRAIN_KILL_IN_CHECKPOINT"] = "3"  # the process SIGKILLs itself inside the step-3 checkpoint
     cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "killed",

@@ -33,19 +33,11 @@ def make(rows, garbage=NAN):
     rollout log-prob = 0, train log-prob = log(rho), so l = log(rho) exactly.  Padded positions
     (beyond a row's length; ``[]`` = fully padded row) hold ``garbage`` in both tensors.
     """
-    width = max(len(r) for r in rows)
-    train = torch.full((len(rows), width), garbage, dtype=F64)
-    rollout = torch.full((len(rows), width), garbage, dtype=F64)
-    mask = torch.zeros((len(rows), width), dtype=F64)
-    for i, row in enumerate(rows):
-        for t, ratio in enumerate(row):
-            train[i, t] = math.log(ratio)
-            rollout[i, t] = 0.0
-            mask[i, t] = 1.0
-    return train, rollout, mask
+    return logs([[math.log(ratio) for ratio in row] for row in rows], garbage)
 
 
-def _make_log(rows, garbage):
+def logs(rows, garbage=NAN):
+    """(train, rollout, mask) with l given exactly (train = l, rollout = 0)."""
     width = max(len(r) for r in rows)
     train = torch.full((len(rows), width), garbage, dtype=F64)
     rollout = torch.full((len(rows), width), garbage, dtype=F64)
@@ -54,11 +46,6 @@ def _make_log(rows, garbage):
         for t, v in enumerate(row):
             train[i, t], rollout[i, t], mask[i, t] = v, 0.0, 1.0
     return train, rollout, mask
-
-
-def logs(rows, garbage=NAN):
-    """(train, rollout, mask) with l given exactly (train = l, rollout = 0)."""
-    return _make_log(rows, garbage)
 
 
 def corr(train, rollout, mask, **kw):

@@ -494,6 +494,11 @@ def fake_quantise(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return (weight / scale).round().clamp(-q, q) * scale
 
 
+def has_weight_dial(args: Args) -> bool:
+    """True when the engine is sent perturbed weights (--rollout-weight-quant or --rollout-weight-noise)."""
+    return args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
+
+
 def rollout_weights(state_dict: dict, args: Args) -> dict:
     """The weights the engine receives: the trainer's, or a perturbed copy when a weight dial is on.
 
@@ -501,7 +506,7 @@ def rollout_weights(state_dict: dict, args: Args) -> dict:
     as weight-only quantisers do. The noise eps is drawn from a generator seeded by (--seed, tensor index),
     so every sync sends the same perturbation pattern: a persistent error, like a quantiser's, not fresh noise.
     """
-    if args.rollout_weight_quant == "none" and args.rollout_weight_noise == 0:
+    if not has_weight_dial(args):
         return state_dict
     out = {}
     for i, (name, w) in enumerate(state_dict.items()):
@@ -814,7 +819,7 @@ if __name__ == "__main__":
             print(f"resumed from {ckpt} at step {start_step}")
     llm = start_engine(args, model_path, args.seed + rank)
     on_gpu = torch.cuda.is_available() and args.vllm_sleep
-    weight_dial = args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
+    weight_dial = has_weight_dial(args)
     if args.resume or weight_dial:  # the engine loaded the clean initial weights from disk
         sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
     engine_synced = True
@@ -892,7 +897,8 @@ if __name__ == "__main__":
         # ---- Old log-prob (decoupled mode only) and the correction, frozen for all epochs ------
         old_lp = is_weights = keep_mask = None
         metrics = {}
-        log_ratios = []  # log(pi_trainer/pi_rollout) of valid tokens, for --dump-log-ratio-every
+        dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
+        log_ratios = []  # log(pi_trainer/pi_rollout) of valid tokens, kept only on dump steps
         timing["timing/old_log_prob_s"] = 0.0  # bypass: pi_old := pi_rollout, no forward pass at all
         if not rc_config.bypass_mode:
             t0 = time.time()
@@ -902,7 +908,8 @@ if __name__ == "__main__":
             is_weights, keep_mask, corr = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_lp, rollout_lp, mask, **rc_config.to_kwargs())
             metrics.update(corr)
-            log_ratios.append((old_lp - rollout_lp)[mask > 0])
+            if dump_ratios:
+                log_ratios.append((old_lp - rollout_lp)[mask > 0])
             timing["timing/old_log_prob_s"] = time.time() - t0
         ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
 
@@ -958,7 +965,7 @@ if __name__ == "__main__":
                         # optimizer step; later the comparison with pi_rollout adds the update itself (policy
                         # drift, logged as actor/ppo_kl). rollout_corr/* measure the mismatch alone.
                         mm = {k: v for k, v in mm.items() if not k.startswith("rollout_corr/")}
-                    elif rc_config.bypass_mode:
+                    elif rc_config.bypass_mode and dump_ratios:
                         log_ratios.append((log_prob.detach() - rlp)[m > 0].cpu())
                     micro_metrics.append(mm)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -968,7 +975,7 @@ if __name__ == "__main__":
                 loss_sums.append(loss_sum)
                 grad_norms.append(float(grad_norm))
         timing["timing/update_s"] = time.time() - t0
-        if args.dump_log_ratio_every and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process:
+        if dump_ratios:
             os.makedirs(os.path.join(run_dir, "log_ratio"), exist_ok=True)
             np.save(os.path.join(run_dir, "log_ratio", f"step_{step:06d}.npy"),
                     torch.cat(log_ratios).float().numpy() if log_ratios else np.zeros(0, np.float32))

@@ -105,6 +105,12 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
             "extra": list(extra), "jobs": args.jobs, "trainer": RC_TRAIN, "runs": runs}
 
 
+def eval_key(records: list[dict]) -> str:
+    """The evaluation metric of a run: eval/accuracy_strict (every task now), or eval/accuracy in runs written
+    before the addition task reported strict/flexible accuracy (the committed one-token sweeps)."""
+    return "eval/accuracy" if any("eval/accuracy" in r for r in records) else "eval/accuracy_strict"
+
+
 def is_complete(run_dir: str, steps: int) -> bool:
     """True if run_dir/metrics.jsonl holds exactly the steps 0..steps-1 (a finished run of this length)."""
     try:
@@ -113,7 +119,7 @@ def is_complete(run_dir: str, steps: int) -> bool:
             records = load_metrics(run_dir)
     except (FileNotFoundError, ValueError):
         return False
-    return {int(r["step"]) for r in records} == set(range(steps))
+    return {int(r["step"]) for r in records} - {-1} == set(range(steps))  # -1: the evaluation before training
 
 
 def launch(cmd: list[str], log_path: str) -> int:
@@ -272,7 +278,7 @@ def _series_stat(records: list[dict], key: str, fn) -> float | None:
 
 def _fraction(records: list[dict], key: str) -> float:
     """Mean over steps of `key`, a missing value counting as 0 (nothing masked)."""
-    vals = [rec.get(key) for rec in records]
+    vals = [rec.get(key) for rec in records if rec.get("step", 0) >= 0]  # not the evaluation before training
     return float(np.mean([v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]))
 
 
@@ -286,7 +292,7 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
             recs = [r["records"] for r in sweep["runs"]
                     if r["preset"] == preset and r["level"] == level and r["records"]]
             rew, rew_std, _ = _mean_std([final_reward(x) for x in recs])
-            evals = [_series_stat(x, "eval/accuracy", lambda v: v[-1]) for x in recs]
+            evals = [_series_stat(x, eval_key(x), lambda v: v[-1]) for x in recs]
             acc, acc_std, n_acc = _mean_std(evals)
             reach = [s for s in (steps_to_reach(x, reward_level) for x in recs) if s is not None]
             maxes = {k: [m for m in (_series_stat(x, k, np.max) for x in recs) if m is not None]

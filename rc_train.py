@@ -2,7 +2,7 @@
 # Read alongside rc_core.py (the formulas) and README.md (commands, presets, metrics glossary).
 """One CleanRL-style script: Args -> rollout (vLLM) -> reward -> GRPO advantage -> update -> sync.
 
-    python rc_train.py                                  # CPU: tiny local model, addition task
+    python rc_train.py                                  # CPU: miniature GSM8K, a 1M-parameter base built here
     python rc_train.py --config configs/gsm8k_qwen0.5b_bypass.yaml   # GPU: Qwen2.5 on GSM8K
     torchrun --nproc_per_node 2 rc_train.py ...         # data parallel, one vLLM engine per rank
     python rc_train.py plot runs/A runs/B               # rollout-correction dashboard (rc_plot.py)
@@ -14,23 +14,27 @@ Two update modes (seed 001 "Bypass 模式" / "Decoupled 模式"; seed 000 §3.1)
              pi_old/pi_rollout and the rejection mask are computed once and frozen for all epochs.
 """
 import dataclasses
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
 # vLLM must live in this process so that weights can be pushed into it in place (see README).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM's CPU build otherwise reserves almost all RAM for its KV cache (../shared/notes/vllm-cpu.md).
+# vLLM's CPU build otherwise reserves almost all RAM for its KV cache (README "CPU engine").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The engine's log lines go to runs/{run_name}/engine.log (configured below), not to the console.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
@@ -38,8 +42,8 @@ import torch
 import tyro
 import yaml
 
-import gsm8k
 import rc_core
+import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = "tiny"
@@ -99,9 +103,13 @@ class Args:
 
     # Model and task
     model: str = TINY_MODEL
-    """'tiny' (a 0.3M-parameter Qwen2 built locally, no download), a local path, or a HF model id"""
-    task: Literal["add", "gsm8k"] = "add"
-    """'add': synthetic 'a+b=' -> a+b for the 55 digit pairs with a+b <= 9 (learnt in minutes on CPU); 'gsm8k'"""
+    """'tiny' (built locally, cached, no download: the warm-started 1M-parameter base for minigsm, a random
+    0.3M-parameter net for add/gsm8k), a local path, or a HF model id"""
+    task: str = "minigsm"
+    """'minigsm': the miniature GSM8K built here (tasks.py; settings under --mini.*); 'gsm8k': the real data set;
+    'add': 'a+b=' -> one digit (the fast tests' one-token fixture)"""
+    mini: tasks.MiniGSMArgs = field(default_factory=tasks.MiniGSMArgs)
+    """miniature GSM8K: difficulty, splits and the warm start of its base model"""
     dataset: str = "auto"
     """GSM8K source: HF dataset id (openai/gsm8k), or a folder/file of JSONL/parquet; 'auto' = local copy if present"""
     dataset_config: str = "main"
@@ -109,25 +117,23 @@ class Args:
     train_limit: int | None = None
     """use only the first N training problems"""
     reward_mode: Literal["strict", "flexible"] = "strict"
-    """GSM8K scoring: 'strict' needs '#### N'; 'flexible' takes the last number"""
+    """reward: 'strict' needs a final '#### N' line; 'flexible' takes the last number (gsm8k.score_response)"""
     format_bonus: float = 0.0
-    """GSM8K: reward added for a well-formed '#### N' line, right or wrong"""
+    """reward added for a well-formed '#### N' line, right or wrong"""
     use_chat_template: bool = True
     """wrap prompts with the tokenizer's chat template when it has one"""
-    max_model_len: int = 1024
+    max_model_len: int = 512
     """context length of the engine; prompt + response must fit"""
-    tiny_vocab_size: int = 160
-    """tiny model: byte-level BPE vocabulary trained locally on GSM8K text (digits one per token)"""
 
     # Rollout
-    num_steps: int = 200
+    num_steps: int = 50
     """training steps (one rollout batch each)"""
     num_prompts_per_step: int = 32
     """prompts per step, over all ranks"""
-    num_samples_per_prompt: int = 32
+    num_samples_per_prompt: int = 16
     """responses per prompt (the GRPO group size)"""
-    max_response_length: int = 1
-    """maximum generated tokens per response (the addition task answers in one token)"""
+    max_response_length: int = 64
+    """maximum generated tokens per response (stops earlier at EOS)"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores with the same temperature (processed log-probs)"""
     top_p: float = 1.0
@@ -142,6 +148,11 @@ class Args:
     """GPU: share of GPU memory for the colocated engine (weights + KV cache)"""
     vllm_kv_cache_gb: float = 1.0
     """CPU: KV-cache size of the engine in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_max_num_seqs: int | None = None
+    """sequences the engine runs at once (None = this rank's rollout batch, prompts x samples: one wave holds it)"""
+    vllm_max_num_batched_tokens: int | None = None
+    """tokens the engine schedules per step (None = the rollout batch's prompt tokens, within
+    [max_model_len, 65536]). On CPU it must be >= --max-model-len: prefills are never split there (README "CPU engine")"""
     vllm_sleep: bool = True
     """GPU: put the engine to sleep (level 1) during the update, wake it for rollout"""
 
@@ -159,7 +170,7 @@ class Args:
     """every N steps save log(pi_trainer/pi_rollout) of rank 0's valid tokens to log_ratio/step_N.npy (0 = never; for IS-weight histograms)"""
 
     # Optimisation
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-4
     """AdamW learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -167,7 +178,7 @@ class Args:
     """linear learning-rate warm-up, in optimizer steps"""
     max_grad_norm: float = 1.0
     """gradient clipping (global L2 norm)"""
-    ppo_epochs: int = 2
+    ppo_epochs: int = 1
     """passes over each rollout batch"""
     num_minibatches: int = 4
     """optimizer steps per epoch (the rollout batch is split into this many minibatches)"""
@@ -195,7 +206,9 @@ class Args:
     """trade compute for memory in the trainer's forward"""
 
     # Evaluation, checkpoints
-    eval_every: int = 0
+    eval_before: bool = True
+    """evaluate the initial policy before the first update (logged at step -1)"""
+    eval_every: int = 10
     """greedy pass@1 on the eval set every N steps (0 = only at the end); a stale engine is synced first"""
     eval_limit: int | None = 200
     """number of eval problems (None = whole split)"""
@@ -222,12 +235,17 @@ def load_yaml_defaults(path: str) -> Args:
     if not isinstance(raw, dict):
         raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
     names = {f.name for f in dataclasses.fields(Args)}
-    rc_names = {f.name for f in dataclasses.fields(CorrectionArgs)}
-    bad = sorted(set(raw) - names) + [f"rc.{k}" for k in sorted(set(raw.get("rc") or {}) - rc_names)]
+    nested = {"rc": CorrectionArgs, "mini": tasks.MiniGSMArgs}
+    bad = sorted(set(raw) - names)
+    for key, cls in nested.items():
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ValueError(f"config {path!r}: {key!r} must be a mapping")
+        bad += [f"{key}.{k}" for k in sorted(set(raw.get(key) or {}) - {f.name for f in dataclasses.fields(cls)})]
     if bad:
         raise ValueError(f"config {path!r}: unknown keys {bad}")
     rc = CorrectionArgs(**{k: _as_str(v) if k in _STR_FIELDS else v for k, v in (raw.pop("rc", None) or {}).items()})
-    return Args(**{k: v for k, v in raw.items() if k != "config"}, config=path, rc=rc)
+    mini = tasks.MiniGSMArgs(**(raw.pop("mini", None) or {}))
+    return Args(**{k: v for k, v in raw.items() if k != "config"}, config=path, rc=rc, mini=mini)
 
 
 _STR_FIELDS = {"rollout_is_threshold", "rollout_rs_threshold", "rollout_token_veto_threshold", "rollout_is", "rollout_rs"}
@@ -291,6 +309,16 @@ def validate_args(args: Args, world_size: int) -> None:
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
     need(args.format_bonus >= 0, f"--format-bonus must be >= 0, got {args.format_bonus}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    need(args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
+         f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}")
+    tokens = args.vllm_max_num_batched_tokens
+    if tokens is not None and not torch.cuda.is_available():
+        # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
+        need(tokens >= args.max_model_len,
+             f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
+             f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len")
+    need(tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
+         f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}")
     if args.kl_coef > 0:
         rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
     rc_core.check_loss_settings(clip_low(args), clip_high(args), args.clip_ratio_c, args.loss_agg_mode,
@@ -306,123 +334,14 @@ def clip_high(args: Args) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The tiny local model: a Qwen2-architecture network and a BPE tokenizer, built here, no download
+# Prompts (the task itself lives in tasks.py: problems, prompt text, scores)
 # ---------------------------------------------------------------------------------------------
-def local_gsm8k_dir() -> str | None:
-    """A local GSM8K copy: ./data/gsm8k, or ../shared/data/gsm8k next to this repository."""
-    for path in (os.path.join(HERE, "data", "gsm8k"), os.path.join(HERE, "..", "shared", "data", "gsm8k")):
-        if os.path.isfile(os.path.join(path, "train.jsonl")):
-            return os.path.normpath(path)
-    return None
-
-
-def tokenizer_corpus():
-    """GSM8K training text when a local copy exists, else synthetic arithmetic text."""
-    folder = local_gsm8k_dir()
-    if folder:
-        rows, _ = gsm8k.load_gsm8k(folder, "train")
-        for r in rows:
-            yield r["question"]
-            yield r["answer"]
-    else:
-        rng = random.Random(0)
-        for _ in range(20000):
-            a, b = rng.randint(0, 999), rng.randint(0, 999)
-            yield f"What is {a} plus {b}? {a}+{b}={a + b}. #### {a + b}"
-
-
-def build_tiny_model(vocab_size: int, seed: int) -> str:
-    """Build (once, then cache) a 2-layer Qwen2 with head_dim 64 and its BPE tokenizer; return the path.
-
-    head_dim 64: vLLM's CPU attention rejects head_dim 16 (../shared/notes/vllm-cpu.md). Digits are
-    split one per token, as in Qwen2's tokenizer, so answers are single tokens for the addition task.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    cache = os.environ.get("RC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rc_train"))
-    path = os.path.join(cache, f"tiny-qwen2-v{vocab_size}-s{seed}")
-    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return path
-    # Byte-level BPE whose alphabet is only the bytes the corpus uses (about 100), not all 256, so a random
-    # policy emits the right digit with chance ~1/150 rather than ~1/300. transformers loads it as a
-    # Qwen2 tokenizer (Qwen's pre-tokenizer regex, one token per digit), and so does vLLM.
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.train_from_iterator(tokenizer_corpus(), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    eos = tokenizer.eos_token_id
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    tmp = f"{path}.tmp{os.getpid()}"
-    tokenizer.save_pretrained(tmp)
-    model.save_pretrained(tmp)
-    os.makedirs(cache, exist_ok=True)
-    try:
-        os.rename(tmp, path)  # atomic: a half-built model is never picked up
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
-# Tasks: prompts and rewards
-# ---------------------------------------------------------------------------------------------
-def addition_problems(split: str):
-    """'a+b=' for the 55 digit pairs whose sum is one digit; train and eval use all of them.
-
-    A one-token answer out of a 160-token vocabulary: a random policy is right ~1 time in 160, so the
-    reward climbs from ~0.01. (The mod-10 table of all 100 pairs was measured to be much harder: its
-    reward plateaus at 0.1 for a seed-dependent 100 to 300+ steps, and some seeds stall near 0.3.)
-    """
-    return [{"question": f"{a}+{b}=", "gold": str(a + b)} for a in range(10) for b in range(10) if a + b <= 9]
-
-
-def score_addition(response: str, gold: str) -> float:
-    """1.0 if the first run of ASCII digits in the response equals the gold number, else 0.0.
-
-    ASCII only: str.isdigit() also accepts '³' or '٣', which int() then rejects (a sampled byte-level
-    token can decode to them)."""
-    match = re.search(r"[0-9]+", response)
-    return float(match is not None and int(match.group()) == int(gold))
-
-
-def load_problems(args: Args, split: str, limit: int | None):
-    """Rows {'question', 'gold'} of the task, and how many rows were skipped as unparseable."""
-    if args.task == "add":
-        rows = addition_problems(split)
-        return (rows[:limit] if limit else rows), 0
-    source = args.dataset
-    if source == "auto":
-        source = local_gsm8k_dir() or "openai/gsm8k"
-    return gsm8k.load_gsm8k(source, split, limit=limit, config=args.dataset_config)
-
-
-def score(args: Args, response: str, gold: str) -> tuple[float, float]:
-    """(reward, correct) for one response."""
-    if args.task == "add":
-        r = score_addition(response, gold)
-        return r, r
-    correct = gsm8k.score_response(response, gold, mode=args.reward_mode)
-    reward = gsm8k.score_response(response, gold, mode=args.reward_mode, format_bonus=args.format_bonus)
-    return reward, correct
-
-
-def encode_prompts(args: Args, tokenizer, rows) -> list[list[int]]:
+def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[int]]:
     """Prompt token ids, through the chat template when the tokenizer has one; checks the context."""
     use_template = args.use_chat_template and getattr(tokenizer, "chat_template", None)
     out = []
     for i, row in enumerate(rows):
-        if args.task == "gsm8k":
-            text = gsm8k.format_prompt(row["question"])
-        else:
-            text = row["question"]
+        text = task.prompt(row["question"])
         if use_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True)
@@ -436,22 +355,90 @@ def encode_prompts(args: Args, tokenizer, rows) -> list[list[int]]:
     return out
 
 
+def reward(args: Args, scores: dict) -> float:
+    """The training reward: correctness under --reward-mode, plus --format-bonus for a '#### N' line."""
+    return scores[args.reward_mode] + args.format_bonus * scores["well_formed"]
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM engine: start, generate with processed log-probs, in-place weight sync
 # ---------------------------------------------------------------------------------------------
-def start_engine(args: Args, model_path: str, seed: int):
-    from vllm import LLM
+def engine_limits(args: Args, world: int, longest_prompt: int, on_gpu: bool) -> dict:
+    """Scheduler settings of the engine: one wave holds this rank's whole rollout batch.
 
+    CPU: chunked prefill is off, so no prefill is ever split across engine steps. vLLM rewinds the random
+    generator of a seeded request whose prompt was only partly prefilled (its sampled token is discarded),
+    and CPU generators cannot rewind: a split prefill crashed the first rollout ("CPU Generator does not use
+    offset") with GSM8K-length prompts. Without chunking, a prompt waits for the next step instead, which only
+    needs a step budget >= --max-model-len (checked in validate_args). GPU generators rewind fine: chunked
+    prefill stays on there and the budget is passed only when set."""
+    batch = args.num_prompts_per_step // world * args.num_samples_per_prompt
+    max_num_seqs = args.vllm_max_num_seqs or batch
+    tokens = args.vllm_max_num_batched_tokens
+    if tokens is None and not on_gpu:
+        tokens = min(max(batch * longest_prompt, args.max_model_len, max_num_seqs), max(65536, args.max_model_len))
+    limits = dict(max_num_seqs=max_num_seqs)
+    if tokens is not None:
+        limits["max_num_batched_tokens"] = max(tokens, max_num_seqs)
+    if not on_gpu:
+        limits["enable_chunked_prefill"] = False
+    return limits
+
+
+@contextlib.contextmanager
+def output_to(path: str):
+    """Send this process's stdout and stderr (file descriptors 1 and 2: C++ warnings and progress bars
+    included) to a file for the duration; exceptions still reach the console once restored."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+class _BenignReloadWarning(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" after each weight sync. Benign: vLLM's
+    layer-wise reload counts the rotary cos/sin cache as a loadable tensor, no checkpoint holds it (it is
+    computed from the config, not learnt), and the reload puts the existing cache back. The fp32 tests
+    check that the engine's log-probs still match the trainer's to ~1e-8 after every sync."""
+
+    def filter(self, record):
+        return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
+
+
+def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path: str):
+    """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log)."""
+    engine_log = logging.getLogger("vllm")
+    engine_log.setLevel(logging.INFO)
+    engine_log.propagate = False
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_BenignReloadWarning())
+    engine_log.addHandler(handler)
     kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
                   # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
                   logprobs_mode=f"{args.rollout_logprobs}_logprobs",
-                  enable_prefix_caching=True)
+                  enable_prefix_caching=True, **limits)
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
     else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
         kwargs.update(enforce_eager=True)
-    return LLM(**kwargs)
+    with output_to(log_path), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        from vllm import LLM
+
+        return LLM(**kwargs)
 
 
 def sampling_seed(*keys: int) -> int:
@@ -536,6 +523,19 @@ def engine_state_dict(accelerator, model) -> dict:
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     return accelerator.get_state_dict(model)
+
+
+@contextlib.contextmanager
+def engine_awake(llm, on_gpu: bool):
+    """GPU: wake the sleeping engine for the block, then put it back to sleep (level 1: weights offloaded,
+    KV cache freed) so the update has the memory. CPU: the engine never sleeps."""
+    if on_gpu:
+        llm.wake_up()
+    try:
+        yield
+    finally:
+        if on_gpu:
+            llm.sleep(level=1)
 
 
 def sync_weights(llm, state_dict) -> None:
@@ -723,25 +723,27 @@ def parse_cli() -> Args:
     return tyro.cli(Args, default=default, args=argv)
 
 
-def evaluate(args, llm, prompts, rows, rank, world, accelerator):
-    """Greedy pass@1 on this rank's shard of the eval set; returns metrics and a few samples."""
+def evaluate(args, task, llm, prompts, rows, rank, world):
+    """Greedy pass@1 on the eval set (each rank its shard): metrics, and every problem with its response and
+    scores (gathered from all ranks, in problem order)."""
+    from accelerate.utils import gather_object
+
     shard = list(range(rank, len(prompts), world))
     outs = generate(llm, [prompts[i] for i in shard], 1, args, greedy=True) if shard else []
-    n_strict = n_flex = 0.0
     samples = []
     for i, group in zip(shard, outs):
-        text = group[0][2]
-        if args.task == "add":
-            n_strict += score_addition(text, rows[i]["gold"])
-        else:
-            n_strict += gsm8k.score_response(text, rows[i]["gold"], mode="strict")
-            n_flex += gsm8k.score_response(text, rows[i]["gold"], mode="flexible")
-        if len(samples) < 4:
-            samples.append({"question": rows[i]["question"], "gold": rows[i]["gold"], "response": text})
-    n_strict, n_flex, count = global_sum([n_strict, n_flex, len(shard)], accelerator)
-    if args.task == "add":
-        return {"eval/accuracy": n_strict / count}, samples
-    return {"eval/accuracy_strict": n_strict / count, "eval/accuracy_flexible": n_flex / count}, samples
+        ids, _, text = group[0]
+        scores = task.score(text, rows[i]["gold"])
+        samples.append({"index": i, "question": rows[i]["question"], "gold": rows[i]["gold"], "response": text,
+                        "strict": scores["strict"], "flexible": scores["flexible"], "tokens": len(ids)})
+    if world > 1:
+        samples = gather_object(samples)
+    samples.sort(key=lambda r: r["index"])
+    n = max(1, len(samples))
+    metrics = {"eval/accuracy_strict": sum(r["strict"] for r in samples) / n,
+               "eval/accuracy_flexible": sum(r["flexible"] for r in samples) / n,
+               "eval/response_length": sum(r["tokens"] for r in samples) / n}
+    return metrics, samples
 
 
 if __name__ == "__main__":
@@ -752,7 +754,11 @@ if __name__ == "__main__":
     args = parse_cli()
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the console holds our progress bar only
+
+    t_start = time.time()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # vLLM and torch share the cores
@@ -768,13 +774,15 @@ if __name__ == "__main__":
             raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
         if exists and not (args.resume or args.overwrite):
             raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
-        with accelerator.main_process_first():
-            model_path = build_tiny_model(args.tiny_vocab_size, args.seed) if args.model == TINY_MODEL else args.model
+        task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
+        train_rows, n_skipped = task.problems("train", args.train_limit)
+        eval_rows, _ = task.problems("test", args.eval_limit)
+        with accelerator.main_process_first():  # rank 0 builds (or checks) the cached model, the others reuse it
+            say = print if accelerator.is_main_process else (lambda _: None)
+            model_path = tasks.base_model_path(args.task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        train_rows, n_skipped = load_problems(args, "train", args.train_limit)
-        eval_rows, _ = load_problems(args, "test", args.eval_limit)
-        train_prompts = encode_prompts(args, tokenizer, train_rows)
-        eval_prompts = encode_prompts(args, tokenizer, eval_rows)
+        train_prompts = encode_prompts(args, task, tokenizer, train_rows)
+        eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     if exists and args.overwrite and not args.resume and accelerator.is_main_process:
@@ -817,14 +825,36 @@ if __name__ == "__main__":
         truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), start_step)
         if accelerator.is_main_process:
             print(f"resumed from {ckpt} at step {start_step}")
-    llm = start_engine(args, model_path, args.seed + rank)
+    limits = engine_limits(args, world, max(map(len, train_prompts)), torch.cuda.is_available())
+    llm = start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"))
     on_gpu = torch.cuda.is_available() and args.vllm_sleep
     weight_dial = has_weight_dial(args)
-    if args.resume or weight_dial:  # the engine loaded the clean initial weights from disk
-        sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+    if args.resume:  # the engine loaded the initial weights from disk
+        sync_weights(llm, engine_state_dict(accelerator, model))
+    writer = None
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if accelerator.is_main_process else None
+
+    def run_eval(step: int) -> dict:
+        """Greedy eval of the trainer's current weights; every problem goes to eval_samples.jsonl."""
+        t0 = time.time()
+        metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world)
+        if accelerator.is_main_process:
+            with open(os.path.join(run_dir, "eval_samples.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
+        return {**metrics, "timing/eval_s": time.time() - t0}
+
+    first_eval = last_eval = None
+    if args.eval_before and not args.resume:  # the initial policy, before any update: logged at step -1
+        with engine_awake(llm, on_gpu):
+            first_eval = last_eval = run_eval(-1)
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps({"step": -1, **first_eval}) + "\n")
+            metrics_file.flush()
+    if weight_dial:  # from now on the engine samples with the perturbed weights
+        with engine_awake(llm, on_gpu):
+            sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
     engine_synced = True
 
-    writer = None
     if accelerator.is_main_process and args.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -834,7 +864,6 @@ if __name__ == "__main__":
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
                    name=run_name, dir=run_dir, resume="allow")
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if accelerator.is_main_process else None
     from tqdm import tqdm
 
     bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
@@ -863,12 +892,9 @@ if __name__ == "__main__":
         indices = prompt_indices(len(train_prompts), args.seed, position, args.num_prompts_per_step)
         position += args.num_prompts_per_step
         indices = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-        if on_gpu:
-            llm.wake_up()
-        groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
-                          seed_keys=(args.seed, step, rank))
-        if on_gpu:
-            llm.sleep(level=1)
+        with engine_awake(llm, on_gpu):
+            groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
+                              seed_keys=(args.seed, step, rank))
         timing["timing/rollout_s"] = time.time() - t0
 
         # ---- Reward and GRPO advantage (group = the n responses of one prompt) ---------------
@@ -876,12 +902,12 @@ if __name__ == "__main__":
         flat_prompts, flat_responses, group_ids, rewards, corrects = [], [], [], [], []
         for g, (i, group) in enumerate(zip(indices, groups)):
             for resp in group:
-                r, c = score(args, resp[2], train_rows[i]["gold"])
+                scores = task.score(resp[2], train_rows[i]["gold"])
                 flat_prompts.append(train_prompts[i])
                 flat_responses.append(resp)
                 group_ids.append(g)
-                rewards.append(r)
-                corrects.append(c)
+                rewards.append(reward(args, scores))
+                corrects.append(scores[args.reward_mode])
         batch = make_batch(flat_prompts, flat_responses, pad_id)
         mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
         bad = ~torch.isfinite(rollout_lp) & (mask > 0)  # engine returned NaN/inf: drop those responses
@@ -984,34 +1010,24 @@ if __name__ == "__main__":
         t0 = time.time()
         engine_synced = False
         if args.sync_every and (step + 1) % args.sync_every == 0:
-            if on_gpu:
-                llm.wake_up()
-            sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+            with engine_awake(llm, on_gpu):
+                sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
             counters["sync_count"] += 1
             engine_synced = True
-            if on_gpu:
-                llm.sleep(level=1)
         timing["timing/sync_s"] = time.time() - t0
 
         # ---- Evaluation (greedy pass@1); needs the engine to hold the trainer's weights ---------
         last = step == args.num_steps - 1
         eval_metrics = {}
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            t0 = time.time()
-            if on_gpu:
-                llm.wake_up()
-            if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                sync_weights(llm, engine_state_dict(accelerator, model))
-                counters["sync_count"] += int(not engine_synced)
-            eval_metrics, samples = evaluate(args, llm, eval_prompts, eval_rows, rank, world, accelerator)
-            if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
-            if on_gpu:
-                llm.sleep(level=1)
-            timing["timing/eval_s"] = time.time() - t0
-            if accelerator.is_main_process:
-                with open(os.path.join(run_dir, "eval_samples.jsonl"), "a") as f:
-                    f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
+            with engine_awake(llm, on_gpu):
+                if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
+                    sync_weights(llm, engine_state_dict(accelerator, model))
+                    counters["sync_count"] += int(not engine_synced)
+                eval_metrics = last_eval = run_eval(step)
+                if weight_dial and not last:  # back to the perturbed weights the next rollout must use
+                    sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+            timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
 
         # ---- Logging ------------------------------------------------------------------------
         lengths = mask.sum(-1)
@@ -1042,8 +1058,10 @@ if __name__ == "__main__":
                     writer.add_scalar(k, v, step)
             if args.track:
                 wandb.log(metrics, step=step)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}",
-                            step_s=f"{timing['timing/step_s']:.2f}")
+            shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
+            if last_eval:
+                shown["eval"] = f"{last_eval['eval/accuracy_strict']:.3f}"
+            bar.set_postfix(**shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}")
 
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
             weights = hashlib.sha256()
@@ -1069,5 +1087,12 @@ if __name__ == "__main__":
         metrics_file.close()
         if writer:
             writer.close()
-        print(f"run folder: {run_dir}")
+        bar.close()
+        acc = "eval accuracy (strict, greedy, {} problems): ".format(len(eval_rows))
+        if first_eval and last_eval:
+            acc += f"{first_eval['eval/accuracy_strict']:.3f} before -> {last_eval['eval/accuracy_strict']:.3f} after"
+        elif last_eval:
+            acc += f"{last_eval['eval/accuracy_strict']:.3f} after training"
+        print(f"{acc}\nwall time: {time.time() - t_start:.0f} s\nrun folder: {run_dir}\n"
+              f"dashboard: python rc_train.py plot {run_dir}")
     accelerator.wait_for_everyone()

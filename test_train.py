@@ -12,11 +12,17 @@ import sys
 import pytest
 
 import rc_core
+import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINE_STARTED = "Initializing a V1 LLM engine"
-# A small, fast configuration of the addition task; tests add what they need.
-QUICK = ["--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10", "--no-save-final"]
+# The one-token fixture (configs/cpu_add.yaml), small and fast; tests add what they need.
+ADD = ["--config", os.path.join(HERE, "configs", "cpu_add.yaml")]
+# The shortened default run of test_default_run_learns_multi_token_answers, and the rise it must show (set from
+# measured runs: see the test).
+SHORT_STEPS = 20
+SHORT_MARGIN = 0.3
+QUICK = [*ADD, "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10", "--no-save-final"]
 
 
 def train_env(tmp_path):
@@ -28,8 +34,15 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def engine_started(run_dir):
+    """The engine writes its log lines to engine.log in the run folder (none on the console)."""
+    log = run_dir / "engine.log"
+    return log.exists() and ENGINE_STARTED in log.read_text()
+
+
 def run_train(tmp_path, *flags, name="run", check=True, timeout=600):
-    """Run rc_train.py; return (metrics rows, completed process)."""
+    """Run rc_train.py; return (metrics rows of the training steps, completed process). The evaluation before
+    training (step -1) is left out of the rows; read metrics.jsonl for it."""
     env = train_env(tmp_path)
     cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", name,
            *flags]
@@ -37,8 +50,34 @@ def run_train(tmp_path, *flags, name="run", check=True, timeout=600):
     if check and proc.returncode != 0:
         raise AssertionError(f"rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     path = tmp_path / name / "metrics.jsonl"
-    rows = read_jsonl(path) if path.exists() else []
+    rows = [r for r in read_jsonl(path) if r["step"] >= 0] if path.exists() else []
     return rows, proc
+
+
+# ---- 0. The default job: the miniature GSM8K learns (builds the cached base model on first use) ----------
+def test_default_run_learns_multi_token_answers(tmp_path):
+    # The default job (configs/cpu_demo.yaml), shortened: SHORT_STEPS steps, eval on 100 test problems.
+    rows, proc = run_train(tmp_path, "--num-steps", str(SHORT_STEPS), "--eval-limit", "100", "--no-save-final",
+                           timeout=1500)
+    everything = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in everything if "eval/accuracy_strict" in r]
+    assert evals[0]["step"] == -1 and everything[0] is evals[0]  # the evaluation before any update comes first
+    assert evals[-1]["step"] == SHORT_STEPS - 1  # and the last one follows the last update
+    before, after = evals[0]["eval/accuracy_strict"], evals[-1]["eval/accuracy_strict"]
+    assert after >= before + SHORT_MARGIN, (before, after)
+    assert all(r["response_length/mean"] >= 12 for r in rows)  # worked solutions, many tokens each
+    samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")
+    assert [s["step"] for s in samples] == [-1] * 100 + [SHORT_STEPS - 1] * 100  # every problem, both times
+    assert {"question", "gold", "response", "strict", "flexible"} <= set(samples[0])
+    trained = [s for s in samples if s["step"] >= 0]
+    # Greedy responses stop at EOS (not at the length cap), and the strict ones end with the '#### N' line.
+    assert sum(s["tokens"] < 64 for s in trained) >= 95
+    assert all(s["response"].rstrip().rsplit("\n", 1)[-1].startswith("####") for s in trained if s["strict"])
+    # A quiet console: the progress bar and the summary, no engine lines.
+    assert "before ->" in proc.stdout and "dashboard: python rc_train.py plot" in proc.stdout
+    console = proc.stdout + proc.stderr
+    assert " INFO " not in console and "WARNING" not in console, console[-3000:]
+    assert "Failed to load weights" not in (tmp_path / "run" / "engine.log").read_text()
 
 
 # ---- 1. Mismatch is ~0 when nothing differs (fp32/fp32, sync every step); bf16 rollout shows it ----------
@@ -116,25 +155,32 @@ def test_raw_engine_log_probs_show_the_temperature_pitfall(tmp_path):
 def test_reward_rises(tmp_path, preset):
     # Measured (seed 1, both modes): reward 0.016 over steps 0-4, 0.74 at step 20, ~0.8 over steps
     # 150-199. A sign error in the loss drives the reward to 0 instead; a broken sampler or sync stalls it.
-    rows, _ = run_train(tmp_path, "--num-steps", "30", "--eval-limit", "10", "--no-save-final",
+    rows, _ = run_train(tmp_path, *ADD, "--num-steps", "30", "--eval-limit", "10", "--no-save-final",
                         "--rc.preset", preset)
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert first < 0.1 and last > 0.5 and last > first + 0.4, (first, last)
 
 
-# ---- 5. Every preset runs end to end ---------------------------------------------------------------------
+# ---- 5. Every preset runs end to end on the miniature GSM8K (multi-token responses) ----------------------
 @pytest.mark.parametrize("preset", rc_core.PRESET_NAMES)
 def test_every_preset_runs(tmp_path, preset):
+    # bf16 rollout against the fp32 trainer: a real mismatch, so sequence- and token-level statistics differ.
     rows, _ = run_train(tmp_path, "--num-prompts-per-step", "4", "--num-samples-per-prompt", "4", "--num-steps", "2",
-                        "--max-response-length", "3", "--eval-limit", "4", "--no-save-final", "--rc.preset", preset)
+                        "--eval-limit", "4", "--no-eval-before", "--no-save-final", "--rollout-dtype", "bfloat16",
+                        "--rc.preset", preset)
     assert len(rows) == 2
     config = rc_core.RolloutCorrectionConfig.from_name(preset)
     for r in rows:
-        # Pearson correlation is NaN by definition when a series has zero variance (semantics §6.5)
+        # Pearson correlation is NaN by definition when a series has zero variance (docs/metrics.md)
         assert all(math.isfinite(v) for k, v in r.items() if not k.endswith("pearson_corr")), r
         assert ("rollout_corr/rollout_rs_masked_fraction" in r) == (config.rollout_rs is not None)
         assert ("rollout_corr/rollout_is_mean" in r) == (config.rollout_is is not None)
+        assert r["response_length/mean"] > 10  # worked solutions, not one token
+        if "rollout_corr/chi2_seq" in r:  # a sequence is many tokens: its chi2 is not the token one
+            assert r["rollout_corr/chi2_seq"] != pytest.approx(r["rollout_corr/chi2_token"], rel=1e-3), r
+        if config.rollout_is is not None:
+            assert r["rollout_corr/rollout_is_seq_max"] >= r["rollout_corr/rollout_is_seq_min"]
 
 
 # ---- 6. Bad configuration: a clear message, before any engine starts, nothing written --------------------
@@ -144,16 +190,18 @@ def test_every_preset_runs(tmp_path, preset):
     (["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs", "seq_max_k1"], "seq_max_k1"),
     (["--task", "gsm8k", "--dataset", "/nonexistent/gsm8k.jsonl"], "/nonexistent/gsm8k.jsonl"),
     (["--max-model-len", "4"], "--max-model-len 4"),
+    (["--max-model-len", "512", "--vllm-max-num-batched-tokens", "256"], "--vllm-max-num-batched-tokens 256"),
+    (["--vllm-max-num-seqs", "0"], "--vllm-max-num-seqs"),
     (["--num-prompts-per-step", "0"], "--num-prompts-per-step"),
     (["--loss-agg-mode", "seq-mean"], "seq-mean"),
     (["--rollout-weight-noise", "-0.5"], "-0.5"),
     (["--rollout-temperature", "0"], "--rollout-temperature"),
 ])
 def test_bad_config_fails_before_engine(tmp_path, flags, needle):
-    _, proc = run_train(tmp_path, *flags, check=False, timeout=180)
+    _, proc = run_train(tmp_path, *ADD, *flags, check=False, timeout=180)
     assert proc.returncode != 0
     assert "error" in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
-    assert ENGINE_STARTED not in proc.stdout + proc.stderr
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr and not engine_started(tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -165,20 +213,9 @@ def test_bad_yaml_key_and_existing_run_are_refused(tmp_path):
     existing = tmp_path / "run"
     existing.mkdir()
     (existing / "metrics.jsonl").write_text('{"step": 0}\n')
-    _, proc = run_train(tmp_path, check=False, timeout=180)
+    _, proc = run_train(tmp_path, *ADD, check=False, timeout=180)
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
     assert (existing / "metrics.jsonl").read_text() == '{"step": 0}\n'
-
-
-# ---- Scoring of the synthetic task (pure function; no engine) -------------------------------------------
-def test_score_addition_reads_first_ascii_integer():
-    import rc_train
-
-    assert rc_train.score_addition("7", "7") == 1.0 and rc_train.score_addition(" 7 and 3", "7") == 1.0
-    assert rc_train.score_addition("17", "7") == 0.0 and rc_train.score_addition("x", "7") == 0.0
-    assert rc_train.score_addition("³7", "7") == 1.0 and rc_train.score_addition("³", "3") == 0.0
-    problems = rc_train.addition_problems("train")
-    assert len(problems) == 55 and all(int(p["gold"]) <= 9 for p in problems)
 
 
 # ---- Issue 4: several processes, kill and resume, the GSM8K smoke run, malformed data ---------------------
@@ -265,12 +302,12 @@ def test_malformed_gsm8k_rows_are_counted_and_an_all_bad_file_fails(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in bad))
     _, proc = run_train(tmp_path, *flags, name="all_bad", check=False, timeout=180)
     assert proc.returncode != 0 and "error" in proc.stderr and str(data) in proc.stderr, proc.stderr[-2000:]
-    assert ENGINE_STARTED not in proc.stdout + proc.stderr
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr and not engine_started(tmp_path / "all_bad")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     _, proc = run_train(tmp_path, *[f if f != str(data) else str(empty) for f in flags], name="empty", check=False,
                         timeout=180)
-    assert proc.returncode != 0 and "empty" in proc.stderr and ENGINE_STARTED not in proc.stderr
+    assert proc.returncode != 0 and "empty" in proc.stderr and not engine_started(tmp_path / "empty")
 
 
 def test_final_weights_load_in_transformers_and_vllm(tmp_path):
@@ -279,6 +316,7 @@ def test_final_weights_load_in_transformers_and_vllm(tmp_path):
     final = tmp_path / "run" / "final"
     trained_sha = read_jsonl(tmp_path / "run" / "ranks" / "rank0.jsonl")[-1]["weights_sha256"]
     samples = [s for s in read_jsonl(tmp_path / "run" / "eval_samples.jsonl") if s["step"] == 2]
+    assert len(samples) == 10  # every evaluated problem
     script = f"""
 import hashlib, json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -298,3 +336,67 @@ print("RESULT", json.dumps({{"sha": h.hexdigest(), "responses": [o.outputs[0].te
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert result["sha"] == trained_sha  # transformers loads exactly the trainer's last weights
     assert result["responses"] == [s["response"] for s in samples]  # vLLM loads them too: same greedy answers
+
+
+# ---- GSM8K-length prompts at a realistic batch: no split prefill, reproducible samples ----------------------
+def test_gsm8k_length_prompts_at_32x8_are_reproducible(tmp_path):
+    if tasks.local_gsm8k_dir() is None:
+        pytest.skip("no local GSM8K copy (./data/gsm8k or ../shared/data/gsm8k)")
+    flags = ["--config", os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"), "--num-prompts-per-step", "32",
+             "--num-samples-per-prompt", "8", "--num-steps", "1", "--no-eval-before", "--eval-limit", "4",
+             "--ppo-epochs", "1", "--num-minibatches", "1", "--log-rank-checksums", "--no-save-final"]
+    first, _ = run_train(tmp_path, *flags, name="a")
+    second, _ = run_train(tmp_path, *flags, name="b")
+    assert first[0]["timing/rollout_s"] < 60, first[0]["timing/rollout_s"]  # measured: ~2.4 s for 256 responses
+    assert first[0]["response_length/mean"] > 8
+    sha = [read_jsonl(tmp_path / n / "ranks" / "rank0.jsonl")[0]["rollout_sha256"] for n in ("a", "b")]
+    assert sha[0] == sha[1]  # same seed, same samples
+    assert first[0]["reward/mean"] == second[0]["reward/mean"]
+    config = (tmp_path / "a" / "engine.log").read_text()
+    assert "CPU Generator does not use offset" not in config
+
+
+def test_engine_limits_never_split_a_prefill_on_cpu():
+    import rc_train
+
+    args = rc_train.Args(num_prompts_per_step=32, num_samples_per_prompt=8, max_model_len=1024)
+    cpu = rc_train.engine_limits(args, world=1, longest_prompt=140, on_gpu=False)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_seqs"] == 256
+    assert cpu["max_num_batched_tokens"] == 32 * 8 * 140  # the whole batch's prefill in one engine step
+    assert rc_train.engine_limits(args, world=2, longest_prompt=140, on_gpu=False)["max_num_seqs"] == 128
+    small = rc_train.engine_limits(rc_train.Args(num_prompts_per_step=1, num_samples_per_prompt=1, max_model_len=512),
+                                   world=1, longest_prompt=10, on_gpu=False)
+    assert small["max_num_batched_tokens"] == 512  # never below the longest sequence
+    huge = rc_train.engine_limits(rc_train.Args(num_prompts_per_step=512, num_samples_per_prompt=64), 1, 500, False)
+    assert huge["max_num_batched_tokens"] == 65536
+    gpu = rc_train.engine_limits(args, world=1, longest_prompt=140, on_gpu=True)
+    assert gpu == {"max_num_seqs": 256}  # GPU: vLLM's own token budget and chunked prefill
+    custom = rc_train.Args(vllm_max_num_seqs=64, vllm_max_num_batched_tokens=4096)
+    assert rc_train.engine_limits(custom, 1, 140, False) == {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
+                                                             "enable_chunked_prefill": False}
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--task", "nope"], "'nope'"),
+    (["--task", "minigsm", "--mini.max-steps", "0"], "--mini.max-steps must be in 1..8, got 0"),
+    (["--task", "minigsm", "--mini.operand-max", "1"], "--mini.operand-max must be >= 2"),
+    (["--task", "minigsm", "--mini.operand-max", "2", "--mini.max-steps", "1"], "cannot produce"),
+    (["--task", "minigsm", "--max-model-len", "96", "--max-response-length", "64"], "--max-model-len 96"),
+])
+def test_bad_task_settings_fail_before_engine(tmp_path, flags, needle):
+    existing = tmp_path / "run"
+    existing.mkdir()
+    (existing / "metrics.jsonl").write_text('{"step": 0}\n')
+    _, proc = run_train(tmp_path, *flags, "--overwrite", check=False, timeout=900)
+    assert proc.returncode != 0 and "error" in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
+    assert not engine_started(existing)
+    assert (existing / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing in the run folder is lost
+
+
+def test_cpu_demo_config_spells_out_the_defaults():
+    import dataclasses
+
+    import rc_train
+
+    spelled = rc_train.load_yaml_defaults(os.path.join(HERE, "configs", "cpu_demo.yaml"))
+    assert dataclasses.replace(spelled, config=None) == rc_train.Args()

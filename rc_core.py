@@ -761,6 +761,8 @@ def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.
 
     k1 = -lambda (signed; mean = KL(mu||pi_train) under mu), k2 = lambda^2 / 2,
     k3 = exp(lambda) - 1 - lambda (>= 0).  Ref: seed 002 `rollout_rs` (k1/k2/k3 definitions).
+    k3 is computed as expm1(lambda) - lambda: exp(lambda) - 1 rounds to 0 or 2^-23 in float32 for |lambda| ~ 1e-8,
+    which made near-identical policies show k3 ~ -1e-8; expm1 keeps it >= 0.
     """
     lam = clipped_log_ratio
     if statistic == "k1":
@@ -768,7 +770,7 @@ def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.
     if statistic == "k2":
         return 0.5 * lam * lam
     if statistic == "k3":
-        return torch.exp(lam) - 1.0 - lam
+        return torch.expm1(lam) - lam
     raise ValueError(f"unknown RS statistic {statistic!r}")
 
 
@@ -928,7 +930,7 @@ def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
     out["rollout_ppl"] = masked_mean(torch.exp(-b_bar), rows)
     out["rollout_log_ppl"] = masked_mean(-b_bar, rows)
     out["kl"] = masked_mean(-ell, mask)
-    out["k3_kl"] = masked_mean(torch.exp(lam) - lam - 1.0, mask)
+    out["k3_kl"] = masked_mean(rs_base_statistic(lam, "k3"), mask)  # never negative (see rs_base_statistic)
     out["log_ppl_diff"] = masked_mean(d, rows)
     out["log_ppl_abs_diff"] = masked_mean(d.abs(), rows)
     out["log_ppl_diff_max"] = _masked_max(d, rows)

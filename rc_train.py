@@ -778,7 +778,7 @@ if __name__ == "__main__":
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
         with accelerator.main_process_first():  # rank 0 builds (or checks) the cached model, the others reuse it
-            say = print if accelerator.is_main_process else (lambda _: None)
+            say = (lambda m: print(m, flush=True)) if accelerator.is_main_process else (lambda _: None)
             model_path = tasks.base_model_path(args.task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)

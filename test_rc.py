@@ -524,6 +524,20 @@ def _offpolicy_example():
     return train, rollout, mask
 
 
+def test_k3_is_never_negative_for_near_identical_policies():
+    # float32 log-probs a rounding error apart (an fp32 engine against an fp32 trainer): exp(l) - 1 - l came out
+    # near -1e-8 here; expm1(l) - l is >= 0 for every token and the metric is a tiny non-negative number.
+    gen = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(64, 32, generator=gen) * 1e-3  # near-certain tokens: log-ratios of ~1e-8 are representable
+    train = rollout + (torch.rand(64, 32, generator=gen) - 0.5) * 1e-7
+    mask = torch.ones(64, 32)
+    met = rc.compute_offpolicy_metrics(train, rollout, mask)
+    assert 0.0 <= met["k3_kl"] < 1e-10
+    assert bool((rc.rs_base_statistic(train - rollout, "k3") >= 0).all())
+    old = torch.exp(train - rollout) - 1.0 - (train - rollout)
+    assert bool((old < 0).any())  # the naive form does go negative on these inputs
+
+
 def test_offpolicy_metrics_by_hand():
     train, rollout, mask = _offpolicy_example()
     met = rc.compute_offpolicy_metrics(train, rollout, mask)

@@ -67,7 +67,8 @@ def test_default_run_learns_multi_token_answers(tmp_path):
     assert after >= before + SHORT_MARGIN, (before, after)
     assert all(r["response_length/mean"] >= 12 for r in rows)  # worked solutions, many tokens each
     samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")
-    assert [s["step"] for s in samples] == [-1] * 100 + [SHORT_STEPS - 1] * 100  # every problem, both times
+    steps = [s["step"] for s in samples]  # every problem at every evaluation: before, every 10 steps, at the end
+    assert steps == [e["step"] for e in evals for _ in range(100)] and steps[0] == -1 and steps[-1] == SHORT_STEPS - 1
     assert {"question", "gold", "response", "strict", "flexible"} <= set(samples[0])
     trained = [s for s in samples if s["step"] >= 0]
     # Greedy responses stop at EOS (not at the length cap), and the strict ones end with the '#### N' line.
@@ -234,7 +235,7 @@ def test_two_processes_same_weights_different_samples(tmp_path):
         assert a["rollout_sha256"] != b["rollout_sha256"], a["step"]  # each rank sampled its own shard
     assert len({r["weights_sha256"] for r in ranks[0]}) == 3  # and the weights did change every step
     rows = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [-1, 0, 1, 2]
 
 
 def _same_metrics(a, b):
@@ -258,8 +259,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=HERE)
     metrics = tmp_path / "killed" / "metrics.jsonl"
     if kill == "between_checkpoints":  # after step 2 is logged: step_000001 is complete, step_000003 not begun
-        deadline = time.time() + 300
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        deadline = time.time() + 300  # 4 lines: the evaluation before training (step -1), then steps 0, 1, 2
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 4):
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=300)

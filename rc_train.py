@@ -22,7 +22,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import sys
 import time
 import warnings
@@ -43,6 +42,7 @@ import tyro
 import yaml
 
 import rc_core
+import rc_infra
 import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -154,7 +154,9 @@ class Args:
     """tokens the engine schedules per step (None = the rollout batch's prompt tokens, within
     [max_model_len, 65536]). On CPU it must be >= --max-model-len: prefills are never split there (README "CPU engine")"""
     vllm_sleep: bool = True
-    """GPU: put the engine to sleep (level 1) during the update, wake it for rollout"""
+    """GPU: put the engine to sleep during the update; wake only its weights for a sync, and its KV cache too for rollout"""
+    vllm_sleep_level: int = 1
+    """GPU: 1 = weights offloaded to CPU RAM while asleep; 2 = weights discarded (least memory; needs --sync-every 1)"""
 
     # Mismatch dials (the lab, README "What the lab shows"): each off by default; each makes the engine's
     # policy mu differ from the trainer's pi in one documented way. rollout_dtype and sync_every are dials too.
@@ -309,6 +311,10 @@ def validate_args(args: Args, world_size: int) -> None:
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
     need(args.format_bonus >= 0, f"--format-bonus must be >= 0, got {args.format_bonus}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
+    need(args.vllm_sleep_level == 1 or args.sync_every == 1,
+         f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
+         f"it needs --sync-every 1, got --sync-every {args.sync_every}")
     need(args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
          f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}")
     tokens = args.vllm_max_num_batched_tokens
@@ -416,8 +422,9 @@ class _BenignReloadWarning(logging.Filter):
         return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
 
 
-def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path: str):
-    """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log)."""
+def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path: str, placement: dict):
+    """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log).
+    placement: rc_infra.engine_placement's executor settings (each rank's engine on its own GPU)."""
     engine_log = logging.getLogger("vllm")
     engine_log.setLevel(logging.INFO)
     engine_log.propagate = False
@@ -428,7 +435,7 @@ def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path:
     kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
                   # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
                   logprobs_mode=f"{args.rollout_logprobs}_logprobs",
-                  enable_prefix_caching=True, **limits)
+                  enable_prefix_caching=True, **limits, **placement)
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
     else:
@@ -510,32 +517,9 @@ def rollout_weights(state_dict: dict, args: Args) -> dict:
 
 
 def engine_state_dict(accelerator, model) -> dict:
-    """The full weights on every rank, for that rank's own engine.
-
-    DDP: each rank already holds them. FSDP: accelerator.get_state_dict gathers them onto rank 0 only (enough for
-    saving, not for syncing), so gather onto every rank instead (torch.distributed.checkpoint, full_state_dict
-    without cpu_offload). The FSDP path is untested here: Accelerate's FSDP needs GPUs (on CPU it falls back to DDP).
-    """
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.FSDP:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    """The full weights, on every rank, for that rank's own engine (DDP and DeepSpeed ZeRO-1/2 replicate the
+    parameters; the sharded backends are refused at start by rc_infra.check_distributed)."""
     return accelerator.get_state_dict(model)
-
-
-@contextlib.contextmanager
-def engine_awake(llm, on_gpu: bool):
-    """GPU: wake the sleeping engine for the block, then put it back to sleep (level 1: weights offloaded,
-    KV cache freed) so the update has the memory. CPU: the engine never sleeps."""
-    if on_gpu:
-        llm.wake_up()
-    try:
-        yield
-    finally:
-        if on_gpu:
-            llm.sleep(level=1)
 
 
 def sync_weights(llm, state_dict) -> None:
@@ -592,7 +576,7 @@ def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Data order, metric reduction, checkpoints
+# Data order (metric reduction, checkpoints and resume live in rc_infra.py)
 # ---------------------------------------------------------------------------------------------
 def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
     """Rows position .. position+count-1 of an endless stream of seeded epoch permutations.
@@ -605,104 +589,6 @@ def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[in
         perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
         out.extend(perm[offset:offset + count - len(out)].tolist())
     return out
-
-
-def reduce_metrics(metrics: dict, accelerator) -> dict:
-    """Average over ranks; names ending in max/min (or containing _max_/_min_) take the max/min."""
-    if accelerator.num_processes == 1:
-        return metrics
-    keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    kind = [("max" if ("max" in k.rsplit("/", 1)[-1].split("_")) else
-             "min" if ("min" in k.rsplit("/", 1)[-1].split("_")) else "mean") for k in keys]
-    gathered = accelerator.gather(vals[None]).reshape(accelerator.num_processes, -1)
-    out = {}
-    for j, k in enumerate(keys):
-        col = gathered[:, j]
-        out[k] = float(col.max() if kind[j] == "max" else col.min() if kind[j] == "min" else col.mean())
-    return out
-
-
-def global_sum(values: list[float], accelerator) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        t = accelerator.reduce(t, reduction="sum")
-    return t.tolist()
-
-
-def checkpoint_dirs(run_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first. A complete one was renamed from *.tmp after its last file."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
-                   and os.path.isfile(os.path.join(root, n, "trainer_state.json")))
-    return [os.path.join(root, n) for n in names]
-
-
-def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator, counters):
-    """Write checkpoints/step_N.tmp (every rank its RNG state; rank 0 the rest), then rename it."""
-    final = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
-    tmp = final + ".tmp"
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    accelerator.wait_for_everyone()
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               os.path.join(tmp, f"rng_rank{accelerator.process_index}.pt"))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
-        tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   os.path.join(tmp, "optim.pt"))
-        if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
-            os.kill(os.getpid(), signal.SIGKILL)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
-            json.dump({"step": step, "position": position, **counters}, f)
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
-
-
-def load_checkpoint(path, model, optimizer, scheduler, accelerator) -> dict:
-    from safetensors.torch import load_file
-
-    weights = {}
-    for name in sorted(os.listdir(os.path.join(path, "model"))):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(path, "model", name)))
-    unwrapped = accelerator.unwrap_model(model)
-    missing, unexpected = unwrapped.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and unwrapped.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not match the model: missing {missing}, unexpected {unexpected}")
-    opt = torch.load(os.path.join(path, "optim.pt"), weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(os.path.join(path, f"rng_rank{accelerator.process_index}.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
-
-
-def truncate_metrics(path: str, start_step: int) -> None:
-    """On resume, drop lines of steps that will be run again (rewritten atomically)."""
-    if not os.path.isfile(path):
-        return
-    keep = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] < start_step:
-                    keep.append(line)
-            except (json.JSONDecodeError, KeyError):  # a line torn by the kill that interrupted the run
-                continue
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
 
 
 def parse_cli() -> Args:
@@ -766,11 +652,13 @@ if __name__ == "__main__":
     # ---- Setup: every check before the engine starts ----------------------------------------
     try:
         validate_args(args, world)
+        per_rank = args.num_prompts_per_step // world * args.num_samples_per_prompt
+        rc_infra.check_distributed(accelerator, math.ceil(per_rank // args.num_minibatches / args.micro_batch_size))
         rc_config = build_correction_config(args.rc)
         run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
         run_dir = os.path.join(args.output_dir, run_name)
         exists = os.path.isdir(run_dir) and os.listdir(run_dir)
-        if args.resume and not checkpoint_dirs(run_dir):
+        if args.resume and not rc_infra.checkpoint_dirs(run_dir):
             raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
         if exists and not (args.resume or args.overwrite):
             raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
@@ -807,36 +695,42 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
-    if args.kl_coef > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.train_dtype)).to(device)
+    if args.kl_coef > 0:  # the policy's own precision (fp32 weights, --train-dtype autocast): KL is 0 at step 0
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
         ref_model.eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     model, optimizer = accelerator.prepare(model, optimizer)
     start_step, position, counters = 0, 0, {"old_log_prob_passes": 0, "sync_count": 0}
     if args.resume:
-        ckpt = checkpoint_dirs(run_dir)[-1]
-        state = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
+        ckpt = rc_infra.checkpoint_dirs(run_dir)[-1]
+        state = rc_infra.load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
         start_step, position = state["step"] + 1, state["position"]
         counters = {k: state[k] for k in counters}
         if accelerator.is_main_process:
             for name in ("metrics.jsonl", "eval_samples.jsonl"):
-                truncate_metrics(os.path.join(run_dir, name), start_step)
-        truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), start_step)
+                rc_infra.truncate_metrics(os.path.join(run_dir, name), start_step)
+        rc_infra.truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), start_step)
         if accelerator.is_main_process:
             print(f"resumed from {ckpt} at step {start_step}")
-    limits = engine_limits(args, world, max(map(len, train_prompts)), torch.cuda.is_available())
-    llm = start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"))
-    on_gpu = torch.cuda.is_available() and args.vllm_sleep
+    on_gpu = torch.cuda.is_available()
+    limits = engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
+    placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
+    os.environ.update(env)
+    llm = start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"),
+                       placement)
+    engine = rc_infra.EngineMemory(llm, enabled=on_gpu and args.vllm_sleep, level=args.vllm_sleep_level)
     weight_dial = has_weight_dial(args)
-    if args.resume:  # the engine loaded the initial weights from disk
+    if args.resume:  # the engine loaded the initial weights from disk; its start-up reseeded the global RNGs
         sync_weights(llm, engine_state_dict(accelerator, model))
+        rc_infra.restore_rng(ckpt, rank)
     writer = None
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if accelerator.is_main_process else None
 
     def run_eval(step: int) -> dict:
         """Greedy eval of the trainer's current weights; every problem goes to eval_samples.jsonl."""
         t0 = time.time()
+        engine.wake("weights", "kv_cache")
         metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world)
         if accelerator.is_main_process:
             with open(os.path.join(run_dir, "eval_samples.jsonl"), "a") as f:
@@ -845,14 +739,12 @@ if __name__ == "__main__":
 
     first_eval = last_eval = None
     if args.eval_before and not args.resume:  # the initial policy, before any update: logged at step -1
-        with engine_awake(llm, on_gpu):
-            first_eval = last_eval = run_eval(-1)
+        first_eval = last_eval = run_eval(-1)
         if accelerator.is_main_process:
             metrics_file.write(json.dumps({"step": -1, **first_eval}) + "\n")
             metrics_file.flush()
     if weight_dial:  # from now on the engine samples with the perturbed weights
-        with engine_awake(llm, on_gpu):
-            sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+        sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
     engine_synced = True
 
     if accelerator.is_main_process and args.tensorboard:
@@ -863,7 +755,7 @@ if __name__ == "__main__":
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
-                   name=run_name, dir=run_dir, resume="allow")
+                   name=run_name, dir=run_dir, id=rc_infra.wandb_run_id(run_dir, args.resume), resume="allow")
     from tqdm import tqdm
 
     bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
@@ -892,9 +784,10 @@ if __name__ == "__main__":
         indices = prompt_indices(len(train_prompts), args.seed, position, args.num_prompts_per_step)
         position += args.num_prompts_per_step
         indices = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-        with engine_awake(llm, on_gpu):
-            groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
-                              seed_keys=(args.seed, step, rank))
+        engine.wake("weights", "kv_cache")
+        groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
+                          seed_keys=(args.seed, step, rank))
+        engine.sleep()  # the only sleep: the update comes next and gets the memory
         timing["timing/rollout_s"] = time.time() - t0
 
         # ---- Reward and GRPO advantage (group = the n responses of one prompt) ---------------
@@ -945,17 +838,18 @@ if __name__ == "__main__":
         B = mask.shape[0]
         per_mb = B // args.num_minibatches
         gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
-        loss_sums, grad_norms, micro_metrics = [], [], []
+        loss_sums, kl_sums, grad_norms = [], [], []
+        step_metrics = rc_infra.MetricSum()  # micro-batch metrics, weighted by their valid tokens
         K = args.loss_scale_factor or float(args.max_response_length)
         for epoch in range(args.ppo_epochs):
             perm = torch.randperm(B, generator=gen)
             for mb in range(args.num_minibatches):
                 rows = perm[mb * per_mb:(mb + 1) * per_mb]
                 # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (rc_core §7.5)
-                n_tok, n_seq = global_sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())], accelerator)
+                n_tok, n_seq = rc_infra.global_sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())], accelerator)
                 denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
                                     loss_scale_factor=K)
-                loss_sum = 0.0
+                loss_sum = kl_sum = 0.0
                 micro = [rows[s:s + args.micro_batch_size] for s in range(0, len(rows), args.micro_batch_size)]
                 for j, mrows in enumerate(micro):
                     log_prob, entropy = forward_log_probs(model, batch, mrows, True, with_entropy=True)
@@ -982,9 +876,8 @@ if __name__ == "__main__":
                         kl = rc_core.kl_penalty(log_prob, ref_lp[mrows].to(device), args.kl_estimator)
                         kl_loss = rc_core.agg_loss(kl, m, args.loss_agg_mode, response_mask=m, **denominators)
                         loss = loss + args.kl_coef * kl_loss
-                        mm["actor/kl_loss"] = float(kl_loss) * len(micro)
-                    sync_grads = j == len(micro) - 1
-                    with (accelerator.no_sync(model) if not sync_grads and world > 1 else torch.enable_grad()):
+                        kl_sum += float(kl_loss)
+                    with rc_infra.accumulating(accelerator, model, last_micro_batch=j == len(micro) - 1):
                         # Each rank holds a partial numerator over global denominators; DDP averages, so x world.
                         accelerator.backward(loss * world)
                     if epoch or mb:  # bypass: sg(pi_theta) equals the trainer's pi_old only before the first
@@ -993,13 +886,12 @@ if __name__ == "__main__":
                         mm = {k: v for k, v in mm.items() if not k.startswith("rollout_corr/")}
                     elif rc_config.bypass_mode and dump_ratios:
                         log_ratios.append((log_prob.detach() - rlp)[m > 0].cpu())
-                    micro_metrics.append(mm)
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
+                    step_metrics.add({k: v for k, v in mm.items() if k not in metrics}, weight=float(m.sum()))
+                grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 loss_sums.append(loss_sum)
-                grad_norms.append(float(grad_norm))
+                kl_sums.append(kl_sum)
         timing["timing/update_s"] = time.time() - t0
         if dump_ratios:
             os.makedirs(os.path.join(run_dir, "log_ratio"), exist_ok=True)
@@ -1010,8 +902,8 @@ if __name__ == "__main__":
         t0 = time.time()
         engine_synced = False
         if args.sync_every and (step + 1) % args.sync_every == 0:
-            with engine_awake(llm, on_gpu):
-                sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+            engine.wake("weights")  # the KV cache sleeps on until the next generation
+            sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
             counters["sync_count"] += 1
             engine_synced = True
         timing["timing/sync_s"] = time.time() - t0
@@ -1020,35 +912,36 @@ if __name__ == "__main__":
         last = step == args.num_steps - 1
         eval_metrics = {}
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            with engine_awake(llm, on_gpu):
-                if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                    sync_weights(llm, engine_state_dict(accelerator, model))
-                    counters["sync_count"] += int(not engine_synced)
-                eval_metrics = last_eval = run_eval(step)
-                if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                    sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+            engine.wake("weights")
+            if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
+                sync_weights(llm, engine_state_dict(accelerator, model))
+                counters["sync_count"] += int(not engine_synced)
+            eval_metrics = last_eval = run_eval(step)
+            if weight_dial and not last:  # back to the perturbed weights the next rollout must use
+                sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
             timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
 
         # ---- Logging ------------------------------------------------------------------------
         lengths = mask.sum(-1)
-        # mean over micro-batches (bypass correction metrics included)
-        for k in {k for mm in micro_metrics for k in mm} - set(metrics):
-            metrics[k] = float(np.mean([mm[k] for mm in micro_metrics if k in mm]))
-        metrics.update({
+        # Token-weighted over micro-batches and ranks; the decoupled correction (this rank's batch) by its tokens,
+        # batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial sums over global
+        # denominators on each rank, so x world turns their rank mean into the global loss.
+        step_metrics.add(metrics, weight=float(mask.sum()))
+        step_metrics.add({
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
             "reward/correct": float(np.mean(corrects)),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
             "rollout/nonfinite_logprob_tokens": float(n_bad),
-            "actor/pg_loss": float(np.mean(loss_sums)), "actor/grad_norm": float(np.mean(grad_norms)),
+            "actor/pg_loss": float(np.mean(loss_sums)) * world, "actor/grad_norm": float(np.mean(grad_norms)),
             "actor/lr": scheduler.get_last_lr()[0],
             "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
             "actor/sync_count": float(counters["sync_count"]),
-        })
-        metrics = reduce_metrics(metrics, accelerator)
-        metrics.update(eval_metrics)
+            **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if ref_lp is not None else {}),
+        }, weight=float(len(lengths)))
         timing["timing/step_s"] = time.time() - t_step
-        metrics.update(reduce_metrics(timing, accelerator) if world > 1 else timing)
+        step_metrics.add(timing, weight=1.0)
+        metrics = {**rc_infra.reduce_metrics(step_metrics, world), **eval_metrics}
         if accelerator.is_main_process:
             record = {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
             metrics_file.write(json.dumps(record) + "\n")
@@ -1064,18 +957,16 @@ if __name__ == "__main__":
             bar.set_postfix(**shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}")
 
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            weights = hashlib.sha256()
-            for name, tensor in sorted(unwrapped.state_dict().items()):
-                weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
             rollout = hashlib.sha256(json.dumps([r[0] for r in flat_responses]).encode()).hexdigest()
             os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
             with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "weights_sha256": weights.hexdigest(),
-                                    "rollout_sha256": rollout}) + "\n")
+                f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "rollout_sha256": rollout,
+                                    "weights_sha256": rc_infra.weights_sha256(unwrapped)}) + "\n")
 
         # ---- Checkpoint ----------------------------------------------------------------------
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator, counters)
+            rc_infra.save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator,
+                                     counters)
 
     # ---- Final weights ------------------------------------------------------------------------
     if args.save_final:

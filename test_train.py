@@ -220,10 +220,15 @@ def test_bad_yaml_key_and_existing_run_are_refused(tmp_path):
 
 
 # ---- Issue 4: several processes, kill and resume, the GSM8K smoke run, malformed data ---------------------
-def test_two_processes_same_weights_different_samples(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_two_processes_same_weights_different_samples(tmp_path, launcher):
     env = train_env(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "ddp", *QUICK,
+    if launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:  # the shipped Accelerate config must start 2 processes here, like torchrun
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  os.path.join(HERE, "configs", "accelerate", "multi_cpu.yaml")]
+    cmd = [*launch, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "ddp", *QUICK,
            "--num-steps", "3", "--log-rank-checksums", "--rc.preset", "decoupled_token_is"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -236,6 +241,10 @@ def test_two_processes_same_weights_different_samples(tmp_path):
     assert len({r["weights_sha256"] for r in ranks[0]}) == 3  # and the weights did change every step
     rows = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [-1, 0, 1, 2]
+    import yaml
+
+    config = yaml.safe_load((tmp_path / "ddp" / "config.yaml").read_text())
+    assert config["world_size"] == 2 and config["distributed_type"] == "DistributedType.MULTI_CPU"
 
 
 def _same_metrics(a, b):

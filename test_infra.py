@@ -1,0 +1,182 @@
+"""Unit tests of rc_infra.py on CPU: engine placement and sleep order, metric reduction across ranks (real gloo
+processes), gradient norms under DeepSpeed, the refusal of sharded backends, resume bookkeeping."""
+import math
+import os
+import socket
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import rc_infra
+
+
+# ---- Engine placement and memory --------------------------------------------------------------------------
+@pytest.mark.parametrize("rank, local_rank, world", [(0, 0, 2), (1, 1, 2), (3, 1, 4), (5, 5, 8)])
+def test_each_rank_engine_gets_its_own_gpu(rank, local_rank, world):
+    kwargs, env = rc_infra.engine_placement(True, rank, local_rank, world)
+    assert kwargs == {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+    assert env == {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world)}
+
+
+@pytest.mark.parametrize("on_gpu, world", [(False, 1), (False, 2), (True, 1)])
+def test_cpu_and_single_gpu_keep_the_default_executor(on_gpu, world):
+    assert rc_infra.engine_placement(on_gpu, world - 1, world - 1, world) == ({}, {})
+
+
+class FakeEngine:
+    def __init__(self, log):
+        self.log = log
+
+    def wake_up(self, tags):
+        self.log.append(("wake", tuple(tags)))
+
+    def sleep(self, level):
+        self.log.append(("sleep", level))
+
+
+def test_engine_wakes_weights_for_a_sync_and_kv_cache_for_generation(monkeypatch):
+    log = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
+    engine = rc_infra.EngineMemory(FakeEngine(log), enabled=True, level=2)
+    engine.wake("weights", "kv_cache")  # a new engine is awake: nothing to do
+    engine.sleep()                      # after the rollout, before the update
+    engine.wake("weights")              # weight sync
+    engine.wake("weights", "kv_cache")  # next rollout: only the KV cache is still asleep
+    engine.sleep()
+    engine.sleep()                      # already asleep: no second call
+    assert log == [("sleep", 2), "empty_cache", ("wake", ("weights",)), "empty_cache", ("wake", ("kv_cache",)),
+                   ("sleep", 2)]
+
+
+def test_engine_never_sleeps_on_cpu(monkeypatch):
+    log = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
+    engine = rc_infra.EngineMemory(FakeEngine(log), enabled=False)
+    engine.sleep()
+    engine.wake("weights", "kv_cache")
+    assert log == []
+
+
+# ---- Metric reduction --------------------------------------------------------------------------------------
+def test_metric_kinds():
+    assert rc_infra.metric_kind("rollout_corr/rollout_is_max") == "max"
+    assert rc_infra.metric_kind("rollout_corr/rollout_is_seq_max_deviation") == "max"
+    assert rc_infra.metric_kind("rollout_corr/log_ppl_diff_min") == "min"
+    assert rc_infra.metric_kind("actor/maximal_thing") == "mean"
+    assert rc_infra.metric_kind("response_length/max") == "max"
+
+
+def test_local_sums_are_token_weighted():
+    acc = rc_infra.MetricSum()
+    acc.add({"actor/entropy": 1.0, "rollout_corr/rollout_is_max": 2.0}, weight=30)
+    acc.add({"actor/entropy": 4.0, "rollout_corr/rollout_is_max": 1.5}, weight=10)
+    acc.add({}, weight=50)  # a micro-batch whose responses were all dropped reports nothing
+    out = rc_infra.reduce_metrics(acc, world=1)
+    assert out == {"actor/entropy": pytest.approx((30 * 1.0 + 10 * 4.0) / 40), "rollout_corr/rollout_is_max": 2.0}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reduce_worker(rank, world, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    acc = rc_infra.MetricSum()
+    if rank == 0:  # 3 tokens with entropy 1, a maximum of 5, and a key only this rank has
+        acc.add({"actor/entropy": 1.0, "x/is_max": 5.0, "only/rank0": 7.0}, weight=3)
+    else:  # 1 token with entropy 5; a second micro-batch with every response dropped
+        acc.add({"actor/entropy": 5.0, "x/is_max": 2.0, "x/d_min": -1.0}, weight=1)
+        acc.add({}, weight=0)
+    results[rank] = rc_infra.reduce_metrics(acc, world)
+    dist.destroy_process_group()
+
+
+def test_reduction_across_unequal_ranks_with_unequal_keys():
+    results = mp.Manager().dict()
+    mp.spawn(_reduce_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    assert results[0] == results[1]  # every rank ends with the same metrics, no hang
+    out = results[0]
+    assert out["actor/entropy"] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)  # token-weighted, not (1 + 5) / 2
+    assert out["x/is_max"] == 5.0 and out["x/d_min"] == -1.0
+    assert out["only/rank0"] == 7.0  # a key one rank lacks is the other ranks' weighted mean
+
+
+# ---- Gradient norms, sharded backends ------------------------------------------------------------------------
+def _accelerator(kind, norm, zero_stage=2):
+    from accelerate.utils import DistributedType
+
+    plugin = types.SimpleNamespace(zero_stage=zero_stage, deepspeed_config={"gradient_accumulation_steps": 2})
+    return types.SimpleNamespace(distributed_type=getattr(DistributedType, kind), clip_grad_norm_=lambda p, n: norm,
+                                 state=types.SimpleNamespace(deepspeed_plugin=plugin))
+
+
+def test_grad_norm_under_ddp_and_deepspeed():
+    steps = []
+    optimizer = types.SimpleNamespace(step=lambda: steps.append("step"))
+    model = types.SimpleNamespace(parameters=lambda: [], get_global_grad_norm=lambda: 0.75)
+    assert rc_infra.clip_and_step(_accelerator("MULTI_GPU", torch.tensor(1.5)), model, optimizer, 1.0) == 1.5
+    # DeepSpeed: clip_grad_norm_ returns None (its engine clips); the norm is read from the engine after its step
+    assert rc_infra.clip_and_step(_accelerator("DEEPSPEED", None), model, optimizer, 1.0) == 0.75
+    assert steps == ["step", "step"]
+    assert math.isnan(rc_infra.clip_and_step(_accelerator("NO", None), model, optimizer, 1.0))
+
+
+@pytest.mark.parametrize("kind, stage, refused", [("FSDP", 0, "FSDP"), ("DEEPSPEED", 3, "stage 3"),
+                                                  ("DEEPSPEED", 2, None), ("MULTI_GPU", 0, None), ("NO", 0, None)])
+def test_sharded_backends_are_refused(kind, stage, refused):
+    accelerator = _accelerator(kind, None, zero_stage=stage)
+    if refused:
+        with pytest.raises(ValueError, match=refused):
+            rc_infra.check_distributed(accelerator, 2)
+    else:
+        rc_infra.check_distributed(accelerator, 2)
+
+
+def test_deepspeed_accumulation_must_match_the_micro_batches():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps is 2 .* 4 micro-batches .* set it to 4"):
+        rc_infra.check_distributed(_accelerator("DEEPSPEED", None), 4)
+
+
+# ---- Resume bookkeeping ------------------------------------------------------------------------------------
+def test_wandb_run_id_survives_resume(tmp_path):
+    first = rc_infra.wandb_run_id(str(tmp_path), resume=False)
+    assert rc_infra.wandb_run_id(str(tmp_path), resume=True) == first
+    assert rc_infra.wandb_run_id(str(tmp_path), resume=False) != first  # a fresh run gets a fresh id
+
+
+def test_restore_rng_after_an_engine_reseeds(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               tmp_path / "rng_rank0.pt")
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(1)  # what vLLM's start-up does to the global generators
+    rc_infra.restore_rng(str(tmp_path), 0)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert np.random.rand() == expected[2]
+
+
+def test_micro_batches_accumulate_without_all_reduce_except_the_last():
+    import contextlib
+
+    def fake(kind, world):
+        acc = _accelerator(kind, None)
+        acc.num_processes = world
+        acc.no_sync = lambda model: ("no_sync", model)
+        return acc
+
+    assert rc_infra.accumulating(fake("MULTI_GPU", 2), "m", last_micro_batch=False) == ("no_sync", "m")
+    assert isinstance(rc_infra.accumulating(fake("MULTI_GPU", 2), "m", True), contextlib.nullcontext)
+    assert isinstance(rc_infra.accumulating(fake("NO", 1), "m", False), contextlib.nullcontext)
+    assert isinstance(rc_infra.accumulating(fake("DEEPSPEED", 2), "m", False), contextlib.nullcontext)

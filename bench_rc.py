@@ -9,6 +9,12 @@
 (c) peak extra memory of log_probs_from_logits vs a full log_softmax + gather at V = 151,936,
     each measured in a fresh subprocess as the peak-RSS growth (VmHWM reset through
     /proc/self/clear_refs; ru_maxrss fallback).  Goal <= 25 %.
+(d) the trainer's case: log_probs_from_logits on the non-contiguous slice logits[:, :-1] of a
+    (16, 97, 151,936) fp32 tensor, forward+backward, against the same call on a contiguous copy of
+    the slice: time (goal <= 1.5x) and peak extra memory over the logits (goal <= 2.5x: the gradient
+    of the slice and of the full tensor already make 2x).
+(e) the token entropy on that slice: rc_core.entropy_from_logits (chunked, no grad) against a
+    full-vocabulary fp32 softmax entropy: time and peak extra memory.
 
 Usage:  python bench_rc.py            (B=512, T=2048: several minutes on 2 cores)
         python bench_rc.py --quick    (small sizes, about 30 s)
@@ -56,13 +62,15 @@ def parse_args(argv=None):
     p.add_argument("--mem-tokens-big", type=int,
                    help="extra (c) row at this many tokens with the default chunk_size\n"
                         "(default 8192 = the 151,936 x 8k design case; quick 0 = off)")
+    p.add_argument("--slice-shape", help="B,T,V of the logits for (d) and (e) (default 16,97,151936; quick 4,97,151936)")
     p.add_argument("--_mem-child", dest="mem_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
     defaults = {"batch": 64 if quick else 512, "seq_len": 512 if quick else 2048,
                 "slice_rows": 1 if quick else 2, "repeats": 2 if quick else 3,
                 "grpo_samples": 16384 if quick else 65536, "mem_tokens": 1024 if quick else 2048,
-                "mem_tokens_big": 0 if quick else 8192}
+                "mem_tokens_big": 0 if quick else 8192,
+                "slice_shape": "4,97,151936" if quick else "16,97,151936"}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -245,12 +253,59 @@ def mem_child(spec):
                       "method": "VmHWM reset" if reset else "ru_maxrss"}))
 
 
-def run_mem(method, tokens, vocab, chunk, backward, threads=1):
-    spec = f"{method}:{tokens}:{vocab}:{chunk}:{int(backward)}"
+def slice_child(spec):
+    """(d)/(e) in a fresh process: peak RSS growth and seconds of one op on logits[:, :-1] of a (B, T, V) tensor."""
+    mode, b, t, v = spec.split(":")
+    b, t, v = int(b), int(t), int(v)
+    torch.manual_seed(0)
+    full = torch.empty((b, t, v)).normal_()
+    labels = torch.randint(0, v, (b, t - 1))
+    warm = torch.randn(2, 3, 8, requires_grad=True)  # warm the kernels on a tiny input
+    rc.log_probs_from_logits(warm[:, :-1], torch.zeros(2, 2, dtype=torch.long)).sum().backward()
+    rc.entropy_from_logits(warm[:, :-1])
+    if mode == "copy":  # the baseline: the same call on a contiguous tensor, made before the clock starts
+        x = full[:, :-1].contiguous().requires_grad_()
+        del full
+    elif mode == "slice":
+        full.requires_grad_()
+    reset = _reset_peak()
+    before = _status_kib("VmRSS") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if mode == "copy":
+        rc.log_probs_from_logits(x, labels).sum().backward()
+    elif mode == "slice":
+        rc.log_probs_from_logits(full[:, :-1], labels).sum().backward()
+    elif mode == "entropy":
+        rc.entropy_from_logits(full[:, :-1])
+    else:  # entropy_full: the whole vocabulary in fp32 at once
+        with torch.no_grad():
+            scaled = full[:, :-1].float()
+            torch.logsumexp(scaled, -1) - (scaled.softmax(-1) * scaled).sum(-1)
+    seconds = time.perf_counter() - start
+    after = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"extra_bytes": (after - before) * 1024, "seconds": seconds,
+                      "logits_bytes": b * (t - 1) * v * 4}))
+
+
+def bench_slice(args):
+    b, t, v = (int(x) for x in args.slice_shape.split(","))
+    out = {}
+    for mode in ("copy", "slice", "entropy", "entropy_full"):
+        runs = [run_child(f"slice:{mode}:{b}:{t}:{v}", args.threads) for _ in range(args.repeats)]
+        out[mode] = {"seconds": statistics.median(r["seconds"] for r in runs),
+                     "extra_bytes": max(r["extra_bytes"] for r in runs), "logits_bytes": runs[0]["logits_bytes"]}
+    return {"shape": (b, t, v), **out}
+
+
+def run_child(spec, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     res = subprocess.run([sys.executable, os.path.join(HERE, "bench_rc.py"), "--_mem-child", spec],
                          capture_output=True, text=True, env=env, cwd=HERE, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_mem(method, tokens, vocab, chunk, backward, threads=1):
+    return run_child(f"{method}:{tokens}:{vocab}:{chunk}:{int(backward)}", threads)
 
 
 def bench_memory(args):
@@ -285,7 +340,10 @@ def verdict(ok):
 def main(argv=None):
     args = parse_args(argv)
     if args.mem_child:
-        mem_child(args.mem_child)
+        if args.mem_child.startswith("slice:"):
+            slice_child(args.mem_child.split(":", 1)[1])
+        else:
+            mem_child(args.mem_child)
         return
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
@@ -317,7 +375,7 @@ def main(argv=None):
     m = bench_memory(args)
     mib = 1024 ** 2
     print(f"\n(c) peak extra memory ({m['how']} delta, fresh process each), V={m['vocab']:,}, "
-          f"fp32 logits; chunk_size 1024 is the default")
+          f"fp32 logits; chunk_size 256 is the default")
     print(f"    {'pass':<9}{'tokens':>7}{'chunk':>7}{'logits MiB':>12}{'chunked MiB':>13}"
           f"{'full MiB':>10}{'ratio':>8}{'goal':>7}")
     for kind, tokens, chunk, ours, full in m["rows"]:
@@ -329,6 +387,23 @@ def main(argv=None):
     print("    forward = log_probs_from_logits vs log_softmax(logits).gather.  The chunked peak is "
           "one chunk_size x V fp32\n    buffer, so the ratio is min(chunk_size, tokens) / tokens: "
           "<= 25 % once tokens >= 4 x chunk_size.")
+
+    d = bench_slice(args)
+    gib = 1024 ** 3
+    logits = d["slice"]["logits_bytes"]
+    print(f"\n(d) log_probs_from_logits forward+backward on logits[:, :-1] of a {d['shape']} fp32 tensor "
+          f"(slice logits {logits / gib:.2f} GiB), median of {args.repeats}, fresh process each")
+    speed = d["slice"]["seconds"] / d["copy"]["seconds"]
+    extra = d["slice"]["extra_bytes"] / logits
+    print(f"    contiguous copy {d['copy']['seconds']:.2f} s, slice {d['slice']['seconds']:.2f} s: "
+          f"{speed:.2f}x (goal <= 1.5x) {verdict(speed <= 1.5)}")
+    print(f"    slice peak extra memory {d['slice']['extra_bytes'] / gib:.2f} GiB = {extra:.2f}x the logits "
+          f"(goal <= 2.5x) {verdict(extra <= 2.5)}; contiguous copy {d['copy']['extra_bytes'] / gib:.2f} GiB")
+    print(f"\n(e) token entropy of the same slice: chunked entropy_from_logits {d['entropy']['seconds']:.2f} s, "
+          f"peak extra {d['entropy']['extra_bytes'] / gib:.3f} GiB; full fp32 softmax "
+          f"{d['entropy_full']['seconds']:.2f} s, peak extra {d['entropy_full']['extra_bytes'] / gib:.2f} GiB: "
+          f"memory ratio {d['entropy']['extra_bytes'] / max(1, d['entropy_full']['extra_bytes']):.3f}, "
+          f"time ratio {d['entropy']['seconds'] / d['entropy_full']['seconds']:.2f}")
 
 
 if __name__ == "__main__":

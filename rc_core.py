@@ -85,6 +85,7 @@ __all__ = [
     "compute_rollout_correction_weights",
     "compute_rs_option_metrics",
     "compute_veto_mask",
+    "entropy_from_logits",
     "estimate_tv_distance",
     "geometric_log_ratio",
     "icepop_is_weights",
@@ -240,6 +241,18 @@ def _chunk_log_normaliser(x: torch.Tensor) -> torch.Tensor:
     return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
 
 
+def _row_chunks(shape: torch.Size, chunk_size: int):
+    """Index tuples that cover the rows of a (..., rows, V) tensor ``chunk_size`` rows at a time. A 2-D tensor gives
+    plain row slices; with more leading dims (a non-viewable slice such as logits[:, :-1]) each chunk stays inside
+    one leading index, so no reshape (and no copy) is needed and the loop is over chunks, never over rows."""
+    import itertools
+
+    *outer, rows = shape[:-1]
+    for lead in itertools.product(*map(range, outer)):
+        for start in range(0, rows, chunk_size):
+            yield (*lead, slice(start, start + chunk_size))
+
+
 class _ChunkedTokenLogProb(torch.autograd.Function):
     """log p(label) = x_label / tau - logsumexp(x / tau), chunked over rows, with a backward
     that recomputes softmax per chunk, so neither pass holds a full-vocabulary copy."""
@@ -258,32 +271,30 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
             return None, None, None, None
         tau, step = ctx.temperature, ctx.chunk_size
         work = torch.promote_types(logits.dtype, torch.float32)
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], step):
-            x = _scaled_chunk(logits[start:start + step], tau, work)
-            g = grad_out[start:start + step].to(work).unsqueeze(-1)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _row_chunks(logits.shape, step):
+            x = _scaled_chunk(logits[idx], tau, work)
+            g = grad_out[idx].to(work).unsqueeze(-1)
             # d/dx [x_y - logsumexp(x)] = onehot(y) - softmax(x); chain rule through x / tau.
             top = x.amax(dim=-1, keepdim=True)
             probs = x.sub_(top).exp_()
             probs.div_(probs.sum(dim=-1, keepdim=True)).mul_(-g)
-            probs.scatter_add_(-1, labels[start:start + step].unsqueeze(-1), g)
+            probs.scatter_add_(-1, labels[idx].unsqueeze(-1), g)
             if tau != 1.0:
                 probs.div_(tau)
-            grad[start:start + step] = probs
+            grad[idx] = probs
         return grad, None, None, None
 
 
 def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
-    """Forward pass of :func:`log_probs_from_logits` on a 2-D (rows, V) tensor, chunk by chunk."""
+    """Forward pass of :func:`log_probs_from_logits` on a (..., rows, V) tensor, chunk by chunk."""
     work = torch.promote_types(logits.dtype, torch.float32)
     out = torch.empty(labels.shape, dtype=work, device=logits.device)
     with torch.no_grad():
-        for start in range(0, logits.shape[0], chunk_size):
-            chunk = logits[start:start + chunk_size]
-            rows = labels[start:start + chunk_size].unsqueeze(-1)
-            picked = chunk.gather(-1, rows).squeeze(-1).to(work) / temperature
-            out[start:start + chunk_size] = picked - _chunk_log_normaliser(
-                _scaled_chunk(chunk, temperature, work))
+        for idx in _row_chunks(logits.shape, chunk_size):
+            chunk = logits[idx]
+            picked = chunk.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1).to(work) / temperature
+            out[idx] = picked - _chunk_log_normaliser(_scaled_chunk(chunk, temperature, work))
     return out
 
 
@@ -313,12 +324,11 @@ def log_probs_from_logits(
     if logits.dim() > 2:
         try:
             flat = logits.view(-1, logits.shape[-1])
-        except RuntimeError:  # non-viewable slice: go row by row over the leading dimension
-            rows = [log_probs_from_logits(logits[i], labels[i], temperature, chunk_size)
-                    for i in range(logits.shape[0])]
-            return torch.stack(rows)
-        return log_probs_from_logits(flat, labels.reshape(-1), temperature,
-                                     chunk_size).view(labels.shape)
+        except RuntimeError:  # a non-viewable slice (logits[:, :-1]): chunked in place, see _row_chunks
+            flat = None
+        if flat is not None:
+            return log_probs_from_logits(flat, labels.reshape(-1), temperature,
+                                         chunk_size).view(labels.shape)
     if logits.dim() == 1:
         return log_probs_from_logits(logits.unsqueeze(0), labels.reshape(1), temperature,
                                      chunk_size).reshape(())
@@ -326,6 +336,30 @@ def log_probs_from_logits(
     if logits.requires_grad and torch.is_grad_enabled():
         return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_size))
     return _token_log_prob_chunks(logits, labels, float(temperature), int(chunk_size))
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256) -> torch.Tensor:
+    """Token entropy of softmax(logits / temperature), a diagnostic (no gradient):
+
+    H = -sum_v q_v log q_v = log Z - (sum_v e^{x'_v} x'_v) / Z,   x' = x / tau - max_v x_v / tau,  Z = sum_v e^{x'_v}.
+
+    ``logits`` (..., V), contiguous or a slice; returns (...) in fp32 (fp64 for fp64 logits). Chunked over rows
+    like :func:`log_probs_from_logits`, so at the 151,936-token vocabulary no full-size fp32 copy of the logits
+    exists: two temporaries of one chunk's size."""
+    if isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    work = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.detach()
+    x = x.unsqueeze(0) if x.dim() == 1 else x
+    out = torch.empty(x.shape[:-1], dtype=work, device=x.device)
+    with torch.no_grad():
+        for idx in _row_chunks(x.shape, int(chunk_size)):
+            shifted = _scaled_chunk(x[idx], temperature, work)
+            shifted.sub_(shifted.amax(dim=-1, keepdim=True))
+            weights = shifted.exp()
+            z = weights.sum(dim=-1)
+            out[idx] = z.log() - weights.mul_(shifted).sum(dim=-1) / z
+    return out.reshape(logits.shape[:-1])
 
 
 # --- input validation (semantics §10, "call" rows) ------------------------------------------
@@ -1018,8 +1052,9 @@ def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None
     return 0.5 * masked_mean((rho_1 - rho_2).abs(), mask)
 
 
-def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config):
-    """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5)."""
+def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True):
+    """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5). with_metrics=False skips
+    the diagnostic metrics and their host transfers (the weights and the keep mask are the same)."""
     finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
     mask = _validate_inputs(response_mask, finite)
     dtype = _work_dtype(old_log_prob, rollout_log_prob)
@@ -1041,10 +1076,11 @@ def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config):
             veto_keep, veto_metrics = compute_veto_mask(ell, mask, config.veto_tau)
             keep = keep & veto_keep
             metrics.update(veto_metrics)
-        metrics.update(_offpolicy_metric_tensors(train, rollout, mask))  # step 6
-        metrics.update(_consistency_metric_tensors(train, rollout, mask))
-        metrics["tv_mismatch"] = estimate_tv_distance(ell, None, mask)
-        floats = _to_floats(metrics)
+        if with_metrics:
+            metrics.update(_offpolicy_metric_tensors(train, rollout, mask))  # step 6
+            metrics.update(_consistency_metric_tensors(train, rollout, mask))
+            metrics["tv_mismatch"] = estimate_tv_distance(ell, None, mask)
+        floats = _to_floats(metrics) if with_metrics else {}
     out_mask = keep.to(response_mask.dtype, copy=True)
     return weights, out_mask, {f"rollout_corr/{k}": v for k, v in floats.items()}  # step 7
 
@@ -1218,7 +1254,7 @@ def compute_policy_loss_bypass_mode(
     response_mask: torch.Tensor, config: RolloutCorrectionConfig,
     loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0, *, global_token_count: Any = None, global_seq_count: Any = None,
-    loss_scale_factor: float | None = None,
+    loss_scale_factor: float | None = None, with_correction_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (semantics §5, §7.3-§7.4; seed 000
     §3.1.2; seed 001 §"Bypass 模式：两策略框架").
@@ -1230,11 +1266,13 @@ def compute_policy_loss_bypass_mode(
     keep mask.  ``loss_type="reinforce"``: -A log pi_theta sg(w) (semantics §7.4).  Returns the
     loss and the union of ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not
     reported here (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
+    ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a trainer that keeps
+    them only from the first optimizer step of a batch skips their cost on the others.
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
     weights, effective, corr_metrics = _apply_correction(
-        log_prob.detach(), rollout_log_prob, response_mask, config)
+        log_prob.detach(), rollout_log_prob, response_mask, config, with_correction_metrics)
     common = {"keep_mask": effective, "global_token_count": global_token_count,
               "global_seq_count": global_seq_count, "loss_scale_factor": loss_scale_factor}
     if config.loss_type == "ppo_clip":

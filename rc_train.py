@@ -185,7 +185,9 @@ class Args:
     num_minibatches: int = 4
     """optimizer steps per epoch (the rollout batch is split into this many minibatches)"""
     micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a minibatch)"""
+    """sequences per forward/backward (gradient accumulation inside a minibatch); sorted by length, each trimmed"""
+    max_tokens_per_micro_batch: int | None = None
+    """also cap a micro-batch at this many padded tokens (verl's dynamic batch size); None = by count only"""
     clip_ratio: float = 0.2
     """PPO clip epsilon (both sides unless overridden)"""
     clip_ratio_low: float | None = None
@@ -553,7 +555,36 @@ def make_batch(prompt_ids, responses, pad_id):
             rollout_lp[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
             mask[i, :len(ids)] = 1.0
     return dict(input_ids=input_ids, attention_mask=attention, responses=input_ids[:, P:], rollout_log_prob=rollout_lp,
-                response_mask=mask)
+                response_mask=mask, prompt_len=attention[:, :P].sum(-1), response_len=attention[:, P:].sum(-1))
+
+
+def micro_batches(rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None) -> list[torch.Tensor]:
+    """One minibatch's rows, sorted by length and cut into micro-batches of at most `size` sequences and, with a
+    token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
+    micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
+    padding small, like verl's dynamic batch size. The loss has global denominators, so the grouping does not
+    change it (test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
+    p, t = batch["prompt_len"][rows], batch["response_len"][rows]
+    order = torch.argsort(p + t, stable=True)
+    rows, p, t = rows[order], p[order], t[order]
+    groups, start = [], 0
+    while start < len(rows):
+        end = min(start + size, len(rows))
+        if max_tokens:  # the longest run whose padded size, n x (longest prompt + longest response), fits
+            n = torch.arange(1, end - start + 1)
+            padded = n * (torch.cummax(p[start:end], 0).values + torch.cummax(t[start:end], 0).values)
+            end = start + max(1, int((padded <= max_tokens).sum()))
+        groups.append(rows[start:end])
+        start = end
+    return groups
+
+
+def trimmed_inputs(batch: dict, rows: torch.Tensor):
+    """input_ids and attention_mask of `rows`, cut to their own longest prompt and response; and that response width."""
+    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    p, t = int(batch["prompt_len"][rows].max()), max(1, int(batch["response_len"][rows].max()))
+    cols = slice(P - p, P + t)
+    return batch["input_ids"][rows][:, cols], batch["attention_mask"][rows][:, cols], t
 
 
 def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: float, dtype: str,
@@ -567,11 +598,7 @@ def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: fl
                        logits_to_keep=T + 1, use_cache=False).logits[:, :-1]
     labels = input_ids[:, -T:]
     log_prob = rc_core.log_probs_from_logits(logits, labels, temperature=temperature)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            scaled = logits.detach().float() / temperature
-            entropy = torch.logsumexp(scaled, -1) - (scaled.softmax(-1) * scaled).sum(-1)
+    entropy = rc_core.entropy_from_logits(logits, temperature) if with_entropy else None  # chunked, no grad
     return log_prob, entropy
 
 
@@ -765,16 +792,22 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
 
     def forward_log_probs(net, batch, rows, with_grad, with_entropy=False):
-        ctx = torch.enable_grad() if with_grad else torch.no_grad()
-        with ctx:
-            return sequence_log_probs(net, batch["input_ids"][rows].to(device), batch["attention_mask"][rows].to(device),
-                                      batch["response_mask"].shape[1], args.temperature, args.train_dtype, with_entropy)
+        """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width."""
+        input_ids, attention, t = trimmed_inputs(batch, rows)
+        padding["positions"] += input_ids.numel()
+        padding["tokens"] += int(attention.sum())
+        with torch.enable_grad() if with_grad else torch.no_grad():
+            out = sequence_log_probs(net, input_ids.to(device), attention.to(device), t, args.temperature,
+                                     args.train_dtype, with_entropy)
+        width = batch["response_mask"].shape[1] - t
+        return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
 
     def no_grad_pass(net, batch):
         B = batch["response_mask"].shape[0]
-        parts = [forward_log_probs(net, batch, torch.arange(s, min(s + args.micro_batch_size, B)), False)[0]
-                 for s in range(0, B, args.micro_batch_size)]
-        return torch.cat(parts).cpu()
+        out = torch.zeros(batch["response_mask"].shape)
+        for rows in micro_batches(torch.arange(B), batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
+            out[rows] = forward_log_probs(net, batch, rows, False)[0].cpu()
+        return out
 
     for step in bar:
         t_step = time.time()
@@ -816,6 +849,8 @@ if __name__ == "__main__":
         # ---- Old log-prob (decoupled mode only) and the correction, frozen for all epochs ------
         old_lp = is_weights = keep_mask = None
         metrics = {}
+        padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
+        t_train = time.time()
         dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
         log_ratios = []  # log(pi_trainer/pi_rollout) of valid tokens, kept only on dump steps
         timing["timing/old_log_prob_s"] = 0.0  # bypass: pi_old := pi_rollout, no forward pass at all
@@ -850,7 +885,7 @@ if __name__ == "__main__":
                 denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
                                     loss_scale_factor=K)
                 loss_sum = kl_sum = 0.0
-                micro = [rows[s:s + args.micro_batch_size] for s in range(0, len(rows), args.micro_batch_size)]
+                micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch)
                 for j, mrows in enumerate(micro):
                     log_prob, entropy = forward_log_probs(model, batch, mrows, True, with_entropy=True)
                     m, a, rlp = mask[mrows].to(device), advantages[mrows].to(device), rollout_lp[mrows].to(device)
@@ -859,7 +894,7 @@ if __name__ == "__main__":
                     elif rc_config.bypass_mode:
                         loss, mm = rc_core.compute_policy_loss_bypass_mode(
                             log_prob, rlp, a, m, rc_config, args.loss_agg_mode, clip_low(args), clip_high(args),
-                            args.clip_ratio_c, **denominators)
+                            args.clip_ratio_c, **denominators, with_correction_metrics=not (epoch or mb))
                     else:
                         loss, mm = rc_core.compute_policy_loss_vanilla(
                             old_lp[mrows].to(device), log_prob, a, m, args.loss_agg_mode, clip_low(args), clip_high(args),
@@ -893,6 +928,8 @@ if __name__ == "__main__":
                 loss_sums.append(loss_sum)
                 kl_sums.append(kl_sum)
         timing["timing/update_s"] = time.time() - t0
+        metrics["perf/padding_fraction"] = 1.0 - padding["tokens"] / max(1, padding["positions"])
+        metrics["perf/train_tokens_per_s"] = padding["tokens"] / max(1e-9, time.time() - t_train)
         if dump_ratios:
             os.makedirs(os.path.join(run_dir, "log_ratio"), exist_ok=True)
             np.save(os.path.join(run_dir, "log_ratio", f"step_{step:06d}.npy"),

@@ -187,6 +187,58 @@ def test_log_probs_from_logits_low_precision_noncontiguous_and_nograd():
     assert leaf.grad[:, -1].abs().sum().item() == 0.0  # the dropped position gets no gradient
 
 
+@pytest.mark.parametrize("shape, chunk", [((3, 9, 17), 4), ((2, 3, 6, 11), 5), ((4, 40, 7), 256)])
+def test_noncontiguous_slice_equals_its_contiguous_copy(shape, chunk):
+    # The trainer hands logits[:, :-1] (not viewable as 2-D) to log_probs_from_logits: same values and same
+    # gradients as a contiguous copy, in fp64 to the last bits, without a loop over rows (chunks stay inside one
+    # leading index: _row_chunks).
+    gen = torch.Generator().manual_seed(2)
+    full = torch.randn(shape, generator=gen, dtype=F64)
+    labels = torch.randint(0, shape[-1], (*shape[:-2], shape[-2] - 1), generator=gen)
+    upstream = torch.randn(labels.shape, generator=gen, dtype=F64)
+    sliced_in, copy_in = full.clone().requires_grad_(), full.clone().requires_grad_()
+    sliced = rc.log_probs_from_logits(sliced_in[..., :-1, :], labels, temperature=0.9, chunk_size=chunk)
+    copy = rc.log_probs_from_logits(copy_in[..., :-1, :].contiguous(), labels, temperature=0.9, chunk_size=chunk)
+    assert not sliced_in[..., :-1, :].is_contiguous()
+    torch.testing.assert_close(sliced, copy, rtol=0, atol=1e-14)
+    (sliced * upstream).sum().backward()
+    (copy * upstream).sum().backward()
+    torch.testing.assert_close(sliced_in.grad, copy_in.grad, rtol=0, atol=1e-14)
+    chunks = list(rc._row_chunks(sliced_in[..., :-1, :].shape, chunk))
+    assert len(chunks) == math.prod(shape[:-2]) * math.ceil((shape[-2] - 1) / chunk)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_entropy_from_logits_matches_the_definition(temperature):
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn((3, 8, 29), generator=gen, dtype=F64) * 4
+    q = torch.softmax(full[:, :-1] / temperature, -1)
+    ref = -(q * q.log()).sum(-1)
+    for chunk in (1, 5, 256):
+        out = rc.entropy_from_logits(full[:, :-1], temperature, chunk_size=chunk)  # a non-contiguous slice
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert rc.entropy_from_logits(torch.zeros(5, dtype=F64)).item() == approx(math.log(5))  # uniform: log V
+    low = rc.entropy_from_logits(full.to(torch.bfloat16), temperature)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low[:, :-1].double(), ref, rtol=0, atol=0.05)
+    with pytest.raises(ValueError, match="temperature"):
+        rc.entropy_from_logits(full, 0.0)
+
+
+def test_bypass_loss_without_correction_metrics_is_the_same_loss():
+    gen = torch.Generator().manual_seed(4)
+    rollout = -torch.rand(6, 9, generator=gen, dtype=F64) * 3
+    log_prob = (rollout + 0.1 * torch.randn(6, 9, generator=gen, dtype=F64)).requires_grad_()
+    adv, mask = torch.randn(6, 9, generator=gen, dtype=F64), (torch.rand(6, 9, generator=gen) > 0.2).double()
+    config = rc.RolloutCorrectionConfig.bypass_ppo_clip_geo_rs()
+    full, with_metrics = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, config)
+    bare, without = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, config,
+                                                       with_correction_metrics=False)
+    assert bare.item() == full.item()
+    assert any(k.startswith("rollout_corr/") for k in with_metrics)
+    assert not any(k.startswith("rollout_corr/") for k in without) and set(without) < set(with_metrics)
+
+
 def test_log_probs_from_logits_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"\(2, 3, 5\).*\(2, 4\)"):
         rc.log_probs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))

@@ -19,7 +19,7 @@ import torch
 # ---------------------------------------------------------------------------------------------
 # Processes and devices
 # ---------------------------------------------------------------------------------------------
-def check_distributed(accelerator, micro_batches_per_step: int) -> None:
+def check_distributed(accelerator, micro_batches_per_step: int | None) -> None:
     """Refuse the Accelerate backends whose weights are sharded: FSDP and DeepSpeed ZeRO-3.
 
     Every rank pushes the FULL weights into its own colocated engine after each update, runs the decoupled pi_old
@@ -42,6 +42,9 @@ def check_distributed(accelerator, micro_batches_per_step: int) -> None:
             raise ValueError("DeepSpeed ZeRO stage 3 is not supported (sharded parameters); use zero_stage 1 or 2 "
                              "(configs/accelerate/deepspeed_zero2.yaml)")
         steps = plugin.deepspeed_config.get("gradient_accumulation_steps")
+        if micro_batches_per_step is None:
+            raise ValueError("DeepSpeed needs the same number of micro-batches in every optimizer step: "
+                             "drop --max-tokens-per-micro-batch (its micro-batch count varies with the lengths)")
         if steps != micro_batches_per_step:
             raise ValueError(f"DeepSpeed gradient_accumulation_steps is {steps!r} but the trainer runs "
                              f"{micro_batches_per_step} micro-batches per optimizer step (per-rank rollout batch / "

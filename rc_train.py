@@ -184,7 +184,7 @@ class Args:
     """passes over each rollout batch"""
     num_minibatches: int = 4
     """optimizer steps per epoch (the rollout batch is split into this many minibatches)"""
-    micro_batch_size: int = 256
+    micro_batch_size: int = 32
     """sequences per forward/backward (gradient accumulation inside a minibatch); sorted by length, each trimmed"""
     max_tokens_per_micro_batch: int | None = None
     """also cap a micro-batch at this many padded tokens (verl's dynamic batch size); None = by count only"""
@@ -298,6 +298,8 @@ def validate_args(args: Args, world_size: int) -> None:
     need(args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
          f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})")
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    need(args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
+         f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
     need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
     need(args.temperature > 0 and math.isfinite(args.temperature),
          f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
@@ -680,7 +682,8 @@ if __name__ == "__main__":
     try:
         validate_args(args, world)
         per_rank = args.num_prompts_per_step // world * args.num_samples_per_prompt
-        rc_infra.check_distributed(accelerator, math.ceil(per_rank // args.num_minibatches / args.micro_batch_size))
+        rc_infra.check_distributed(accelerator, None if args.max_tokens_per_micro_batch else
+                                   math.ceil(per_rank // args.num_minibatches / args.micro_batch_size))
         rc_config = build_correction_config(args.rc)
         run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
         run_dir = os.path.join(args.output_dir, run_name)

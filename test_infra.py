@@ -141,6 +141,9 @@ def test_sharded_backends_are_refused(kind, stage, refused):
 def test_deepspeed_accumulation_must_match_the_micro_batches():
     with pytest.raises(ValueError, match="gradient_accumulation_steps is 2 .* 4 micro-batches .* set it to 4"):
         rc_infra.check_distributed(_accelerator("DEEPSPEED", None), 4)
+    with pytest.raises(ValueError, match="--max-tokens-per-micro-batch"):  # a count that varies step to step
+        rc_infra.check_distributed(_accelerator("DEEPSPEED", None), None)
+    rc_infra.check_distributed(_accelerator("MULTI_GPU", None), None)  # DDP takes any count
 
 
 # ---- Resume bookkeeping ------------------------------------------------------------------------------------

@@ -249,8 +249,11 @@ def test_two_processes_same_weights_different_samples(tmp_path, launcher):
 
 
 def _same_metrics(a, b):
-    keys = {k for k in a if not k.startswith("timing/")}
-    assert keys == {k for k in b if not k.startswith("timing/")}
+    def timed(k):  # wall-clock figures: timing/* and rates such as perf/train_tokens_per_s
+        return k.startswith("timing/") or k.endswith("_per_s")
+
+    keys = {k for k in a if not timed(k)}
+    assert keys == {k for k in b if not timed(k)}
     return all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in keys)  # NaN == NaN here
 
 

@@ -1296,6 +1296,8 @@ def _count(value: Any, name: str, local: torch.Tensor, dtype: torch.dtype) -> to
     if value is None:
         return local.to(dtype)
     if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not bool(value.detach() > 0):  # one scalar host read; 0 would give inf
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
         return value.detach().to(device=local.device, dtype=dtype).reshape(())
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -1543,9 +1545,9 @@ class RolloutCorrectionConfig:
                     if self.rollout_is == "geometric" else "")
             raise ValueError(f"rollout_is={self.rollout_is!r} is not one of None, "
                              f"{', '.join(map(repr, IS_LEVELS))}{hint}")
-        if self.rollout_is is not None or self.rollout_is_threshold is not None:
-            spec = parse_is_threshold(self.rollout_is_threshold)
-            set_(self, "is_spec", spec if self.rollout_is is not None else None)
+        # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's threshold may
+        # stay behind when an override turns its correction off).
+        set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if self.rollout_is is not None else None)
         if not isinstance(self.rollout_is_batch_normalize, bool):
             raise TypeError(f"rollout_is_batch_normalize must be a bool, got "
                             f"{self.rollout_is_batch_normalize!r}")
@@ -1583,7 +1585,9 @@ class RolloutCorrectionConfig:
         if loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError(f"loss_type={str(loss_type)!r} requires bypass_mode=True "
                              f"(decoupled mode always uses ppo_clip)")
-        return str(loss_type)
+        # A value the user did not set stays marked as such, so dataclasses.replace(config, use_policy_gradient=...)
+        # may still choose it, exactly as the constructor would.
+        return str(loss_type) if explicit else _DefaultLossType(loss_type)
 
     def to_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`compute_rollout_correction_and_rejection_mask`."""

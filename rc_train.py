@@ -711,8 +711,9 @@ if __name__ == "__main__":
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump({"args": dataclasses.asdict(args), "world_size": world,
                             "distributed_type": str(accelerator.distributed_type), "model_path": model_path,
-                            "rollout_correction": {k: getattr(rc_config, k) for k in
-                                                   [f.name for f in dataclasses.fields(rc_config) if f.init]},
+                            "rollout_correction": {  # str(): a loss_type left unset is a str subclass
+                                f.name: (str(v) if isinstance(v := getattr(rc_config, f.name), str) else v)
+                                for f in dataclasses.fields(rc_config) if f.init},
                             "train_rows": len(train_rows), "train_rows_skipped": n_skipped}, f, sort_keys=False)
 
     # TRY NOT TO MODIFY: seeding

@@ -6,6 +6,7 @@ from the code's output.  Section numbers ("§N") refer to the spec.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -1415,3 +1416,32 @@ def test_ess_is_zero_when_icepop_zeroes_everything(batch, level):
     assert met["rollout_is_eff_sample_size"] == 0.0
     assert met["rollout_is_batch_norm_factor"] == 1.0
     assert met["rollout_is_oob_ratio"] == 1.0
+
+
+# ---- Defects found by review (issue 14) -------------------------------------------------------------------
+def test_replace_keeps_the_unset_loss_type_open():
+    base = rc.RolloutCorrectionConfig()
+    assert base.loss_type == "ppo_clip"
+    replaced = dataclasses.replace(base, bypass_mode=True, use_policy_gradient=True)
+    assert replaced.loss_type == "reinforce"
+    assert replaced == rc.RolloutCorrectionConfig(bypass_mode=True, use_policy_gradient=True)
+    explicit = rc.RolloutCorrectionConfig(bypass_mode=True, loss_type="ppo_clip")
+    with pytest.raises(ValueError, match="conflicts"):  # a loss_type the user set still wins over the alias
+        dataclasses.replace(explicit, use_policy_gradient=True)
+
+
+@pytest.mark.parametrize("count", [torch.tensor(0.0), torch.tensor(-3.0), torch.tensor([2.0, 3.0])])
+def test_agg_loss_refuses_a_bad_tensor_count(count):
+    loss, mask = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="global_token_count must be a positive number"):
+        rc.agg_loss(loss, mask, "token-mean", global_token_count=count)
+    assert rc.agg_loss(loss, mask, "token-mean", global_token_count=torch.tensor(12.0)).item() == 0.5
+
+
+def test_thresholds_of_a_correction_that_is_off_are_not_parsed():
+    # IS like RS: a threshold left behind by a preset whose correction an override turned off is ignored.
+    config = rc.RolloutCorrectionConfig(rollout_is=None, rollout_is_threshold="not-a-number")
+    assert config.is_spec is None
+    assert rc.RolloutCorrectionConfig(rollout_rs=None, rollout_rs_threshold="not-a-number").rs_specs == ()
+    with pytest.raises(ValueError):
+        rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="not-a-number")

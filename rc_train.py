@@ -386,7 +386,7 @@ def engine_limits(args: Args, world: int, longest_prompt: int, on_gpu: bool) -> 
     max_num_seqs = args.vllm_max_num_seqs or batch
     tokens = args.vllm_max_num_batched_tokens
     if tokens is None and not on_gpu:
-        tokens = min(max(batch * longest_prompt, args.max_model_len, max_num_seqs), max(65536, args.max_model_len))
+        tokens = min(max(batch * longest_prompt, args.max_model_len), max(65536, args.max_model_len))
     limits = dict(max_num_seqs=max_num_seqs)
     if tokens is not None:
         limits["max_num_batched_tokens"] = max(tokens, max_num_seqs)

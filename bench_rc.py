@@ -117,7 +117,7 @@ BYPASS = rc.RolloutCorrectionConfig(
 
 def decoupled_step(old, rollout, current, adv, mask):
     weights, keep, _ = rc.compute_rollout_correction_and_rejection_mask(
-        old, rollout, mask, **DECOUPLED.to_kwargs())
+        old, rollout, mask, DECOUPLED)
     log_prob = current.clone().requires_grad_()
     loss, _ = rc.compute_policy_loss_vanilla(
         old, log_prob, adv, mask, "token-mean", 0.2, 0.28, 3.0, weights, keep_mask=keep,

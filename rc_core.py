@@ -1089,34 +1089,28 @@ def compute_rollout_correction_and_rejection_mask(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    rollout_is: str | None = None,
-    rollout_is_threshold: float | str | None = 2.0,
-    rollout_is_batch_normalize: bool = False,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold: float | str | None = None,
-    rollout_rs_threshold_lower: float | None = None,
-    rollout_token_veto_threshold: float | None = None,
+    config: RolloutCorrectionConfig,
+    *,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """The correction entry point (semantics §5; seed 000 §3.1; seed 002 §"Metrics").
 
     ``old_log_prob`` is log pi_train (pi_old in decoupled mode, sg(pi_theta) in bypass mode),
-    ``rollout_log_prob`` is log mu, ``response_mask`` is the original mask m.  Steps: validate ->
-    l = log pi_train - log mu -> IS weights + metrics (then batch-normalise) -> RS keep mask +
-    metrics -> veto -> off-policy, consistency and ``tv_mismatch`` metrics on the original mask
-    -> prefix ``rollout_corr/``.  IS and RS both read the same l and m and never alter each other.
+    ``rollout_log_prob`` is log mu, ``response_mask`` is the original mask m, ``config`` a
+    :class:`RolloutCorrectionConfig` (validated when it was built, semantics §10), the same object
+    the bypass loss takes.  Steps: validate -> l = log pi_train - log mu -> IS weights + metrics
+    (then batch-normalise) -> RS keep mask + metrics -> veto -> off-policy, consistency and
+    ``tv_mismatch`` metrics on the original mask -> prefix ``rollout_corr/``.  IS and RS both read
+    the same l and m and never alter each other.
 
     Returns ``(is_weights or None (detached, padding 0), m * k (dtype of response_mask),
     metrics)``.  ``tv_mismatch`` = (1/2)<|1 - rho|> estimates alpha_1 in decoupled mode and beta
-    in bypass mode (semantics §12.7).  The arguments are validated through
-    :class:`RolloutCorrectionConfig` (semantics §10).
+    in bypass mode (semantics §12.7).  ``with_metrics=False`` skips the diagnostic metrics and their
+    host transfers (the weights and the keep mask are the same).
     """
-    config = RolloutCorrectionConfig(
-        rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
-        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        rollout_rs_threshold_lower=rollout_rs_threshold_lower,
-        rollout_token_veto_threshold=rollout_token_veto_threshold)
-    return _apply_correction(old_log_prob, rollout_log_prob, response_mask, config)
+    if not isinstance(config, RolloutCorrectionConfig):
+        raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
+    return _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics)
 
 
 # ============================================================================================
@@ -1588,13 +1582,6 @@ class RolloutCorrectionConfig:
         # A value the user did not set stays marked as such, so dataclasses.replace(config, use_policy_gradient=...)
         # may still choose it, exactly as the constructor would.
         return str(loss_type) if explicit else _DefaultLossType(loss_type)
-
-    def to_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`compute_rollout_correction_and_rejection_mask`."""
-        names = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
-                 "rollout_rs_threshold", "rollout_rs_threshold_lower",
-                 "rollout_token_veto_threshold")
-        return {name: getattr(self, name) for name in names}
 
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> RolloutCorrectionConfig:

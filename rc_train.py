@@ -864,7 +864,7 @@ if __name__ == "__main__":
             old_lp = no_grad_pass(unwrapped, batch)
             counters["old_log_prob_passes"] += 1
             is_weights, keep_mask, corr = rc_core.compute_rollout_correction_and_rejection_mask(
-                old_lp, rollout_lp, mask, **rc_config.to_kwargs())
+                old_lp, rollout_lp, mask, rc_config)
             metrics.update(corr)
             if dump_ratios:
                 log_ratios.append((old_lp - rollout_lp)[mask > 0])

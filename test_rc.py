@@ -50,7 +50,7 @@ def logs(rows, garbage=NAN):
 
 
 def corr(train, rollout, mask, **kw):
-    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, **kw)
+    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, rc.RolloutCorrectionConfig(**kw))
     assert all(k.startswith("rollout_corr/") for k in met)
     return w, m2, {k[len("rollout_corr/"):]: v for k, v in met.items()}
 
@@ -1057,16 +1057,17 @@ def test_check_loss_settings(args, fragment):
 def test_tensor_validation_errors():
     good = torch.zeros((2, 3))
     mask = torch.ones((2, 3))
+    plain = C.disabled()
     with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 3\)"):
-        rc.compute_rollout_correction_and_rejection_mask(torch.zeros((2, 4)), good, mask)
+        rc.compute_rollout_correction_and_rejection_mask(torch.zeros((2, 4)), good, mask, plain)
     with pytest.raises(ValueError, match="at least one valid token"):
-        rc.compute_rollout_correction_and_rejection_mask(good, good, torch.zeros((2, 3)))
+        rc.compute_rollout_correction_and_rejection_mask(good, good, torch.zeros((2, 3)), plain)
     with pytest.raises(ValueError, match="2.0"):
-        rc.compute_rollout_correction_and_rejection_mask(good, good, mask * 2)
+        rc.compute_rollout_correction_and_rejection_mask(good, good, mask * 2, plain)
     bad = good.clone()
     bad[0, 0], bad[1, 2] = NAN, -math.inf
     with pytest.raises(ValueError, match="2 non-finite"):
-        rc.compute_rollout_correction_and_rejection_mask(bad, good, mask)
+        rc.compute_rollout_correction_and_rejection_mask(bad, good, mask, plain)
     partial = mask.clone()
     partial[1, 2] = 0.0  # the -inf sits on padding now: only the NaN counts
     with pytest.raises(ValueError, match="log_prob has 1 non-finite"):
@@ -1150,11 +1151,12 @@ def test_preset_variants_with_veto_and_legacy_lower():
     assert C.decoupled_seq_is_rs(is_threshold=3.0).is_spec == rc.ISThreshold("tis", None, 3.0)
 
 
-def test_to_kwargs_round_trip():
+def test_entry_point_takes_the_config_object():
     cfg = C.decoupled_geo_rs_token_tis()
     train, rollout, mask = make([[1.0005, 0.9995], [1.01, 1.0]])
-    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask,
-                                                                  **cfg.to_kwargs())
+    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, cfg)
+    with pytest.raises(TypeError, match="RolloutCorrectionConfig"):
+        rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, {"rollout_is": "token"})
     assert m2.tolist() == [[1, 1], [0, 0]]
     assert w is not None and "rollout_corr/rollout_rs_seq_mean_k1_mean" in met
 

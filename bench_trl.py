@@ -1,0 +1,308 @@
+"""A race, side by side in one run: this trainer against Hugging Face TRL's GRPOTrainer (not a test).
+
+All three train the miniature GSM8K (the embedded default task and its warm-started base model) from the same
+weights on the same prompts in the same order, sequentially on this machine:
+
+  ours           python rc_train.py (vLLM in-process, bypass PPO-clip, the default job)
+  trl_vllm       GRPOTrainer, use_vllm=True, vllm_mode="colocate" (vLLM in the trainer's process)
+  trl_generate   GRPOTrainer, use_vllm=False (transformers `generate`)
+
+Matched: base model, prompt order (ours: rc_train.prompt_indices; TRL: the same rows in that order, no
+shuffle), 32 prompts x 16 samples per rollout, 64 response tokens, temperature 1, 4 optimizer steps of 128
+responses per rollout in micro-batches of 32, AdamW at a constant 1e-4 (no weight decay, grad-norm clip 1),
+clip 0.2 both sides, token-mean over each optimizer step's tokens (TRL's "dapo" = our "token-mean"),
+group-std advantages, no KL, fp32. Everything else is each trainer's default (TRL recomputes pi_old and applies
+its sequence-mask IS with vLLM; ours uses pi_old := pi_rollout, docs/corrections.md §7.3).
+
+Measured for each: seconds per rollout step, training seconds to reach --target strict greedy accuracy on the
+200 test problems (wall time from the first step, evaluation time subtracted: ours from timing/step_s -
+timing/eval_s, TRL from a callback clock that stops while it evaluates), and the final accuracy. Start-up
+(model load, engine start) is reported apart. Ours evaluates with vLLM greedy decoding, TRL with
+transformers greedy `generate` of the same policy; both score with tasks.py's strict scorer.
+
+TRL lives in its own virtual environment, created here on first use (pinned: TRL_PIN, on top of this
+project's requirements-cpu.txt) and never a dependency of the trainer. TRL's colocate weight sync
+(`model.load_weights` on the engine's model) crashes on vLLM's CPU build, which pre-packs linear weights;
+the worker replaces it with vLLM's `reload_weights` over the full state dict (README "CPU engine").
+
+Usage:  python bench_trl.py --quick     (20 rollout steps each, within 30 minutes on 2 cores)
+        python bench_trl.py             (50 rollout steps each: the default job's length)
+The last line is exactly `ours/TRL time-to-accuracy: <ratio>` against the faster TRL variant
+(`inf` if ours never reached the target, `0` if no TRL variant did). Goal: <= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRL_PIN = "trl==1.16.0"
+VARIANTS = ("ours", "trl_vllm", "trl_generate")
+# The default job's shape (rc_train.Args defaults); TRL gets the same numbers.
+SHAPE = dict(prompts_per_step=32, samples_per_prompt=16, max_response_length=64, max_model_len=512,
+             learning_rate=1e-4, clip=0.2, num_minibatches=4, micro_batch_size=32, eval_limit=200)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="20 rollout steps per trainer (default 50)")
+    p.add_argument("--steps", type=int, help="rollout steps per trainer (overrides --quick)")
+    p.add_argument("--target", type=float, default=0.5, help="strict greedy eval accuracy to reach (default 0.5)")
+    p.add_argument("--eval-every", type=int, default=2, help="evaluate every N rollout steps (default 2)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    p.add_argument("--out", default=os.path.join(HERE, "runs", "bench_trl"), help="folder for runs and results")
+    p.add_argument("--trl-env", default=os.path.join(HERE, ".bench", "trl-env"),
+                   help="TRL's virtual environment (created on first use)")
+    p.add_argument("--worker", choices=("trl_vllm", "trl_generate"), help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.steps = args.steps or (20 if args.quick else 50)
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
+    if args.steps < 1 or args.eval_every < 1 or not 0 < args.target <= 1:
+        p.error(f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}) and "
+                f"0 < --target <= 1 (got {args.target})")
+    return args
+
+
+# ---- The shared specification: model, prompts in order, eval set --------------------------------------------
+def write_spec(args) -> str:
+    """Build (or reuse) the base model and write everything both trainers must share to spec.json."""
+    import tasks
+    from rc_train import prompt_indices
+
+    mini = tasks.MiniGSMArgs()
+    task = tasks.make_task("minigsm", mini)
+    model_path = tasks.base_model_path("minigsm", mini, args.seed, log=lambda m: print(f"[base] {m}", flush=True))
+    train_rows, _ = task.problems("train", None)
+    eval_rows, _ = task.problems("test", SHAPE["eval_limit"])
+    order = prompt_indices(len(train_rows), args.seed, 0, args.steps * SHAPE["prompts_per_step"])
+    spec = {**SHAPE, "model_path": model_path, "steps": args.steps, "seed": args.seed, "eval_every": args.eval_every,
+            "train": [train_rows[i] for i in order], "eval": eval_rows}
+    path = os.path.join(args.out, "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+# ---- Ours: the real script, default job, fewer steps ------------------------------------------------------------
+def run_ours(args) -> dict:
+    run = os.path.join(args.out, "ours")
+    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--seed", str(args.seed), "--num-steps", str(args.steps),
+           "--eval-every", str(args.eval_every), "--output-dir", args.out, "--run-name", "ours", "--overwrite",
+           "--no-save-final"]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=HERE)
+    wall = time.time() - t0
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    evals, train_s, first_step = [], 0.0, None
+    for r in rows:
+        if r["step"] >= 0:
+            train_s += r["timing/step_s"] - r.get("timing/eval_s", 0.0)
+        if "eval/accuracy_strict" in r:
+            evals.append({"step": r["step"] + 1, "train_s": train_s, "accuracy": r["eval/accuracy_strict"]})
+    return {"evals": evals, "train_s": train_s, "wall_s": wall, "command": " ".join(cmd[1:])}
+
+
+# ---- TRL: its own environment, then one worker process per variant -----------------------------------------------
+def trl_python(env: str) -> str:
+    """The TRL environment's python, created on first use: this project's CPU requirements plus TRL_PIN."""
+    python = os.path.join(env, "bin", "python")
+    stamp = os.path.join(env, "installed.txt")
+    if os.path.exists(stamp) and open(stamp).read().strip() == TRL_PIN:
+        return python
+    print(f"[trl] creating {env} with {TRL_PIN} (several minutes, once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", env], check=True)
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["-r", os.path.join(HERE, "requirements-cpu.txt"), TRL_PIN], check=True)
+    # As for the trainer's own environment: CUDA builds of these break `import transformers` beside CPU torch.
+    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    with open(stamp, "w") as f:
+        f.write(TRL_PIN + "\n")
+    return python
+
+
+def run_trl(args, variant: str, spec_path: str, python: str) -> dict:
+    result = os.path.join(args.out, variant, "result.json")
+    os.makedirs(os.path.dirname(result), exist_ok=True)
+    cmd = [python, os.path.abspath(__file__), "--worker", variant, "--spec", spec_path, "--out",
+           os.path.dirname(result)]
+    t0 = time.time()
+    with open(os.path.join(os.path.dirname(result), "worker.log"), "w") as log:
+        proc = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{variant} failed (exit {proc.returncode}); see {log.name}")
+    out = json.load(open(result))
+    return {**out, "wall_s": time.time() - t0, "command": f"{variant} worker (GRPOConfig in {result})"}
+
+
+def trl_worker(args) -> None:
+    """Runs inside TRL's environment: GRPOTrainer on the spec, a greedy eval every few rollout steps."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import tasks
+
+    spec = json.load(open(args.spec))
+    torch.manual_seed(spec["seed"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    task = tasks.make_task("minigsm", tasks.MiniGSMArgs())
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    prompts = [task.prompt(r["question"]) for r in spec["train"]]
+    # The prompt tokens must be the trainer's: rc_train encodes without special tokens, TRL with the default.
+    for text in prompts[:8]:
+        assert tokenizer(text)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], text
+    data = Dataset.from_list([{"prompt": p, "gold": r["gold"]} for p, r in zip(prompts, spec["train"])])
+
+    def strict_reward(completions, gold, **_):
+        return [float(task.score(c, g)["strict"]) for c, g in zip(completions, gold)]
+
+    per_rollout = spec["prompts_per_step"] * spec["samples_per_prompt"]
+    optimizer_steps = spec["num_minibatches"]
+    accumulation = per_rollout // optimizer_steps // spec["micro_batch_size"]
+    config = GRPOConfig(
+        output_dir=args.out, seed=spec["seed"], use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, shuffle_dataset=False,
+        max_steps=spec["steps"] * optimizer_steps, num_generations=spec["samples_per_prompt"],
+        per_device_train_batch_size=spec["micro_batch_size"], gradient_accumulation_steps=accumulation,
+        generation_batch_size=per_rollout, num_iterations=1, max_completion_length=spec["max_response_length"],
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, epsilon=spec["clip"], epsilon_high=spec["clip"],
+        beta=0.0, loss_type="dapo", scale_rewards="group", gradient_checkpointing=False,
+        use_vllm=args.worker == "trl_vllm", vllm_mode="colocate", vllm_max_model_length=spec["max_model_len"])
+
+    eval_prompts = [task.prompt(r["question"]) for r in spec["eval"]]
+
+    def evaluate(policy) -> float:
+        tokenizer.padding_side = "left"
+        correct = 0
+        policy.eval()
+        with torch.no_grad():
+            for i in range(0, len(eval_prompts), 100):
+                enc = tokenizer(eval_prompts[i:i + 100], return_tensors="pt", padding=True, add_special_tokens=False)
+                out = policy.generate(**enc, max_new_tokens=spec["max_response_length"], do_sample=False,
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                correct += sum(task.score(t, r["gold"])["strict"] for t, r in zip(texts, spec["eval"][i:i + 100]))
+        policy.train()
+        return correct / len(eval_prompts)
+
+    class RaceClock(TrainerCallback):
+        """Training time from the first step with evaluation subtracted; an eval every eval_every rollouts."""
+
+        def __init__(self):
+            self.evals, self.t0, self.paused = [], None, 0.0
+
+        def on_train_begin(self, _args, state, control, model=None, **_):
+            self.t0 = time.time()
+
+        def on_step_end(self, _args, state, control, model=None, **_):
+            if state.global_step % optimizer_steps:
+                return
+            rollout = state.global_step // optimizer_steps
+            if rollout % spec["eval_every"] and rollout != spec["steps"]:
+                return
+            train_s = time.time() - self.t0 - self.paused
+            t = time.time()
+            accuracy = evaluate(model)
+            self.paused += time.time() - t
+            self.evals.append({"step": rollout, "train_s": train_s, "accuracy": accuracy})
+            print(f"[{args.worker}] rollout {rollout}: accuracy {accuracy:.3f}, {train_s:.1f} s", flush=True)
+
+    if args.worker == "trl_vllm":
+        patch_colocate_sync()
+    clock = RaceClock()
+    t_setup = time.time()
+    trainer = GRPOTrainer(model=model, reward_funcs=strict_reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[clock])
+    setup_s = time.time() - t_setup
+    trainer.train()
+    train_s = clock.evals[-1]["train_s"] if clock.evals else time.time() - clock.t0 - clock.paused
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump({"evals": clock.evals, "train_s": train_s, "setup_s": setup_s, "trl": TRL_PIN,
+                   "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool))}},
+                  f, indent=1)
+
+
+def patch_colocate_sync() -> None:
+    """TRL's colocate sync calls the engine model's load_weights, which crashes on vLLM's CPU build (its linear
+    weights are pre-packed). vLLM's reload_weights takes the new tensors and repacks them; send every tensor of the
+    state dict, the tied output layer included (the CPU build keeps its own packed copy of it)."""
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.VLLMGeneration.sync_weights
+
+    def sync_weights(self):
+        if self.mode != "colocate":
+            return original(self)
+        weights = [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    vllm_generation.VLLMGeneration.sync_weights = sync_weights
+
+
+# ---- Report ----------------------------------------------------------------------------------------------------
+def time_to(evals: list[dict], target: float) -> float | None:
+    return next((e["train_s"] for e in evals if e["accuracy"] >= target), None)
+
+
+def report(args, results: dict) -> list[str]:
+    lines = [f"miniature GSM8K, {args.steps} rollout steps of 32 x 16, target strict accuracy {args.target}, "
+             f"seed {args.seed}", "",
+             "| trainer | s / rollout step | s to target | reached at step | final strict accuracy | start-up + eval s |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        reach = time_to(r["evals"], args.target)
+        step = next((e["step"] for e in r["evals"] if e["accuracy"] >= args.target), None)
+        final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
+        lines.append(f"| {name} | {r['train_s'] / args.steps:.2f} | {'never' if reach is None else f'{reach:.1f}'} | "
+                     f"{'-' if step is None else step} | {final:.3f} | {r['wall_s'] - r['train_s']:.0f} |")
+    ours = time_to(results["ours"]["evals"], args.target) if "ours" in results else None
+    trl = [t for t in (time_to(results[v]["evals"], args.target) for v in results if v != "ours") if t is not None]
+    if ours is None:
+        ratio = "inf"
+    elif not trl:
+        ratio = "0"
+    else:
+        ratio = f"{ours / min(trl):.3f}"
+    lines += ["", f"ours/TRL time-to-accuracy: {ratio}"]
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return trl_worker(args)
+    os.makedirs(args.out, exist_ok=True)
+    variants = args.variants.split(",")
+    python = trl_python(args.trl_env) if any(v != "ours" for v in variants) else None  # fail early, before any run
+    spec_path = write_spec(args)
+    results = {}
+    for variant in variants:
+        print(f"[bench_trl] {variant} ...", flush=True)
+        results[variant] = run_ours(args) if variant == "ours" else run_trl(args, variant, spec_path, python)
+        print(f"[bench_trl] {variant}: {results[variant]['train_s']:.1f} s training, "
+              f"evals {[round(e['accuracy'], 3) for e in results[variant]['evals']]}", flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    lines = report(args, results)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,51 +1,33 @@
 """Rollout correction: the formula module of the GRPO-on-GSM8K reference trainer.
 
-This module holds every training-inference mismatch correction as plain torch functions:
-importance-sampling (IS) weights, rejection sampling (RS), the worst-token veto, the
-off-policy and consistency diagnostics, the PPO / REINFORCE policy losses, loss aggregation,
-the GRPO advantage and the KL penalty, plus the validated configuration and its presets.
-It imports nothing but torch and the standard library.
+Every training-inference mismatch correction as a plain torch function, in the order of the math:
+ratios -> importance-sampling (IS) weights -> rejection sampling (RS) -> veto -> metrics -> the
+correction entry point -> policy losses -> aggregation -> GRPO advantage -> KL penalty ->
+configuration and presets; then the helpers and the chunked log-prob / entropy kernels.  Pure
+torch and the standard library.  "§N" is a section of ``docs/corrections.md``, the specification.
 
-The specification is the project note ``correction-semantics.md`` (cited below as "semantics
-§N"). It in turn cites five design documents ("seeds", in ``shared/seeds/``) by file name:
-
-* seed 000 = ``000_942613bf4f9033c0.txt``  (rollout-correction math, §1-§6)
-* seed 001 = ``001_a621c3f872b63d4c.txt``  (the three log-probs and how they enter the loss)
-* seed 002 = ``002_1c633fc99a31e6f1.txt``  (usage guide: options, presets, metrics)
-* seed 003 = ``003_b47766cd87c98f8f.txt``  (history, legacy keys, consistency metrics)
-* seed 004 = ``004_7959361f0aac6661.txt``  (three-policy TRPO view of TIS/IcePop/MIS/WTRS)
-
-Notation (semantics §1; seed 000 §2.1, §2.4)
---------------------------------------------
+Notation (§1)
+-------------
 Per-token tensors have shape (B, T) and cover response tokens only.
 
-* ``m``   original response mask (1 = generated token).  Rejection never changes it.
+* ``m``   original response mask (1 = generated token); rejection never changes it.
 * ``k``   keep mask produced by RS and the veto; ``m' = m * k`` is the effective mask.
 * ``n_i = sum_t m_it``, ``N = sum m``; row i is valid iff ``n_i > 0``; ``V`` = #valid rows.
-* ``mu = pi_rollout`` (behaviour policy, the inference engine), ``pi_old`` (proximal policy,
-  frozen recompute), ``pi_theta`` (current policy).  ``pi_train`` is ``pi_old`` in decoupled
-  mode and ``sg(pi_theta)`` in bypass mode.
-* ``l_it = log pi_train - log mu`` (token log-ratio), ``rho = exp(l)``;
-  ``s_i = sum_t m_it l_it`` (sequence log-ratio); ``rho_geo_i = exp(s_i / n_i)``.
-* ``S = 20`` is the safety bound: ``clip_S(x) = min(max(x, -S), S)`` (semantics §2).
+* ``mu`` (behaviour policy, the inference engine), ``pi_old`` (proximal policy, frozen
+  recompute), ``pi_theta`` (current policy); ``pi_train`` is ``pi_old`` in decoupled mode and
+  ``sg(pi_theta)`` in bypass mode.
+* ``l_it = log pi_train - log mu``, ``rho = exp(l)``; ``s_i = sum_t m_it l_it``;
+  ``rho_geo_i = exp(s_i / n_i)``.
+* ``S = 20``: ``clip_S(x) = min(max(x, -S), S)`` before any exponential (§2).
 
 Padded positions are never read: reductions *select* valid entries (``torch.where``) instead of
-multiplying by the mask, because NaN * 0 = NaN.  Every entry point also replaces padded inputs by
-0 before any arithmetic, so non-finite padding can leak neither into values nor into gradients.
+multiplying by the mask (NaN * 0 = NaN), and every entry point replaces padded inputs by 0 first.
 
-Loss denominators (semantics §7.5; the project's deliberate difference from verl, §11 item 5)
-----------------------------------------------------------------------------------------------
-**Rejected tokens are treated as weight-0 tokens; every loss denominator is computed from the
-pre-rejection response mask of the whole optimizer-step batch, identically in decoupled and
-bypass modes.**  Numerators use ``m' = m * k``; the token count ``N_B``, the valid-row count
-``V_B`` and the row lengths ``n_i`` come from the original mask ``m``.  A rejection therefore
-removes a token's contribution without up-weighting the survivors, and the loss of a batch is
-the sum of its micro-batch contributions (independent of how the batch is split).  A
+Loss denominators (§7.5, §11 item 5): **rejected tokens are treated as weight-0 tokens; every loss
+denominator is computed from the pre-rejection response mask of the whole optimizer-step batch,
+identically in decoupled and bypass modes.**  Numerators use ``m'``; ``N_B``, ``V_B`` and ``n_i``
+come from ``m``.  The loss of a batch is the sum of its micro-batch contributions, and a
 micro-batch with no kept token contributes exactly 0.
-
-Layout (top to bottom): notation and constants -> primitives -> policies and ratios ->
-IS weights -> rejection -> veto -> metrics (and the correction entry point) -> losses ->
-aggregation -> advantages -> KL penalty -> configuration and presets.
 """
 
 from __future__ import annotations
@@ -59,104 +41,22 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = [
-    "IS_LEVELS",
-    "KL_ESTIMATORS",
-    "LEGACY_RS_NAMES",
-    "LOSS_AGG_MODES",
-    "PRESET_NAMES",
-    "RS_OPTIONS",
-    "SAFETY_BOUND",
-    "ISThreshold",
-    "RSOption",
-    "RolloutCorrectionConfig",
-    "agg_loss",
-    "batch_normalize_is_weights",
-    "check_loss_settings",
-    "compute_consistency_metrics",
-    "compute_grpo_outcome_advantage",
-    "compute_is_metrics",
-    "compute_offpolicy_metrics",
-    "compute_policy_loss_bypass_mode",
-    "compute_policy_loss_reinforce",
-    "compute_policy_loss_vanilla",
-    "compute_rejection_mask",
-    "compute_rollout_correction_and_rejection_mask",
-    "compute_rollout_correction_weights",
-    "compute_rs_option_metrics",
-    "compute_veto_mask",
-    "entropy_from_logits",
-    "estimate_tv_distance",
-    "geometric_log_ratio",
-    "icepop_is_weights",
-    "kl_penalty",
-    "log_probs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "parse_is_threshold",
-    "parse_rs_options",
-    "parse_veto_threshold",
-    "ppo_clipped_token_loss",
-    "raw_is_weights",
-    "reinforce_token_loss",
-    "rs_aggregate",
-    "rs_base_statistic",
-    "rs_option_keep_mask",
-    "safety_clip",
-    "sequence_log_ratio",
-    "token_log_ratio",
-    "truncate_is_weights",
-]
-
 # ============================================================================================
-# Notation and constants (semantics §1, §2)
+# Notation: reductions and the safety bound (docs/corrections.md §1, §2)
 # ============================================================================================
 
-#: Safety bound S: log-ratios are clipped to [-S, S] before exponentiation (semantics §2).
+#: Safety bound S: log-ratios are clipped to [-S, S] before exponentiation (docs/corrections.md §2).
 SAFETY_BOUND = 20.0
-
-#: IS levels of semantics §3.1 ("geometric" is an RS option only, see §3.1 last paragraph).
-IS_LEVELS = ("token", "sequence")
-
-#: The 11 canonical RS options of semantics §4.1 (there is deliberately no ``seq_max_k1``).
-RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)
-
-#: Legacy RS level names and their canonical mapping (semantics §4.4; seed 000 §3.4).
-LEGACY_RS_NAMES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
-
-#: Loss aggregation modes of semantics §7.5.
-LOSS_AGG_MODES = (
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
-_KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-#: KL-penalty estimator names of semantics §7.6, including the straight-through "+" variants.
-KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
-
-_LOSS_TYPES = ("ppo_clip", "reinforce")
-_ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (semantics §3.7, §6.1)
-_QUANTILES = (("p25", 0.25), ("p50", 0.50), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99))
-
-# ============================================================================================
-# Primitives (semantics §1 reductions, §2 safety bound)
-# ============================================================================================
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """sum_{mask} x: selects the entries where ``mask`` is set (never multiplies; semantics §1)."""
+    """sum_{mask} x, selecting the entries where ``mask`` is set, never multiplying (docs/corrections.md §1)."""
     picked = torch.where(_as_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return picked.sum() if dim is None else picked.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """<x>_q = sum q x / sum q over selected entries (semantics §1).
+    """<x>_q = sum q x / sum q over selected entries (docs/corrections.md §1).
 
     An empty selection gives 0 (never NaN); callers that need ">= 1 entry" validate it first.
     """
@@ -169,7 +69,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance over the selected entries: sum (x - <x>)^2 / (n - 1) (or / n if not unbiased).
 
-    Returns 0 when fewer than two entries are selected (n - 1 = 0; semantics §1 sd_V rule).
+    Returns 0 when fewer than two entries are selected (the sd_V rule of docs/corrections.md §1).
     """
     mask = _as_bool(mask)
     count = mask.sum().to(x.dtype)
@@ -181,291 +81,65 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def safety_clip(x: torch.Tensor, bound: float = SAFETY_BOUND) -> torch.Tensor:
-    """clip_S(x) = min(max(x, -S), S), S = 20 (semantics §2; seed 002 "Key Design Principle")."""
+    """clip_S(x) = min(max(x, -S), S), S = 20 (docs/corrections.md §2)."""
     return torch.clamp(x, min=-bound, max=bound)
 
 
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """max of x over selected entries (caller guarantees at least one)."""
-    return torch.where(mask, x, torch.full((), -math.inf, dtype=x.dtype, device=x.device)).amax()
-
-
-def _masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """min of x over selected entries (caller guarantees at least one)."""
-    return torch.where(mask, x, torch.full((), math.inf, dtype=x.dtype, device=x.device)).amin()
-
-
-def _pop_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sqrt(max(<x^2> - <x>^2, 0)) over selected entries if N > 1, else 0 (semantics §6.1)."""
-    mean = masked_mean(x, mask)
-    var = torch.clamp(masked_mean(x * x, mask) - mean * mean, min=0.0)
-    return torch.where(mask.sum() > 1, torch.sqrt(var), torch.zeros_like(var))
-
-
-def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x_bar_i = (1/n_i) sum_t m_it x_it for valid rows, 0 for fully padded rows (semantics §1)."""
-    return masked_mean(x, mask, dim=-1)
-
-
-def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Valid-row indicator n_i > 0 (semantics §1)."""
-    return mask.any(dim=-1)
-
-
-def _quantiles(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Linear-interpolation quantiles of the selected values (semantics §6.1 percentile rule).
-
-    With the values sorted x_(0) <= ... <= x_(N-1) and h = q (N-1):
-    Q(q) = x_(floor h) + (h - floor h) (x_(ceil h) - x_(floor h)).
-    """
-    ordered = torch.sort(values[mask]).values
-    last = ordered.numel() - 1
-    out = {}
-    for name, q in _QUANTILES:
-        h = q * last
-        lo, hi = math.floor(h), math.ceil(h)
-        out[name] = ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo])
-    return out
-
-
-def _scaled_chunk(chunk: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
-    """x / tau in the working dtype as a fresh tensor that may be modified in place."""
-    x = chunk.to(work, copy=True)
-    return x.div_(temperature) if temperature != 1.0 else x
-
-
-def _chunk_log_normaliser(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim, computed *in place* on ``x`` (x is overwritten by
-    exp(x - max)), so a chunk costs one temporary of its own size."""
-    top = x.amax(dim=-1, keepdim=True)
-    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
-
-
-def _row_chunks(shape: torch.Size, chunk_size: int):
-    """Index tuples that cover the rows of a (..., rows, V) tensor ``chunk_size`` rows at a time. A 2-D tensor gives
-    plain row slices; with more leading dims (a non-viewable slice such as logits[:, :-1]) each chunk stays inside
-    one leading index, so no reshape (and no copy) is needed and the loop is over chunks, never over rows."""
-    import itertools
-
-    *outer, rows = shape[:-1]
-    for lead in itertools.product(*map(range, outer)):
-        for start in range(0, rows, chunk_size):
-            yield (*lead, slice(start, start + chunk_size))
-
-
-class _ChunkedTokenLogProb(torch.autograd.Function):
-    """log p(label) = x_label / tau - logsumexp(x / tau), chunked over rows, with a backward
-    that recomputes softmax per chunk, so neither pass holds a full-vocabulary copy."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_size):
-        ctx.save_for_backward(logits, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return _token_log_prob_chunks(logits, labels, temperature, chunk_size)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        logits, labels = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        tau, step = ctx.temperature, ctx.chunk_size
-        work = torch.promote_types(logits.dtype, torch.float32)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for idx in _row_chunks(logits.shape, step):
-            x = _scaled_chunk(logits[idx], tau, work)
-            g = grad_out[idx].to(work).unsqueeze(-1)
-            # d/dx [x_y - logsumexp(x)] = onehot(y) - softmax(x); chain rule through x / tau.
-            top = x.amax(dim=-1, keepdim=True)
-            probs = x.sub_(top).exp_()
-            probs.div_(probs.sum(dim=-1, keepdim=True)).mul_(-g)
-            probs.scatter_add_(-1, labels[idx].unsqueeze(-1), g)
-            if tau != 1.0:
-                probs.div_(tau)
-            grad[idx] = probs
-        return grad, None, None, None
-
-
-def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
-    """Forward pass of :func:`log_probs_from_logits` on a (..., rows, V) tensor, chunk by chunk."""
-    work = torch.promote_types(logits.dtype, torch.float32)
-    out = torch.empty(labels.shape, dtype=work, device=logits.device)
-    with torch.no_grad():
-        for idx in _row_chunks(logits.shape, chunk_size):
-            chunk = logits[idx]
-            picked = chunk.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1).to(work) / temperature
-            out[idx] = picked - _chunk_log_normaliser(_scaled_chunk(chunk, temperature, work))
-    return out
-
-
-def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256
-) -> torch.Tensor:
-    """Per-token log-probability of ``labels`` under softmax(logits / temperature).
-
-    log p(y) = x_y / tau - log sum_v exp(x_v / tau)   (gather minus logsumexp).
-
-    ``logits`` (..., V) of any float dtype, ``labels`` (...) integer; returns (...) in fp32
-    (fp64 for fp64 logits).  Rows are processed ``chunk_size`` at a time in fp32, so a
-    151,936-vocabulary x 8k-token input never materialises a full-vocabulary log-softmax copy;
-    the backward pass recomputes the softmax per chunk and writes the logits gradient directly.
-    The temperature must be the sampling temperature so that the result describes the processed
-    distribution that sampled the tokens (semantics §1, "Three policies"; seed 001 §"三个 Log
-    Prob 的定义").
-    """
-    if tuple(logits.shape[:-1]) != tuple(labels.shape):
-        raise ValueError(
-            f"logits shape {tuple(logits.shape)} does not match labels shape "
-            f"{tuple(labels.shape)}: logits must be labels.shape + (vocab,)")
-    if isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    if isinstance(chunk_size, bool) or int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    if logits.dim() > 2:
-        try:
-            flat = logits.view(-1, logits.shape[-1])
-        except RuntimeError:  # a non-viewable slice (logits[:, :-1]): chunked in place, see _row_chunks
-            flat = None
-        if flat is not None:
-            return log_probs_from_logits(flat, labels.reshape(-1), temperature,
-                                         chunk_size).view(labels.shape)
-    if logits.dim() == 1:
-        return log_probs_from_logits(logits.unsqueeze(0), labels.reshape(1), temperature,
-                                     chunk_size).reshape(())
-    labels = labels.long()
-    if logits.requires_grad and torch.is_grad_enabled():
-        return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_size))
-    return _token_log_prob_chunks(logits, labels, float(temperature), int(chunk_size))
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256) -> torch.Tensor:
-    """Token entropy of softmax(logits / temperature), a diagnostic (no gradient):
-
-    H = -sum_v q_v log q_v = log Z - (sum_v e^{x'_v} x'_v) / Z,   x' = x / tau - max_v x_v / tau,  Z = sum_v e^{x'_v}.
-
-    ``logits`` (..., V), contiguous or a slice; returns (...) in fp32 (fp64 for fp64 logits). Chunked over rows
-    like :func:`log_probs_from_logits`, so at the 151,936-token vocabulary no full-size fp32 copy of the logits
-    exists: two temporaries of one chunk's size."""
-    if isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    work = torch.promote_types(logits.dtype, torch.float32)
-    x = logits.detach()
-    x = x.unsqueeze(0) if x.dim() == 1 else x
-    out = torch.empty(x.shape[:-1], dtype=work, device=x.device)
-    with torch.no_grad():
-        for idx in _row_chunks(x.shape, int(chunk_size)):
-            shifted = _scaled_chunk(x[idx], temperature, work)
-            shifted.sub_(shifted.amax(dim=-1, keepdim=True))
-            weights = shifted.exp()
-            z = weights.sum(dim=-1)
-            out[idx] = z.log() - weights.mul_(shifted).sum(dim=-1) / z
-    return out.reshape(logits.shape[:-1])
-
-
-# --- input validation (semantics §10, "call" rows) ------------------------------------------
-
-
-def _as_bool(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _check_mask_values(mask: torch.Tensor, name: str) -> torch.Tensor:
-    """Mask must be bool or hold only 0/1 values (semantics §1, §10)."""
-    if mask.dtype == torch.bool:
-        return mask
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        examples = torch.unique(mask[bad].detach().float().cpu())[:5].tolist()
-        raise ValueError(f"{name} must contain only 0/1 (or bool) values; found {examples!r}")
-    return mask != 0
-
-
-def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Tensor | None],
-                     other: Mapping[str, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Validate per-token inputs and return the original mask as bool (semantics §10).
-
-    Checks, in order: 2-D equal shapes (naming both shapes), 0/1 mask values, at least one valid
-    token, and finite values of every tensor in ``finite`` at valid positions.
-    """
-    if not isinstance(response_mask, torch.Tensor):
-        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask)!r}")
-    if response_mask.dim() != 2:
-        raise ValueError(
-            f"response_mask must be 2-D (B, T), got shape {tuple(response_mask.shape)}")
-    tensors = {**finite, **(other or {})}
-    for name, tensor in tensors.items():
-        if tensor is not None and tuple(tensor.shape) != tuple(response_mask.shape):
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)} but response_mask has shape "
-                f"{tuple(response_mask.shape)}; all per-token tensors must have the same shape")
-    mask = _check_mask_values(response_mask, "response_mask")
-    if not bool(mask.any()):
-        raise ValueError("response mask must contain at least one valid token")
-    for name, tensor in finite.items():
-        if tensor is None:
-            continue
-        bad = int((mask & ~torch.isfinite(tensor.detach())).sum())
-        if bad:
-            raise ValueError(f"{name} has {bad} non-finite value(s) (NaN or +/-inf) at valid "
-                             f"positions of response_mask; sanitise it before the correction")
-    return mask
-
-
-def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None = None):
-    """Replace padded entries by 0 (by selection), so padding cannot leak into values/gradients."""
-    x = x if dtype is None else x.to(dtype)
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
-    """Convert a dict of 0-d tensors / floats to Python floats with a single device sync."""
-    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if keys:
-        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys])
-        out.update(zip(keys, values.cpu().tolist()))
-    return {k: out[k] for k in metrics}
-
-
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Float dtype used for corrections: the inputs' promoted dtype, at least fp32."""
-    dtype = torch.float32
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(clip_S(x)): a ratio from its log, in [e^-20, e^20], never overflowing (§2)."""
+    return torch.exp(safety_clip(log_ratio))
 
 
 # ============================================================================================
-# Policies and ratios (semantics §1 "Ratios"; seed 000 §1.1, §2.3, §3.3)
+# Ratios (docs/corrections.md §1)
 # ============================================================================================
-
 
 def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.Tensor:
-    """l_it = log pi_train(y_it | s_it) - log mu(y_it | s_it) (semantics §1; seed 000 §3.3.1).
+    """l_it = log pi_train(y_it | s_it) - log mu(y_it | s_it) (docs/corrections.md §1).
 
-    pi_train is pi_old in decoupled mode and sg(pi_theta) in bypass mode (seed 001 §"三个 Log
-    Prob 的定义").
+    pi_train is pi_old in decoupled mode and sg(pi_theta) in bypass mode.
     """
     return train_log_prob - rollout_log_prob
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """s_i = sum_t m_it l_it: log of the trajectory ratio prod_t rho_it (seed 000 §1.1, §3.3.2).
+    """s_i = sum_t m_it l_it: log of the trajectory ratio prod_t rho_it (docs/corrections.md §1, §12.1).
 
-    Built from the *unclipped* token log-ratios (semantics §2).  Fully padded rows give 0.
+    Built from the *unclipped* token log-ratios (docs/corrections.md §2).  Fully padded rows give 0.
     """
     return masked_sum(log_ratio, mask, dim=-1)
 
 
 def geometric_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log rho_geo_i = s_i / n_i (seed 000 §3.3.3); 0 for fully padded rows."""
+    """log rho_geo_i = s_i / n_i (docs/corrections.md §1, §12.8); 0 for fully padded rows."""
     return _row_mean(log_ratio, mask)
 
 
+def k2_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k2 = x^2 / 2 >= 0 for x = log(pi / mu): biased, low-variance, and its expected gradient is
+    that of KL (docs/corrections.md §7.6, §12.9; Schulman 2020)."""
+    return 0.5 * log_ratio * log_ratio
+
+
+def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(x) - 1 - x >= 0, the k3 estimator of KL(mu || pi) for x = log(pi / mu) under mu
+    (docs/corrections.md §12.9; Schulman 2020, "Approximating KL Divergence").
+
+    Computed as expm1(x) - x: exp(x) - 1 rounds to 0 or 2^-23 in float32 for |x| ~ 1e-8 and made
+    near-identical policies show k3 ~ -1e-8; expm1 keeps it >= 0.  The caller clips x.
+    """
+    return torch.expm1(log_ratio) - log_ratio
+
+
 # ============================================================================================
-# IS weights (semantics §3; seed 000 §3.3, §3.6; seed 004 §"1. TIS", §"2. IcePop")
+# IS weights (docs/corrections.md §3, metrics §6.1)
 # ============================================================================================
+
+#: IS levels of docs/corrections.md §3.1 ("geometric" is an RS option only: ``seq_mean_k1``).
+IS_LEVELS = ("token", "sequence")
+
+
+_ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (docs/corrections.md §3.7, §6.1)
 
 
 class ISThreshold(NamedTuple):
@@ -477,12 +151,12 @@ class ISThreshold(NamedTuple):
 
     @property
     def diagnostic_lower(self) -> float:
-        """L' of semantics §6.1: L for IcePop, 1/U for TIS (metrics only)."""
+        """L' of docs/corrections.md §6.1: L for IcePop, 1/U for TIS (metrics only)."""
         return self.lower if self.mode == "icepop" else 1.0 / self.upper
 
 
 def _parse_positive(text: Any, field: str, spec: Any) -> float:
-    """Parse one threshold value, which must be finite and > 0 (semantics §3.2, §4.2 step 4)."""
+    """Parse one threshold value, which must be finite and > 0 (docs/corrections.md §3.2, §4.2 step 4)."""
     if isinstance(text, bool):
         raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
     if isinstance(text, str):
@@ -502,12 +176,18 @@ def _parse_positive(text: Any, field: str, spec: Any) -> float:
     return value
 
 
-def _parse_lower_upper(text: str, field: str, spec: Any) -> tuple[float, float]:
-    """Parse ``"L_U"`` with exactly one underscore (semantics §3.2, §11 item 19); L <= U."""
+def _parse_lower_upper(text: str, field: str, spec: Any, open_lower: bool = False
+                       ) -> tuple[float | None, float]:
+    """Parse ``"L_U"`` with exactly one underscore (docs/corrections.md §3.2, §11 item 19); L <= U.
+
+    With ``open_lower`` (k1 RS options) an empty L, ``"_U"``, means "no lower bound" (L = None).
+    """
     parts = text.split("_")
     if len(parts) != 2:
         raise ValueError(f"{field}={spec!r}: a lower_upper spec must contain exactly one "
                          f"underscore, e.g. '0.5_5.0'")
+    if open_lower and not parts[0].strip():
+        return None, _parse_positive(parts[1], field, spec)
     lower, upper = (_parse_positive(p, field, spec) for p in parts)
     if lower > upper:
         raise ValueError(f"{field}={spec!r}: lower bound {lower!r} exceeds upper bound {upper!r}")
@@ -515,7 +195,7 @@ def _parse_lower_upper(text: str, field: str, spec: Any) -> tuple[float, float]:
 
 
 def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThreshold:
-    """Parse the IS threshold spec (semantics §3.2; seed 002 §"Configuration Parameters").
+    """Parse the IS threshold spec (docs/corrections.md §3.2).
 
     number x -> TIS with U = x;  "x" -> TIS;  "L_U" -> IcePop with [L, U].
     bool and non-number/non-string types raise TypeError; None, "", bad grammar, non-finite,
@@ -540,17 +220,17 @@ def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThre
 
 
 def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """Raw IS weights w_hat with padding zeroed (semantics §3.1, §3.5).
+    """Raw IS weights w_hat with padding zeroed (docs/corrections.md §3.1, §3.5).
 
-    token:    w_hat_it = exp(clip_S(l_it)) * m_it     (seed 000 §3.3.1; Yao et al. 2025, TIS)
-    sequence: w_hat_it = exp(clip_S(s_i)) * m_it, s_i = sum_t m_it l_it   (seed 000 §1.1, §3.3.2;
-              Liu, Li et al. 2025, Seq-TIS) -- an exponential of a sum, never a sum/product of
-              already-exponentiated ratios.
+    token:    w_hat_it = exp(clip_S(l_it)) * m_it     (Yao et al. 2025, TIS)
+    sequence: w_hat_it = exp(clip_S(s_i)) * m_it, s_i = sum_t m_it l_it   (trajectory ratio,
+              docs/corrections.md §12.1; Liu, Li et al. 2025, Seq-TIS) -- an exponential of a
+              sum, never a sum/product of already-exponentiated ratios.
     """
     if level == "token":
-        weights = torch.exp(safety_clip(log_ratio))
+        weights = safe_exp(log_ratio)
     elif level == "sequence":
-        seq = torch.exp(safety_clip(sequence_log_ratio(log_ratio, mask)))
+        seq = safe_exp(sequence_log_ratio(log_ratio, mask))
         weights = seq.unsqueeze(-1).expand_as(log_ratio)
     else:
         raise ValueError(f"rollout_is={level!r}: expected one of {IS_LEVELS}")
@@ -558,26 +238,27 @@ def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> t
 
 
 def truncate_is_weights(raw: torch.Tensor, upper: float) -> torch.Tensor:
-    """TIS: w = min(w_hat, U); one-sided, small weights are kept (semantics §3.3; seed 000
-    §3.3.1-§3.3.2; seed 004 §"1. TIS"; Yao et al. 2025).  Padded zeros stay 0."""
+    """TIS: w = min(w_hat, U); one-sided, small weights are kept (docs/corrections.md §3.3;
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
+    Padded zeros stay 0."""
     return torch.clamp(raw, max=upper)
 
 
 def icepop_is_weights(raw: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
-    """IcePop: w = w_hat * 1[L <= w_hat <= U] (semantics §3.4; seed 004 §"2. IcePop"; Ring-1T
-    arXiv 2510.18855).  The response mask is not changed; a zeroed token stays valid."""
+    """IcePop: w = w_hat * 1[L <= w_hat <= U] (docs/corrections.md §3.4; Ling team 2025, IcePop;
+    Ring-1T, arXiv 2510.18855).  The response mask is not changed; a zeroed token stays valid."""
     inside = (raw >= lower) & (raw <= upper)
     return torch.where(inside, raw, torch.zeros_like(raw))
 
 
 def batch_normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor, level: str
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Self-normalise the applied weights to mean 1 (semantics §3.7; seed 000 §3.6).
+    """Self-normalise the applied weights to mean 1 (docs/corrections.md §3.7, §12.10).
 
     token:    Z = <w> = (1/N) sum m w                (mean over valid tokens)
     sequence: Z = E_V[w_bar_i], w_bar_i = (1/n_i) sum_t m w   (mean over *valid* rows, §11 item 16)
     If Z > 1e-8: w <- w / Z and factor = Z; otherwise w is unchanged and factor = 1.
-    Z is computed over the tensors passed in; no implicit all-reduce (semantics §11 item 16).
+    Z is computed over the tensors passed in; no implicit all-reduce (§11 item 16).
     Returns (weights, factor).
     """
     if level == "token":
@@ -592,56 +273,46 @@ def batch_normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor, level:
 def compute_is_metrics(raw: torch.Tensor, applied: torch.Tensor, log_ratio: torch.Tensor,
                        mask: torch.Tensor, level: str, spec: ISThreshold
                        ) -> dict[str, torch.Tensor]:
-    """IS metrics of semantics §6.1 (unprefixed), on the applied weights *before* batch
+    """IS metrics of docs/corrections.md §6.1 (unprefixed), on the applied weights *before* batch
     normalisation; exceedance fractions, seq-level max/min and percentiles use the raw weights.
 
     mean <w>; std sqrt(max(<w^2> - <w>^2, 0)); ESS 1/<(w/(<w>+1e-8))^2> (0 if all w = 0, §11
-    item 2; Kish ESS as a fraction of N, seed 002 §"Effective Sample Size"); seq_* over valid
-    rows of w_bar; oob_ratio for IcePop only.
-    Ref: seed 002 §"Metrics"; seed 003 §"MIS 演进与重构".
+    item 2; the Kish ESS as a fraction of N, §12.10); seq_* over valid rows of w_bar;
+    oob_ratio for IcePop only.
     """
-    rows = _valid_rows(mask)
+    rows, dt = _valid_rows(mask), raw.dtype
     upper, low_diag = spec.upper, spec.diagnostic_lower
     mean = masked_mean(applied, mask)
     ess = 1.0 / masked_mean((applied / (mean + _ZERO_GUARD)) ** 2, mask)
     all_zero = _masked_max(applied, mask) == 0
-    out = {"rollout_is_mean": mean, "rollout_is_std": _pop_std(applied, mask),
-           "rollout_is_eff_sample_size": torch.where(all_zero, torch.zeros_like(ess), ess)}
+    out = {"mean": mean, "std": _pop_std(applied, mask),
+           "eff_sample_size": torch.where(all_zero, torch.zeros_like(ess), ess)}
     if level == "token":
-        out["rollout_is_max"] = _masked_max(applied, mask)
-        out["rollout_is_min"] = _masked_min(applied, mask)
-        out["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).to(raw.dtype), mask)
-        out["rollout_is_ratio_fraction_low"] = masked_mean((raw < low_diag).to(raw.dtype), mask)
+        out["max"], out["min"] = _masked_max(applied, mask), _masked_min(applied, mask)
+        out["ratio_fraction_high"] = _fraction(raw > upper, mask, dt)
+        out["ratio_fraction_low"] = _fraction(raw < low_diag, mask, dt)
     else:
         seq = sequence_log_ratio(log_ratio, mask)  # unclipped log-sums
-        out["rollout_is_max"] = torch.exp(torch.clamp(_masked_max(seq, rows), max=SAFETY_BOUND))
-        out["rollout_is_min"] = torch.exp(_masked_min(seq, rows))
-        out["rollout_is_ratio_fraction_high"] = masked_mean(
-            (seq > math.log(upper)).to(raw.dtype), rows)
-        out["rollout_is_ratio_fraction_low"] = masked_mean(
-            (seq < math.log(low_diag)).to(raw.dtype), rows)
-    w_bar, raw_bar = _row_mean(applied, mask), _row_mean(raw, mask)
-    out["rollout_is_seq_mean"] = masked_mean(w_bar, rows)
-    out["rollout_is_seq_std"] = torch.sqrt(masked_var(w_bar, rows, unbiased=True))
-    out["rollout_is_seq_max"] = _masked_max(w_bar, rows)
-    out["rollout_is_seq_min"] = _masked_min(w_bar, rows)
-    out["rollout_is_seq_max_deviation"] = _masked_max((w_bar - 1.0).abs(), rows)
-    out["rollout_is_seq_fraction_high"] = masked_mean((raw_bar > upper).to(raw.dtype), rows)
-    out["rollout_is_seq_fraction_low"] = masked_mean((raw_bar < low_diag).to(raw.dtype), rows)
+        out["max"] = torch.exp(torch.clamp(_masked_max(seq, rows), max=SAFETY_BOUND))
+        out["min"] = torch.exp(_masked_min(seq, rows))
+        out["ratio_fraction_high"] = _fraction(seq > math.log(upper), rows, dt)
+        out["ratio_fraction_low"] = _fraction(seq < math.log(low_diag), rows, dt)
+    raw_bar = _row_mean(raw, mask)
+    out.update(_seq_metrics(_row_mean(applied, mask), rows, 1.0, raw_bar > upper,
+                            raw_bar < low_diag))
     if spec.mode == "icepop":
-        outside = (raw < spec.lower) | (raw > spec.upper)
-        out["rollout_is_oob_ratio"] = masked_mean(outside.to(raw.dtype), mask)
-    out.update({f"rollout_is_{k}": v for k, v in _quantiles(raw, mask).items()})
-    return out
+        out["oob_ratio"] = _fraction((raw < spec.lower) | (raw > spec.upper), mask, dt)
+    out.update(_quantiles(raw, mask))
+    return {f"rollout_is_{k}": v for k, v in out.items()}
 
 
 def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str,
                                        spec: ISThreshold, batch_normalize: bool = False
                                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Processed, detached IS weights and their metrics (semantics §5 step 3).
+    """Processed, detached IS weights and their metrics (docs/corrections.md §5 step 3).
 
     raw (§3.1, padding zeroed §3.5) -> TIS (§3.3) or IcePop (§3.4) -> metrics (§6.1) ->
-    stop-gradient (§3.6; seed 000 §3.2.2; seed 001 §"梯度阻断（stopgrad）") -> optional
+    stop-gradient (§3.6, §12.4) -> optional
     batch normalisation (§3.7), whose factor is the metric ``rollout_is_batch_norm_factor``.
     """
     raw = raw_is_weights(log_ratio.detach(), mask, level)
@@ -658,15 +329,28 @@ def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tens
 
 
 # ============================================================================================
-# Rejection sampling (semantics §4.1-§4.4; seed 000 §3.3.3, §3.4; seed 002 `rollout_rs`)
+# Rejection sampling (docs/corrections.md §4.1-§4.4, metrics §6.2)
 # ============================================================================================
+
+#: The 11 canonical RS options of docs/corrections.md §4.1 (there is deliberately no ``seq_max_k1``).
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+
+
+#: Legacy RS level names and their canonical mapping (docs/corrections.md §4.4).
+LEGACY_RS_NAMES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
 
 class RSOption(NamedTuple):
     """One parsed RS option: statistic k1/k2/k3, aggregation token/seq_sum/seq_mean/seq_max.
 
-    k1 options bound the ratio rho (or its product / geometric mean) to [lower, upper]; k2/k3
-    options bound the statistic from above by ``upper`` (``lower`` is None).
+    k1 options bound the ratio rho (or its product / geometric mean) to [lower, upper], with no
+    lower bound when ``lower`` is None (the spec "_U"); k2/k3 options bound the statistic from
+    above by ``upper`` (``lower`` is None).
     """
 
     name: str
@@ -677,25 +361,24 @@ class RSOption(NamedTuple):
 
     @property
     def interval(self) -> tuple[float, float]:
-        """[a, b] on the statistic: k1 -> [-log U, -log L]; k2/k3 -> [0, U] (semantics §4.1)."""
+        """[a, b] on the statistic (docs/corrections.md §4.1): k1 -> [-log U, -log L] (b = +inf
+        without L); k2/k3 -> [0, U]."""
         if self.statistic == "k1":
-            return -math.log(self.upper), -math.log(self.lower)
+            return -math.log(self.upper), math.inf if self.lower is None else -math.log(self.lower)
         return 0.0, self.upper
 
 
 def _rs_option(name: str, entry: Any) -> RSOption:
-    """Parse one threshold entry for a canonical option (semantics §4.2 step 4)."""
+    """Parse one threshold entry for a canonical option (docs/corrections.md §4.2 step 4)."""
     field = "rollout_rs_threshold"
     aggregation, statistic = name.rsplit("_", 1)
     if statistic == "k1":
         if isinstance(entry, str) and "_" in entry:
-            lower, upper = _parse_lower_upper(entry.strip(), field, entry)
+            _refuse_zero_lower(entry.split("_")[0], field, entry)
+            lower, upper = _parse_lower_upper(entry.strip(), field, entry, open_lower=True)
         else:
             upper = _parse_positive(entry, field, entry)
-            lower = 1.0 / upper
-            if upper < 1.0:
-                raise ValueError(f"{field}={entry!r} for {name}: a single k1 value u means "
-                                 f"[1/u, u] and needs u >= 1 (got {upper!r})")
+            lower = _reciprocal_lower(upper, f"{field}={entry!r} for {name}")
         return RSOption(name, "k1", aggregation, lower, upper)
     if isinstance(entry, str) and "_" in entry:
         raise ValueError(f"{field}={entry!r} for {name}: k2/k3 take a single upper bound, "
@@ -703,18 +386,37 @@ def _rs_option(name: str, entry: Any) -> RSOption:
     return RSOption(name, statistic, aggregation, None, _parse_positive(entry, field, entry))
 
 
+def _reciprocal_lower(upper: float, context: str) -> float:
+    """A single k1 value u means [1/u, u], which needs u >= 1 (docs/corrections.md §4.2, §4.4)."""
+    if upper < 1.0:
+        raise ValueError(f"{context}: a single k1 value u means [1/u, u] and needs u >= 1 "
+                         f"(got {upper!r})")
+    return 1.0 / upper
+
+
+def _refuse_zero_lower(text: Any, field: str, spec: Any) -> None:
+    """A k1 gate's lower bound L enters the statistic as -log L: L = 0 would be +inf, so it is
+    refused with a pointer to the one-sided form "_U" (docs/corrections.md §4.2)."""
+    try:
+        zero = not isinstance(text, bool) and float(text) == 0.0
+    except (TypeError, ValueError):
+        return  # not a number: _parse_positive names it
+    if zero:
+        raise ValueError(f"{field}={spec!r}: a k1 lower bound of {text!r} is log(0) = -inf; "
+                         f"for no lower bound leave it empty, e.g. '_2.0'")
+
+
 def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
-    """Map a legacy level token/sequence/geometric to its canonical k1 option (semantics §4.4)."""
+    """Map a legacy level token/sequence/geometric to its canonical k1 option (docs/corrections.md §4.4)."""
     if isinstance(threshold, str) and ("_" in threshold or "," in threshold):
         raise ValueError(f"rollout_rs_threshold={threshold!r}: the legacy rollout_rs={name!r} "
                          f"takes a single number U (use rollout_rs_threshold_lower for L)")
     upper = _parse_positive(threshold, "rollout_rs_threshold", threshold)
     if lower is None:
-        if upper < 1.0:
-            raise ValueError(f"rollout_rs_threshold={threshold!r}: with no "
-                             f"rollout_rs_threshold_lower, L = 1/U needs U >= 1")
-        low = 1.0 / upper
+        low = _reciprocal_lower(upper, f"rollout_rs_threshold={threshold!r} with no "
+                                       f"rollout_rs_threshold_lower")
     else:
+        _refuse_zero_lower(lower, "rollout_rs_threshold_lower", lower)
         low = _parse_positive(lower, "rollout_rs_threshold_lower", lower)
         if low > upper:
             raise ValueError(f"rollout_rs_threshold_lower={lower!r} exceeds "
@@ -725,7 +427,7 @@ def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
 
 
 def _split_rs_names(rollout_rs: Any) -> list[str]:
-    """Split and check the option list (semantics §4.2 step 1)."""
+    """Split and check the option list (docs/corrections.md §4.2 step 1)."""
     if not isinstance(rollout_rs, str):
         raise TypeError(f"rollout_rs must be None or a comma-separated string, got {rollout_rs!r}")
     names = [part.strip() for part in rollout_rs.split(",") if part.strip()]
@@ -749,11 +451,12 @@ def _split_rs_names(rollout_rs: Any) -> list[str]:
 
 def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
                      rollout_rs_threshold_lower: Any = None) -> tuple[RSOption, ...]:
-    """Parse ``rollout_rs`` and its thresholds into RS options (semantics §4.2, §4.4).
+    """Parse ``rollout_rs`` and its thresholds into RS options (docs/corrections.md §4.2, §4.4).
 
     Options are comma-separated and chained with AND (§4.3).  One threshold entry is broadcast to
-    every option, otherwise entries match options by position.  k1 entries are "L_U" or u
-    (-> [1/u, u]); k2/k3 entries are one upper bound.  Legacy names map to k1 options.
+    every option, otherwise entries match options by position.  k1 entries are "L_U", "_U" (no
+    lower bound) or u (-> [1/u, u]); k2/k3 entries are one upper bound.  Legacy names map to k1
+    options.
     """
     if rollout_rs is None:
         if rollout_rs_threshold_lower is not None:
@@ -791,31 +494,29 @@ def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
 
 
 def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.Tensor:
-    """Per-token RS statistic from lambda = clip_S(l) (semantics §4.1; Schulman 2020):
+    """Per-token RS statistic from lambda = clip_S(l) (docs/corrections.md §4.1, §12.9):
 
     k1 = -lambda (signed; mean = KL(mu||pi_train) under mu), k2 = lambda^2 / 2,
-    k3 = exp(lambda) - 1 - lambda (>= 0).  Ref: seed 002 `rollout_rs` (k1/k2/k3 definitions).
-    k3 is computed as expm1(lambda) - lambda: exp(lambda) - 1 rounds to 0 or 2^-23 in float32 for |lambda| ~ 1e-8,
-    which made near-identical policies show k3 ~ -1e-8; expm1 keeps it >= 0.
+    k3 = exp(lambda) - 1 - lambda >= 0 (:func:`k3_divergence`).
     """
     lam = clipped_log_ratio
     if statistic == "k1":
         return -lam
     if statistic == "k2":
-        return 0.5 * lam * lam
+        return k2_divergence(lam)
     if statistic == "k3":
-        return torch.expm1(lam) - lam
+        return k3_divergence(lam)
     raise ValueError(f"unknown RS statistic {statistic!r}")
 
 
 def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Aggregate a per-token statistic g to (q, R) (semantics §4.1, §6.2).
+    """Aggregate a per-token statistic g to (q, R) (docs/corrections.md §4.1, §6.2).
 
     token:    q_it = g_it;                       R_i = (1/n_i) sum_t m g
     seq_sum:  Q_i = sum_t m_it g_it              (q = Q_i broadcast, R = Q)
-    seq_mean: Q_i = (1/n_i) sum_t m_it g_it      (Liu, Li et al. 2025 Geo-RS; TRM average)
-    seq_max:  Q_i = max_{t: m_it = 1} g_it       (TRM arXiv 2512.23075 max criterion)
+    seq_mean: Q_i = (1/n_i) sum_t m_it g_it      (Liu, Li et al. 2025, Geo-RS; TRM average)
+    seq_max:  Q_i = max_{t: m_it = 1} g_it       (Trust Region Masking, arXiv 2512.23075, max)
     Invalid rows get Q_i = 0.
     """
     rows = _valid_rows(mask)
@@ -835,10 +536,10 @@ def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str
 
 
 def rs_option_keep_mask(q: torch.Tensor, mask: torch.Tensor, option: RSOption) -> torch.Tensor:
-    """Keep mask of one option, restricted to valid tokens (semantics §4.1 "Acceptance").
+    """Keep mask of one option, restricted to valid tokens (docs/corrections.md §4.1 "Acceptance").
 
     k1: keep iff a <= q <= b with [a, b] = [-log U, -log L], i.e. L <= rho <= U in ratio space
-        (project direction, semantics §11 item 1; seed 000 §3.4).
+        (project direction, docs/corrections.md §11 item 1); b = +inf without L.
     k2/k3: keep iff q <= U (one-sided).
     """
     a, b = option.interval
@@ -850,44 +551,35 @@ def rs_option_keep_mask(q: torch.Tensor, mask: torch.Tensor, option: RSOption) -
 
 def compute_rs_option_metrics(q: torch.Tensor, row_value: torch.Tensor, keep: torch.Tensor,
                               mask: torch.Tensor, option: RSOption) -> dict[str, torch.Tensor]:
-    """Per-option RS metrics ``rollout_rs_<option>_*`` of semantics §6.2 (seed 002 §"Metrics" ›
-    "Rejection Sampling Metrics").  For k1 ``_fraction_high`` counts ratios below L and
-    ``_fraction_low`` ratios above U; ``_seq_fraction_low`` exists for k1 options only."""
-    rows = _valid_rows(mask)
+    """Per-option RS metrics ``rollout_rs_<option>_*`` of docs/corrections.md §6.2.  For k1
+    ``_fraction_high`` counts ratios below L and ``_fraction_low`` ratios above U;
+    ``_seq_fraction_low`` exists for k1 options only."""
+    rows, dt = _valid_rows(mask), q.dtype
     a, b = option.interval
-    dt = q.dtype
-    token_level = option.aggregation == "token"
     is_k1 = option.statistic == "k1"
     out = {"mean": masked_mean(q, mask)}
-    out["max"] = _masked_max(q, mask) if token_level else _masked_max(row_value, rows)
-    out["min"] = _masked_min(q, mask) if token_level else _masked_min(row_value, rows)
-    if token_level:
-        out["fraction_high"] = masked_mean((q > b).to(dt), mask)
-        out["fraction_low"] = masked_mean((q < a).to(dt), mask) if is_k1 else 0.0
+    if option.aggregation == "token":
+        out["max"], out["min"] = _masked_max(q, mask), _masked_min(q, mask)
+        out["fraction_high"] = _fraction(q > b, mask, dt)
+        out["fraction_low"] = _fraction(q < a, mask, dt) if is_k1 else 0.0
     else:
-        out["fraction_high"] = masked_mean((row_value > b).to(dt), rows)
-        out["fraction_low"] = masked_mean((row_value < a).to(dt), rows) if is_k1 else 0.0
+        out["max"], out["min"] = _masked_max(row_value, rows), _masked_min(row_value, rows)
+        out["fraction_high"] = _fraction(row_value > b, rows, dt)
+        out["fraction_low"] = _fraction(row_value < a, rows, dt) if is_k1 else 0.0
     out["std"] = _pop_std(torch.clamp(q, min=a, max=b), mask)
-    out["seq_mean"] = masked_mean(row_value, rows)
-    out["seq_std"] = torch.sqrt(masked_var(row_value, rows, unbiased=True))
-    out["seq_max"] = _masked_max(row_value, rows)
-    out["seq_min"] = _masked_min(row_value, rows)
-    out["seq_max_deviation"] = _masked_max(row_value.abs(), rows)
-    out["seq_fraction_high"] = masked_mean((row_value > b).to(dt), rows)
-    if is_k1:
-        out["seq_fraction_low"] = masked_mean((row_value < a).to(dt), rows)
+    out.update(_seq_metrics(row_value, rows, 0.0, row_value > b, row_value < a if is_k1 else None))
     rejected = mask & ~keep
-    out["masked_fraction"] = masked_mean(rejected.to(dt), mask)
-    out["seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dt), rows)
+    out["masked_fraction"] = _fraction(rejected, mask, dt)
+    out["seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, dt)
     return {f"rollout_rs_{option.name}_{k}": v for k, v in out.items()}
 
 
 def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
                            options: Sequence[RSOption]) -> tuple[torch.Tensor, dict]:
-    """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (semantics §4.3, §6.2).
+    """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (docs/corrections.md §4.3, §6.2).
 
-    Statistics use lambda = clip_S(l) (semantics §2).  RS only produces a keep mask; it never
-    touches IS weights.  Returns (keep restricted to valid tokens, metrics).
+    Statistics use lambda = clip_S(l) (§2).  RS only produces a keep mask; it never touches IS
+    weights.  Returns (keep restricted to valid tokens, metrics).
     """
     lam = safety_clip(log_ratio.detach())
     keep = mask.clone()
@@ -898,21 +590,19 @@ def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
         option_keep = rs_option_keep_mask(q, mask, option)
         metrics.update(compute_rs_option_metrics(q, row_value, option_keep, mask, option))
         keep = keep & option_keep
-    rejected = (mask & ~keep).to(log_ratio.dtype)
-    metrics["rollout_rs_masked_fraction"] = masked_mean(rejected, mask)
-    metrics["rollout_rs_seq_masked_fraction"] = masked_mean(
-        (rejected > 0).any(dim=-1).to(log_ratio.dtype), _valid_rows(mask))
+    rejected = mask & ~keep
+    metrics["rollout_rs_masked_fraction"] = _fraction(rejected, mask, log_ratio.dtype)
+    metrics["rollout_rs_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), _valid_rows(mask),
+                                                          log_ratio.dtype)
     return keep, metrics
 
 
 # ============================================================================================
-# Veto / worst-token rejection (semantics §4.5; seed 000 §3.5; seed 004 §"4. Worst Token
-# Reject Sampling"; INTELLECT-3 arXiv 2512.16144)
+# Veto: worst-token rejection (docs/corrections.md §4.5, metrics §6.3)
 # ============================================================================================
 
-
 def parse_veto_threshold(tau: Any) -> float | None:
-    """Validate the veto threshold tau: None disables it, otherwise 0 < tau < 1 (semantics §10)."""
+    """Validate the veto threshold tau: None disables it, otherwise 0 < tau < 1 (docs/corrections.md §10)."""
     if tau is None:
         return None
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
@@ -926,7 +616,8 @@ def parse_veto_threshold(tau: Any) -> float | None:
 
 def compute_veto_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Worst-token veto: c_it = m_it 1[l_it < log tau] on the *unclipped* l (strict <);
+    """Worst-token veto (docs/corrections.md §4.5; INTELLECT-3, arXiv 2512.16144):
+    c_it = m_it 1[l_it < log tau] on the *unclipped* l (strict <);
     row i is vetoed iff h_i = max_t c_it = 1, i.e. iff min_{t valid} rho_it < tau.
 
     Returns the row keep mask (1 - h_i) broadcast over tokens (restricted to valid tokens) and the
@@ -936,16 +627,20 @@ def compute_veto_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
     vetoed = catastrophic.any(dim=-1)
     keep = mask & ~vetoed.unsqueeze(-1)
     dt = log_ratio.dtype
-    metrics = {
-        "rollout_is_veto_fraction": masked_mean(vetoed.to(dt), _valid_rows(mask)),
-        "rollout_is_catastrophic_token_fraction": masked_mean(catastrophic.to(dt), mask),
-    }
+    metrics = {"rollout_is_veto_fraction": _fraction(vetoed, _valid_rows(mask), dt),
+               "rollout_is_catastrophic_token_fraction": _fraction(catastrophic, mask, dt)}
     return keep, metrics
 
 
 # ============================================================================================
-# Metrics (semantics §6.4, §6.5, §12.7) and the correction entry point (semantics §5)
+# Metrics: off-policy, consistency, TV (docs/corrections.md §6.4, §6.5, §12.7)
 # ============================================================================================
+
+def chi2_divergence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """chi^2(pi || mu) ~ <exp(2 clip_S(x))>_mask - 1 for x = log(pi / mu) sampled from mu
+    (docs/corrections.md §6.4, §12.9): per token (x = l over valid tokens) or per sequence
+    (x = s_i over valid rows)."""
+    return masked_mean(torch.exp(2.0 * safety_clip(log_ratio)), mask) - 1.0
 
 
 def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
@@ -959,26 +654,24 @@ def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
         return out
     b_bar = _row_mean(rollout, mask)
     ell = token_log_ratio(train, rollout)
-    lam = safety_clip(ell)
     d = b_bar - a_bar
     out["rollout_ppl"] = masked_mean(torch.exp(-b_bar), rows)
     out["rollout_log_ppl"] = masked_mean(-b_bar, rows)
     out["kl"] = masked_mean(-ell, mask)
-    out["k3_kl"] = masked_mean(rs_base_statistic(lam, "k3"), mask)  # never negative (see rs_base_statistic)
+    out["k3_kl"] = masked_mean(k3_divergence(safety_clip(ell)), mask)
     out["log_ppl_diff"] = masked_mean(d, rows)
     out["log_ppl_abs_diff"] = masked_mean(d.abs(), rows)
     out["log_ppl_diff_max"] = _masked_max(d, rows)
     out["log_ppl_diff_min"] = _masked_min(d, rows)
     out["ppl_ratio"] = masked_mean(torch.exp(d), rows)
-    out["chi2_token"] = masked_mean(torch.exp(2.0 * lam), mask) - 1.0
-    seq = safety_clip(sequence_log_ratio(ell, mask))
-    out["chi2_seq"] = masked_mean(torch.exp(2.0 * seq), rows) - 1.0
+    out["chi2_token"] = chi2_divergence(ell, mask)
+    out["chi2_seq"] = chi2_divergence(sequence_log_ratio(ell, mask), rows)
     return out
 
 
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
                               response_mask: torch.Tensor) -> dict[str, float]:
-    """Off-policy diagnostics of semantics §6.4 (unprefixed names), over valid tokens / rows.
+    """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed names), over valid tokens / rows.
 
     With a_bar_i, b_bar_i the row means of log pi_train and log mu and d_i = b_bar_i - a_bar_i:
     training_ppl = E_V exp(-a_bar); training_log_ppl = E_V(-a_bar); rollout_ppl / rollout_log_ppl
@@ -986,16 +679,10 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     (§11 item 12); log_ppl_diff = E_V d; log_ppl_abs_diff = E_V |d|; log_ppl_diff_max/min;
     ppl_ratio = E_V e^d (per sequence, then averaged); chi2_token = <e^{2 lambda}> - 1;
     chi2_seq = E_V e^{2 clip_S(s_i)} - 1.  With ``rollout_log_prob=None`` only the two training
-    metrics are returned.  Ref: seed 000 §4.1-§4.3; seed 002 §"Off-Policy Diagnostic Metrics";
-    seed 003 §"一致性指标"; Schulman 2020.
+    metrics are returned.  KL estimators: Schulman 2020 (§12.9).
     """
-    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite)
-    dtype = _work_dtype(old_log_prob, rollout_log_prob)
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
     with torch.no_grad():
-        train = _zero_padding(old_log_prob.detach(), mask, dtype)
-        rollout = None if rollout_log_prob is None else _zero_padding(
-            rollout_log_prob.detach(), mask, dtype)
         return _to_floats(_offpolicy_metric_tensors(train, rollout, mask))
 
 
@@ -1022,45 +709,43 @@ def _consistency_metric_tensors(train: torch.Tensor, rollout: torch.Tensor,
 
 def compute_consistency_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                                 response_mask: torch.Tensor) -> dict[str, float]:
-    """Probability-space consistency metrics of semantics §6.5 (seed 003 §"一致性指标").
+    """Probability-space consistency metrics of docs/corrections.md §6.5.
 
     With p_tr = exp(log pi_train), p_ro = exp(log mu), delta = |p_tr - p_ro| over valid tokens:
     rollout_probs_diff_max = max delta; _mean = <delta>; _std = unbiased std (0 if N = 1);
     rollout_actor_probs_pearson_corr = Pearson(p_tr, p_ro) (NaN if N < 2 or a constant series).
     """
-    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite)
-    dtype = _work_dtype(old_log_prob, rollout_log_prob)
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
     with torch.no_grad():
-        train = _zero_padding(old_log_prob.detach(), mask, dtype)
-        rollout = _zero_padding(rollout_log_prob.detach(), mask, dtype)
         return _to_floats(_consistency_metric_tensors(train, rollout, mask))
 
 
 def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None,
                          mask: torch.Tensor) -> torch.Tensor:
     """D_TV(pi_1, pi_2) ~ (1/2) <|rho_1 - rho_2|> with rho_j = pi_j / mu, a = sampled from mu
-    (semantics §12.7; seed 004 §"两策略 TRPO" D_TV, §"三策略 TRPO" alpha_0, alpha_1).
+    (docs/corrections.md §12.6-§12.7; Wang & Zhang 2025, "From Two Policies to Three", Theorem 2:
+    alpha_0 = D_TV(pi_old, pi_theta), alpha_1 = D_TV(mu, pi_old)).
 
     ``log_rho_2=None`` means pi_2 = mu (rho_2 = 1): the alpha_1 estimate (1/2)<|1 - rho|>.
     Log-ratios are clipped to +/-S before exponentiation.  These are averages over visited states,
     i.e. lower proxies of the max-over-states alpha; they cannot certify the TRPO bound.
     An empty mask gives 0.
     """
-    rho_1 = torch.exp(safety_clip(log_rho_1))
-    rho_2 = torch.ones_like(rho_1) if log_rho_2 is None else torch.exp(safety_clip(log_rho_2))
+    rho_1 = safe_exp(log_rho_1)
+    rho_2 = torch.ones_like(rho_1) if log_rho_2 is None else safe_exp(log_rho_2)
     return 0.5 * masked_mean((rho_1 - rho_2).abs(), mask)
 
 
+# ============================================================================================
+# The correction entry point (docs/corrections.md §5)
+# ============================================================================================
+
 def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True):
-    """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5). with_metrics=False skips
-    the diagnostic metrics and their host transfers (the weights and the keep mask are the same)."""
-    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite)
-    dtype = _work_dtype(old_log_prob, rollout_log_prob)
+    """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5).
+    with_metrics=False skips the diagnostic metrics and their host transfers (the weights and the
+    keep mask are the same)."""
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
     with torch.no_grad():
-        train = _zero_padding(old_log_prob.detach(), mask, dtype)
-        rollout = _zero_padding(rollout_log_prob.detach(), mask, dtype)
         ell = token_log_ratio(train, rollout)  # step 2: one l for IS, RS, veto and metrics
         metrics: dict[str, torch.Tensor | float] = {}
         weights = None
@@ -1093,11 +778,11 @@ def compute_rollout_correction_and_rejection_mask(
     *,
     with_metrics: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-    """The correction entry point (semantics §5; seed 000 §3.1; seed 002 §"Metrics").
+    """The correction entry point (docs/corrections.md §5).
 
     ``old_log_prob`` is log pi_train (pi_old in decoupled mode, sg(pi_theta) in bypass mode),
     ``rollout_log_prob`` is log mu, ``response_mask`` is the original mask m, ``config`` a
-    :class:`RolloutCorrectionConfig` (validated when it was built, semantics §10), the same object
+    :class:`RolloutCorrectionConfig` (validated when it was built, docs/corrections.md §10), the same object
     the bypass loss takes.  Steps: validate -> l = log pi_train - log mu -> IS weights + metrics
     (then batch-normalise) -> RS keep mask + metrics -> veto -> off-policy, consistency and
     ``tv_mismatch`` metrics on the original mask -> prefix ``rollout_corr/``.  IS and RS both read
@@ -1105,7 +790,7 @@ def compute_rollout_correction_and_rejection_mask(
 
     Returns ``(is_weights or None (detached, padding 0), m * k (dtype of response_mask),
     metrics)``.  ``tv_mismatch`` = (1/2)<|1 - rho|> estimates alpha_1 in decoupled mode and beta
-    in bypass mode (semantics §12.7).  ``with_metrics=False`` skips the diagnostic metrics and their
+    in bypass mode (docs/corrections.md §12.7).  ``with_metrics=False`` skips the diagnostic metrics and their
     host transfers (the weights and the keep mask are the same).
     """
     if not isinstance(config, RolloutCorrectionConfig):
@@ -1114,15 +799,14 @@ def compute_rollout_correction_and_rejection_mask(
 
 
 # ============================================================================================
-# Losses (semantics §7.1-§7.4, §6.6)
+# Losses (docs/corrections.md §7.1-§7.4, metrics §6.6)
 # ============================================================================================
-
 
 def ppo_clipped_token_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor,
                            advantages: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
                            clip_ratio_c: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token PPO loss with asymmetric and dual clip (semantics §7.1; seed 000 §1.2, §3.2.1;
-    seed 001 §"PPO Loss 计算"; Schulman et al. 2017; Ye et al. 2020; Yu et al. 2025 DAPO).
+    """Per-token PPO loss with asymmetric and dual clip (docs/corrections.md §7.1, §12.2;
+    Schulman et al. 2017, PPO; Ye et al. 2020, dual clip; Yu et al. 2025, DAPO clip-higher).
 
     lambda_r = clip_S(log pi_theta - log pi_prox), r = exp(lambda_r)
     L1 = -A r,  L2 = -A clip(r, 1 - eps_low, 1 + eps_high),  C1 = max(L1, L2)
@@ -1146,9 +830,9 @@ def ppo_clipped_token_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor,
 
 def reinforce_token_loss(log_prob: torch.Tensor, advantages: torch.Tensor,
                          weights: torch.Tensor | None = None) -> torch.Tensor:
-    """phi_PG = -A * log pi_theta * sg(w), w = 1 if IS is off (semantics §7.4; seed 000 §3.2.2;
-    seed 001 §"REINFORCE Loss 计算"; Williams 1992).  The gradient is -A w grad log pi_theta; the
-    stop-gradient removes the spurious log pi grad w term (semantics §12.4)."""
+    """phi_PG = -A * log pi_theta * sg(w), w = 1 if IS is off (docs/corrections.md §7.4; Williams
+    1992, REINFORCE).  The gradient is -A w grad log pi_theta; the stop-gradient removes the
+    spurious log pi grad w term (§12.4)."""
     loss = -advantages * log_prob
     return loss if weights is None else loss * weights.detach()
 
@@ -1168,15 +852,15 @@ def compute_policy_loss_vanilla(
     rollout_log_prob: torch.Tensor | None = None, global_token_count: Any = None,
     global_seq_count: Any = None, loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped loss with IS weights multiplied *after* all clipping (semantics §7.1-§7.2).
+    """PPO clipped loss with IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
 
-    Decoupled objective (Hilton et al. 2021; seed 000 §1.3; semantics §12.3):
+    Decoupled objective (docs/corrections.md §7.2, §12.3; Hilton et al. 2021, decoupled PPO):
     L = agg( sg(w) * phi_PPO(r = pi_theta / pi_old) ) over m' = m * k, denominators from m (§7.5).
-    ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (semantics §6.6, over m',
+    ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (docs/corrections.md §6.6, over m',
     not IS-weighted, 0.0 when no token is kept): actor/pg_loss, actor/pg_clipfrac (L2 > L1),
     actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
     actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
-    TRPO bound (semantics §12.6-§12.7; seed 004 Theorem 2; Wang & Zhang 2025).
+    TRPO bound (docs/corrections.md §12.6-§12.7; Wang & Zhang 2025, Theorem 2).
     """
     check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
                         loss_scale_factor)
@@ -1214,13 +898,13 @@ def compute_policy_loss_reinforce(
     global_token_count: Any = None, global_seq_count: Any = None,
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass REINFORCE loss L = agg(-A * log pi_theta * sg(w)) over m' (semantics §7.4).
+    """Bypass REINFORCE loss L = agg(-A * log pi_theta * sg(w)) over m' (docs/corrections.md §7.4).
 
     No ratio clipping; the update size is limited only by TIS/IcePop, RS and the veto.  With
     sequence IS and ``seq-mean-token-sum`` the gradient is the trajectory-IS REINFORCE estimator
-    of seed 000 §1.1 with a truncated weight.  The loss *value* holds log pi_theta and is not
+    (docs/corrections.md §12.1) with a truncated weight.  The loss *value* holds log pi_theta and is not
     comparable with the PPO loss; only its gradient is meaningful.  Metrics: actor/pg_loss and
-    actor/ppo_kl = <log mu - log pi_theta>_{m'} (semantics §6.6).
+    actor/ppo_kl = <log mu - log pi_theta>_{m'} (docs/corrections.md §6.6).
     """
     check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
     finite = {"log_prob": log_prob, "rollout_log_prob": rollout_log_prob, "advantages": advantages}
@@ -1250,14 +934,14 @@ def compute_policy_loss_bypass_mode(
     clip_ratio_c: float = 3.0, *, global_token_count: Any = None, global_seq_count: Any = None,
     loss_scale_factor: float | None = None, with_correction_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (semantics §5, §7.3-§7.4; seed 000
-    §3.1.2; seed 001 §"Bypass 模式：两策略框架").
+    """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (docs/corrections.md §5, §7.3-§7.4,
+    §12.5).
 
     The correction (IS/RS/veto + all ``rollout_corr/*`` metrics of this micro-batch) is computed
     inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: PPO with
     r = pi_theta / mu and *no* IS factor -- the ratio already is the IS ratio, multiplying would
-    apply it twice (semantics §7.3, §12.5); IS weights are metrics only, RS/veto act through the
-    keep mask.  ``loss_type="reinforce"``: -A log pi_theta sg(w) (semantics §7.4).  Returns the
+    apply it twice (docs/corrections.md §7.3, §12.5); IS weights are metrics only, RS/veto act through the
+    keep mask.  ``loss_type="reinforce"``: -A log pi_theta sg(w) (docs/corrections.md §7.4).  Returns the
     loss and the union of ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not
     reported here (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
     ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a trainer that keeps
@@ -1281,8 +965,14 @@ def compute_policy_loss_bypass_mode(
 
 
 # ============================================================================================
-# Aggregation (semantics §7.5)
+# Aggregation (docs/corrections.md §7.5)
 # ============================================================================================
+
+#: Loss aggregation modes of docs/corrections.md §7.5.
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 def _count(value: Any, name: str, local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1302,7 +992,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
              *, response_mask: torch.Tensor | None = None, global_token_count: Any = None,
              global_seq_count: Any = None, loss_scale_factor: float | None = None
              ) -> torch.Tensor:
-    """Aggregate a per-token loss over the optimizer-step batch B (semantics §7.5).
+    """Aggregate a per-token loss over the optimizer-step batch B (docs/corrections.md §7.5).
 
     Rejected tokens are treated as weight-0 tokens; every loss denominator is computed from the
     pre-rejection response mask of the whole optimizer-step batch, identically in decoupled and
@@ -1318,7 +1008,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     N_B = ``global_token_count`` and V_B = ``global_seq_count`` (all micro-batches, all ranks);
     by default they are counted locally from m.  K = ``loss_scale_factor``; the trainer passes the
     configured maximum response length, and when omitted K defaults to the tensor width T (then
-    the divisor depends on padding -- pass K explicitly, semantics §11 item 14).  Micro-batch
+    the divisor depends on padding -- pass K explicitly, docs/corrections.md §11 item 14).  Micro-batch
     contributions add up to the batch loss; no kept token gives exactly 0.
     """
     check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
@@ -1351,10 +1041,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
 
 
 # ============================================================================================
-# Advantages (semantics §8; seed 001 §"关键代码位置" › "6. GRPO 优势估计";
-# Shao et al. 2024; Liu et al. 2025 Dr.GRPO)
+# Advantages: GRPO and Dr.GRPO (docs/corrections.md §8)
 # ============================================================================================
-
 
 def _group_codes(index: Any, batch_size: int, device: torch.device) -> torch.Tensor:
     """Map group ids (hashables or an integer tensor) to dense int64 codes, once."""
@@ -1379,7 +1067,7 @@ def _group_codes(index: Any, batch_size: int, device: torch.device) -> torch.Ten
 def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashable] | torch.Tensor,
                                    epsilon: float = 1e-6, norm_adv_by_std: bool = True,
                                    response_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """GRPO outcome advantage (semantics §8), vectorised over groups.
+    """GRPO outcome advantage (docs/corrections.md §8), vectorised over groups.
 
     R_i = sum_t r_it (scores (B, T) are summed over all positions; (B,) is used as is).
     For a group g of size n_g >= 2: mu_g = mean, sigma_g = unbiased std (n_g - 1); for a
@@ -1420,17 +1108,23 @@ def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashabl
 
 
 # ============================================================================================
-# KL penalty (semantics §7.6, §12.9; seed 000 §4.1; Schulman 2020)
+# KL penalty (docs/corrections.md §7.6)
 # ============================================================================================
+
+_KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+#: KL-penalty estimator names of docs/corrections.md §7.6, including the straight-through "+" variants.
+KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                kl_estimator: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (semantics §7.6).
+    """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md §7.6).
 
     kl / k1: d;  abs: |d|;  mse / k2: d^2 / 2;
     low_var_kl / k3: kappa = clip_S(log pi_ref - log pi_theta), clip(e^kappa - kappa - 1, -10, 10)
-    (the rho - log rho - 1 form of seed 000 §4.1).
+    (the rho - log rho - 1 form, :func:`k3_divergence`; docs/corrections.md §12.9).
     "<name>+": straight-through -- the value of <name> with the gradient of k2:
     v = d^2/2 - sg(d^2/2) + sg(base).  "full" and unknown names raise ValueError.
     Not IS-weighted; aggregate it with :func:`agg_loss` like the policy loss.
@@ -1453,24 +1147,25 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     elif base == "abs":
         value = d.abs()
     elif base in ("mse", "k2"):
-        value = 0.5 * d * d
+        value = k2_divergence(d)
     else:
-        kappa = safety_clip(ref_log_prob - log_prob)
-        value = torch.clamp(torch.exp(kappa) - kappa - 1.0, min=-10.0, max=10.0)
+        value = torch.clamp(k3_divergence(safety_clip(ref_log_prob - log_prob)), min=-10.0, max=10.0)
     if not straight:
         return value
-    k2 = 0.5 * d * d
+    k2 = k2_divergence(d)
     return k2 - k2.detach() + value.detach()
 
 
 # ============================================================================================
-# Configuration and presets (semantics §9, §10)
+# Configuration and presets (docs/corrections.md §9, §10)
 # ============================================================================================
+
+_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
 def check_loss_settings(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                         loss_agg_mode: str, loss_scale_factor: float | None = None) -> None:
-    """Validate the loss fields (semantics §7.1 constraints, §10): 0 <= eps_low < 1,
+    """Validate the loss fields (docs/corrections.md §7.1 constraints, §10): 0 <= eps_low < 1,
     eps_high >= 0, c > 1, a known ``loss_agg_mode``, and K > 0 when given.  Raises ValueError."""
     def number(name: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
@@ -1501,15 +1196,15 @@ _LOSS_TYPE_DEFAULT = _DefaultLossType("ppo_clip")
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """The correction configuration: single source of defaults (semantics §9.1), validated at
-    construction (semantics §10).  Parsed thresholds are stored in the non-init fields
+    """The correction configuration: single source of defaults (docs/corrections.md §9.1), validated at
+    construction (docs/corrections.md §10).  Parsed thresholds are stored in the non-init fields
     ``is_spec`` (:class:`ISThreshold` or None), ``rs_specs`` (tuple of :class:`RSOption`, legacy
     names already mapped) and ``veto_tau``.
 
     ``loss_type=None`` means "not set": it becomes "ppo_clip", or what the legacy
     ``use_policy_gradient`` implies; an explicit loss_type that contradicts it is an error.
 
-    Mode rules (semantics §9.4): decoupled + ppo_clip multiplies IS weights; bypass + ppo_clip
+    Mode rules (docs/corrections.md §9.4): decoupled + ppo_clip multiplies IS weights; bypass + ppo_clip
     uses IS for metrics only (a warning is issued); bypass + reinforce multiplies -A log pi;
     decoupled + reinforce is an error; RS and the veto act in every mode.
     """
@@ -1555,11 +1250,11 @@ class RolloutCorrectionConfig:
             warnings.warn(f"rollout_is={self.rollout_is!r} with bypass_mode=True and "
                           f"loss_type='ppo_clip' only adds IS metrics: the PPO ratio pi_theta/mu "
                           f"already is the IS ratio, weights are never multiplied "
-                          f"(semantics §7.3)",
+                          f"(docs/corrections.md §7.3)",
                           UserWarning, stacklevel=3)
 
     def _resolve_loss_type(self) -> str:
-        """Apply the legacy ``use_policy_gradient`` alias and check loss_type (semantics §9.1)."""
+        """Apply the legacy ``use_policy_gradient`` alias and check loss_type (docs/corrections.md §9.1)."""
         loss_type, upg = self.loss_type, self.use_policy_gradient
         explicit = loss_type is not None and not isinstance(loss_type, _DefaultLossType)
         if loss_type is None:  # unset (e.g. from a CLI): the default, or use_policy_gradient's
@@ -1585,12 +1280,12 @@ class RolloutCorrectionConfig:
 
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> RolloutCorrectionConfig:
-        """Build a preset by name (semantics §9.2-§9.3); unknown names list the valid ones."""
+        """Build a preset by name (docs/corrections.md §9.2-§9.3); unknown names list the valid ones."""
         if name not in PRESET_NAMES:
             raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
         return getattr(cls, name)(**kwargs)
 
-    # --- current presets (semantics §9.2; seed 002 §"Preset Configuration Guide") ----------
+    # --- current presets (docs/corrections.md §9.2; seed 002 §"Preset Configuration Guide") ----------
 
     @classmethod
     def decoupled_token_is(cls, threshold: float | str = 2.0):
@@ -1719,7 +1414,7 @@ class RolloutCorrectionConfig:
         """No correction: metrics only = naive PPO against the recompute (seed 000 §3.8)."""
         return cls()
 
-    # --- older names from the seeds (semantics §9.3; seed 000 §3.7, §5.1) -----------------
+    # --- older names from the seeds (docs/corrections.md §9.3; seed 000 §3.7, §5.1) -----------------
 
     @classmethod
     def naive(cls):
@@ -1761,6 +1456,348 @@ PRESET_NAMES = (
     "bypass_pg_is", "bypass_pg_token_icepop", "bypass_pg_geo_rs", "decoupled_geo_rs_seq_tis",
     "decoupled_geo_rs_token_tis", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
     "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis", "disabled",
-    # older names from the seeds (semantics §9.3) and the explicit baseline alias
+    # older names from the seeds (docs/corrections.md §9.3) and the explicit baseline alias
     "ppo_is_bypass", "pg_is", "pg_rs", "bypass_pg_rs", "naive",
 )
+
+
+# ============================================================================================
+# Helpers: reductions over valid entries, input validation (docs/corrections.md §1, §10)
+# ============================================================================================
+
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """max of x over selected entries (caller guarantees at least one)."""
+    return torch.where(mask, x, torch.full((), -math.inf, dtype=x.dtype, device=x.device)).amax()
+
+
+def _masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """min of x over selected entries (caller guarantees at least one)."""
+    return torch.where(mask, x, torch.full((), math.inf, dtype=x.dtype, device=x.device)).amin()
+
+
+def _pop_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sqrt(max(<x^2> - <x>^2, 0)) over selected entries if N > 1, else 0 (docs/corrections.md §6.1)."""
+    mean = masked_mean(x, mask)
+    var = torch.clamp(masked_mean(x * x, mask) - mean * mean, min=0.0)
+    return torch.where(mask.sum() > 1, torch.sqrt(var), torch.zeros_like(var))
+
+
+def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x_bar_i = (1/n_i) sum_t m_it x_it for valid rows, 0 for fully padded rows (docs/corrections.md §1)."""
+    return masked_mean(x, mask, dim=-1)
+
+
+def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Valid-row indicator n_i > 0 (docs/corrections.md §1)."""
+    return mask.any(dim=-1)
+
+
+def _quantiles(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Linear-interpolation quantiles of the selected values (docs/corrections.md §6.1 percentile rule).
+
+    With the values sorted x_(0) <= ... <= x_(N-1) and h = q (N-1):
+    Q(q) = x_(floor h) + (h - floor h) (x_(ceil h) - x_(floor h)).
+    """
+    ordered = torch.sort(values[mask]).values
+    last = ordered.numel() - 1
+    out = {}
+    for name, q in (("p25", 0.25), ("p50", 0.50), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99)):
+        h = q * last
+        lo, hi = math.floor(h), math.ceil(h)
+        out[name] = ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo])
+    return out
+
+
+def _fraction(condition: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """<1[condition]>_mask: the share of the selected entries where ``condition`` holds."""
+    return masked_mean(condition.to(dtype), mask)
+
+
+def _seq_metrics(row_value: torch.Tensor, rows: torch.Tensor, centre: float,
+                 high: torch.Tensor, low: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The seq_* block shared by the IS and RS metrics (docs/corrections.md §6.1, §6.2), over
+    the valid rows: E_V R, sd_V(R), max R, min R, max |R - centre|, E_V 1[high], E_V 1[low]
+    (the last only when ``low`` is given).  ``centre`` is the value for identical policies."""
+    dt = row_value.dtype
+    out = {"seq_mean": masked_mean(row_value, rows),
+           "seq_std": torch.sqrt(masked_var(row_value, rows, unbiased=True)),
+           "seq_max": _masked_max(row_value, rows), "seq_min": _masked_min(row_value, rows),
+           "seq_max_deviation": _masked_max((row_value - centre).abs(), rows),
+           "seq_fraction_high": _fraction(high, rows, dt)}
+    if low is not None:
+        out["seq_fraction_low"] = _fraction(low, rows, dt)
+    return out
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_mask_values(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """Mask must be bool or hold only 0/1 values (docs/corrections.md §1, §10)."""
+    if mask.dtype == torch.bool:
+        return mask
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        examples = torch.unique(mask[bad].detach().float().cpu())[:5].tolist()
+        raise ValueError(f"{name} must contain only 0/1 (or bool) values; found {examples!r}")
+    return mask != 0
+
+
+def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Tensor | None],
+                     other: Mapping[str, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Validate per-token inputs and return the original mask as bool (docs/corrections.md §10).
+
+    Checks, in order: 2-D equal shapes (naming both shapes), 0/1 mask values, at least one valid
+    token, and finite values of every tensor in ``finite`` at valid positions.
+    """
+    if not isinstance(response_mask, torch.Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask)!r}")
+    if response_mask.dim() != 2:
+        raise ValueError(
+            f"response_mask must be 2-D (B, T), got shape {tuple(response_mask.shape)}")
+    tensors = {**finite, **(other or {})}
+    for name, tensor in tensors.items():
+        if tensor is not None and tuple(tensor.shape) != tuple(response_mask.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but response_mask has shape "
+                f"{tuple(response_mask.shape)}; all per-token tensors must have the same shape")
+    mask = _check_mask_values(response_mask, "response_mask")
+    if not bool(mask.any()):
+        raise ValueError("response mask must contain at least one valid token")
+    for name, tensor in finite.items():
+        if tensor is None:
+            continue
+        bad = int((mask & ~torch.isfinite(tensor.detach())).sum())
+        if bad:
+            raise ValueError(f"{name} has {bad} non-finite value(s) (NaN or +/-inf) at valid "
+                             f"positions of response_mask; sanitise it before the correction")
+    return mask
+
+
+def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None = None):
+    """Replace padded entries by 0 (by selection), so padding cannot leak into values/gradients."""
+    x = x if dtype is None else x.to(dtype)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
+                       response_mask: torch.Tensor):
+    """Validate (§10) and return (mask as bool, log pi_train, log mu or None): detached, in the
+    work dtype, padding replaced by 0."""
+    mask = _validate_inputs(response_mask, {"old_log_prob": old_log_prob,
+                                            "rollout_log_prob": rollout_log_prob})
+    dtype = _work_dtype(old_log_prob, rollout_log_prob)
+    train = _zero_padding(old_log_prob.detach(), mask, dtype)
+    rollout = None if rollout_log_prob is None else _zero_padding(rollout_log_prob.detach(), mask,
+                                                                  dtype)
+    return mask, train, rollout
+
+
+def _to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Convert a dict of 0-d tensors / floats to Python floats with a single device sync."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys])
+        out.update(zip(keys, values.cpu().tolist()))
+    return {k: out[k] for k in metrics}
+
+
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Float dtype used for corrections: the inputs' promoted dtype, at least fp32."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+# ============================================================================================
+# Kernels: per-token log-probability and entropy from logits, chunked over rows
+# ============================================================================================
+
+def log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256
+) -> torch.Tensor:
+    """Per-token log-probability of ``labels`` under softmax(logits / temperature).
+
+    log p(y) = x_y / tau - log sum_v exp(x_v / tau)   (gather minus logsumexp).
+
+    ``logits`` (..., V) of any float dtype, ``labels`` (...) integer; returns (...) in fp32
+    (fp64 for fp64 logits).  Rows are processed ``chunk_size`` at a time in fp32, so a
+    151,936-vocabulary x 8k-token input never materialises a full-vocabulary log-softmax copy;
+    the backward pass recomputes the softmax per chunk and writes the logits gradient directly.
+    The temperature must be the sampling temperature so that the result describes the processed
+    distribution that sampled the tokens (docs/corrections.md §1, "Three policies").
+    """
+    if tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match labels shape "
+            f"{tuple(labels.shape)}: logits must be labels.shape + (vocab,)")
+    if isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if isinstance(chunk_size, bool) or int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if logits.dim() > 2:
+        try:
+            flat = logits.view(-1, logits.shape[-1])
+        except RuntimeError:  # a non-viewable slice (logits[:, :-1]): chunked in place, see _row_chunks
+            flat = None
+        if flat is not None:
+            return log_probs_from_logits(flat, labels.reshape(-1), temperature,
+                                         chunk_size).view(labels.shape)
+    if logits.dim() == 1:
+        return log_probs_from_logits(logits.unsqueeze(0), labels.reshape(1), temperature,
+                                     chunk_size).reshape(())
+    labels = labels.long()
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_size))
+    return _token_log_prob_chunks(logits, labels, float(temperature), int(chunk_size))
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256) -> torch.Tensor:
+    """Token entropy of softmax(logits / temperature), a diagnostic (no gradient):
+
+    H = -sum_v q_v log q_v = log Z - (sum_v e^{x'_v} x'_v) / Z,   x' = x / tau - max_v x_v / tau,  Z = sum_v e^{x'_v}.
+
+    ``logits`` (..., V), contiguous or a slice; returns (...) in fp32 (fp64 for fp64 logits). Chunked over rows
+    like :func:`log_probs_from_logits`, so at the 151,936-token vocabulary no full-size fp32 copy of the logits
+    exists: two temporaries of one chunk's size."""
+    if isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    work = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.detach()
+    x = x.unsqueeze(0) if x.dim() == 1 else x
+    out = torch.empty(x.shape[:-1], dtype=work, device=x.device)
+    with torch.no_grad():
+        for idx in _row_chunks(x.shape, int(chunk_size)):
+            shifted = _scaled_chunk(x[idx], temperature, work)
+            shifted.sub_(shifted.amax(dim=-1, keepdim=True))
+            weights = shifted.exp()
+            z = weights.sum(dim=-1)
+            out[idx] = z.log() - weights.mul_(shifted).sum(dim=-1) / z
+    return out.reshape(logits.shape[:-1])
+
+
+def _row_chunks(shape: torch.Size, chunk_size: int):
+    """Index tuples that cover the rows of a (..., rows, V) tensor ``chunk_size`` rows at a time. A 2-D tensor gives
+    plain row slices; with more leading dims (a non-viewable slice such as logits[:, :-1]) each chunk stays inside
+    one leading index, so no reshape (and no copy) is needed and the loop is over chunks, never over rows."""
+    import itertools
+
+    *outer, rows = shape[:-1]
+    for lead in itertools.product(*map(range, outer)):
+        for start in range(0, rows, chunk_size):
+            yield (*lead, slice(start, start + chunk_size))
+
+
+def _scaled_chunk(chunk: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
+    """x / tau in the working dtype as a fresh tensor that may be modified in place."""
+    x = chunk.to(work, copy=True)
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def _chunk_log_normaliser(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, computed *in place* on ``x`` (x is overwritten by
+    exp(x - max)), so a chunk costs one temporary of its own size."""
+    top = x.amax(dim=-1, keepdim=True)
+    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+
+
+class _ChunkedTokenLogProb(torch.autograd.Function):
+    """log p(label) = x_label / tau - logsumexp(x / tau), chunked over rows, with a backward
+    that recomputes softmax per chunk, so neither pass holds a full-vocabulary copy."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_size):
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return _token_log_prob_chunks(logits, labels, temperature, chunk_size)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, labels = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        tau, step = ctx.temperature, ctx.chunk_size
+        work = torch.promote_types(logits.dtype, torch.float32)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _row_chunks(logits.shape, step):
+            x = _scaled_chunk(logits[idx], tau, work)
+            g = grad_out[idx].to(work).unsqueeze(-1)
+            # d/dx [x_y - logsumexp(x)] = onehot(y) - softmax(x); chain rule through x / tau.
+            top = x.amax(dim=-1, keepdim=True)
+            probs = x.sub_(top).exp_()
+            probs.div_(probs.sum(dim=-1, keepdim=True)).mul_(-g)
+            probs.scatter_add_(-1, labels[idx].unsqueeze(-1), g)
+            if tau != 1.0:
+                probs.div_(tau)
+            grad[idx] = probs
+        return grad, None, None, None
+
+
+def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
+    """Forward pass of :func:`log_probs_from_logits` on a (..., rows, V) tensor, chunk by chunk."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    out = torch.empty(labels.shape, dtype=work, device=logits.device)
+    with torch.no_grad():
+        for idx in _row_chunks(logits.shape, chunk_size):
+            chunk = logits[idx]
+            picked = chunk.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1).to(work) / temperature
+            out[idx] = picked - _chunk_log_normaliser(_scaled_chunk(chunk, temperature, work))
+    return out
+
+
+__all__ = [
+    "IS_LEVELS",
+    "KL_ESTIMATORS",
+    "LEGACY_RS_NAMES",
+    "LOSS_AGG_MODES",
+    "PRESET_NAMES",
+    "RS_OPTIONS",
+    "SAFETY_BOUND",
+    "ISThreshold",
+    "RSOption",
+    "RolloutCorrectionConfig",
+    "agg_loss",
+    "batch_normalize_is_weights",
+    "check_loss_settings",
+    "compute_consistency_metrics",
+    "compute_grpo_outcome_advantage",
+    "compute_is_metrics",
+    "compute_offpolicy_metrics",
+    "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_vanilla",
+    "compute_rejection_mask",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rs_option_metrics",
+    "compute_veto_mask",
+    "entropy_from_logits",
+    "estimate_tv_distance",
+    "geometric_log_ratio",
+    "icepop_is_weights",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "parse_is_threshold",
+    "parse_rs_options",
+    "parse_veto_threshold",
+    "ppo_clipped_token_loss",
+    "raw_is_weights",
+    "reinforce_token_loss",
+    "rs_aggregate",
+    "rs_base_statistic",
+    "rs_option_keep_mask",
+    "safety_clip",
+    "sequence_log_ratio",
+    "token_log_ratio",
+    "truncate_is_weights",
+]

@@ -395,15 +395,16 @@ def _reciprocal_lower(upper: float, context: str) -> float:
 
 
 def _refuse_zero_lower(text: Any, field: str, spec: Any) -> None:
-    """A k1 gate's lower bound L enters the statistic as -log L: L = 0 would be +inf, so it is
-    refused with a pointer to the one-sided form "_U" (docs/corrections.md §4.2)."""
+    """A k1 gate's lower bound L enters the statistic as -log L: L = 0 (log 0 = -inf) is refused,
+    pointing to the one-sided form "_U" of the canonical k1 options (docs/corrections.md §4.2)."""
+    text = text.strip() if isinstance(text, str) else text
     try:
         zero = not isinstance(text, bool) and float(text) == 0.0
     except (TypeError, ValueError):
         return  # not a number: _parse_positive names it
     if zero:
-        raise ValueError(f"{field}={spec!r}: a k1 lower bound of {text!r} is log(0) = -inf; "
-                         f"for no lower bound leave it empty, e.g. '_2.0'")
+        raise ValueError(f"{field}={spec!r}: a k1 lower bound of {text!r} is log(0) = -inf; for no "
+                         f"lower bound give a canonical k1 option the threshold '_U', e.g. '_2.0'")
 
 
 def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
@@ -869,8 +870,9 @@ def compute_policy_loss_vanilla(
     mask = _validate_inputs(response_mask, finite,
                             {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
     effective = _effective_mask(mask, keep_mask)
-    old, adv = _zero_padding(old_log_prob.detach(), mask), _zero_padding(advantages.detach(), mask)
-    current = _zero_padding(log_prob, mask)
+    dt = _work_dtype(old_log_prob, log_prob, advantages)  # at least fp32, also for bf16 inputs
+    old, adv = _zero_padding(old_log_prob.detach(), mask, dt), _zero_padding(advantages.detach(), mask, dt)
+    current = _zero_padding(log_prob, mask, dt)
     phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high,
                                        clip_ratio_c)
     if rollout_is_weights is not None:
@@ -881,8 +883,8 @@ def compute_policy_loss_vanilla(
     with torch.no_grad():
         dt = phi.dtype
         metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/pg_clipfrac": masked_mean(info["clipped"].to(dt), effective),
-                   "actor/pg_clipfrac_lower": masked_mean(info["clipped_lower"].to(dt), effective),
+                   "actor/pg_clipfrac": _fraction(info["clipped"], effective, dt),
+                   "actor/pg_clipfrac_lower": _fraction(info["clipped_lower"], effective, dt),
                    "actor/ppo_kl": masked_mean(-info["log_ratio"].detach(), effective)}
         if rollout_log_prob is not None:
             rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
@@ -911,8 +913,9 @@ def compute_policy_loss_reinforce(
     mask = _validate_inputs(response_mask, finite,
                             {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
     effective = _effective_mask(mask, keep_mask)
-    current = _zero_padding(log_prob, mask)
-    adv = _zero_padding(advantages.detach(), mask)
+    dt = _work_dtype(log_prob, rollout_log_prob, advantages)  # at least fp32, also for bf16 inputs
+    current = _zero_padding(log_prob, mask, dt)
+    adv = _zero_padding(advantages.detach(), mask, dt)
     weights = None
     if rollout_is_weights is not None:
         weights = _zero_padding(rollout_is_weights.detach(), mask, current.dtype)
@@ -1279,186 +1282,132 @@ class RolloutCorrectionConfig:
         return str(loss_type) if explicit else _DefaultLossType(loss_type)
 
     @classmethod
-    def from_name(cls, name: str, **kwargs: Any) -> RolloutCorrectionConfig:
-        """Build a preset by name (docs/corrections.md §9.2-§9.3); unknown names list the valid ones."""
-        if name not in PRESET_NAMES:
-            raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
-        return getattr(cls, name)(**kwargs)
-
-    # --- current presets (docs/corrections.md §9.2; seed 002 §"Preset Configuration Guide") ----------
-
-    @classmethod
-    def decoupled_token_is(cls, threshold: float | str = 2.0):
-        """Token-TIS, decoupled PPO (Yao et al. 2025)."""
-        return cls(rollout_is="token", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold: float | str = 2.0):
-        """Seq-TIS, decoupled PPO (Liu, Li et al. 2025)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
-        """IcePop token weights zeroed outside [lower, upper] (Ring-1T arXiv 2510.18855)."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
-
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold: float | str = 2.0,
-                            rs_threshold: float | str = "0.5_2.0"):
-        """Seq-TIS + Seq-MIS (seq_sum_k1), decoupled PPO."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001",
-                         veto_threshold: float | None = None,
-                         rs_threshold_lower: float | None = None):
-        """Geo-RS (seq_mean_k1), decoupled PPO; optional veto and legacy lower bound (§9.3).
-
-        With ``rs_threshold_lower`` the legacy level ``geometric`` is used, so the threshold must
-        then be a single number U.
-        """
-        if rs_threshold_lower is not None:
-            return cls(rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                       rollout_rs_threshold_lower=rs_threshold_lower,
-                       rollout_token_veto_threshold=veto_threshold)
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   rollout_token_veto_threshold=veto_threshold)
-
-    @classmethod
-    def bypass_ppo_clip(cls):
-        """PPO-clip against mu (pi_old := mu), no IS weights."""
-        return cls(bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001"):
-        """PPO-clip against mu + Geo-RS."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float | str = 0.01):
-        """PPO-clip against mu + K3-RS (TRM average criterion, arXiv 2512.23075)."""
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_pg_is(cls, threshold: float | str = 2.0):
-        """REINFORCE + Seq-TIS (trajectory IS, seed 000 §1.1)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
-        """REINFORCE + IcePop token weights."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}",
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001"):
-        """REINFORCE + Geo-RS."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def decoupled_geo_rs_seq_tis(cls, is_threshold: float | str = 2.0,
-                                 rs_threshold: float | str = "0.999_1.001"):
-        """Geo-RS + Seq-TIS, decoupled PPO."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_token_tis(cls, is_threshold: float | str = 2.0,
-                                   rs_threshold: float | str = "0.999_1.001"):
-        """Geo-RS + Token-TIS, decoupled PPO."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float | str = 2.0,
-                                 rs_threshold: float | str = "0.999_1.001"):
-        """REINFORCE + Geo-RS + Seq-TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float | str = 2.0,
-                                   rs_threshold: float | str = "0.999_1.001"):
-        """REINFORCE + Geo-RS + Token-TIS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def decoupled_k3_rs(cls, rs_threshold: float | str = 0.01):
-        """K3-RS (TRM average criterion), decoupled PPO."""
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float | str = 2.0,
-                                rs_threshold: float | str = 0.01):
-        """K3-RS + Seq-TIS, decoupled PPO."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_token_tis(cls, is_threshold: float | str = 2.0,
-                                  rs_threshold: float | str = 0.01):
-        """K3-RS + Token-TIS, decoupled PPO."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def disabled(cls):
-        """No correction: metrics only = naive PPO against the recompute (seed 000 §3.8)."""
-        return cls()
-
-    # --- older names from the seeds (docs/corrections.md §9.3; seed 000 §3.7, §5.1) -----------------
-
-    @classmethod
-    def naive(cls):
-        """Alias of :meth:`disabled`: the no-correction baseline arm."""
-        return cls.disabled()
-
-    @classmethod
-    def ppo_is_bypass(cls, threshold: float | str = 2.0):
-        """Bypass PPO-clip with token IS at ``threshold``, metrics only (intended: no warning)."""
-        with warnings.catch_warnings():
+    def from_name(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
+        """Build the preset ``name`` of :data:`PRESETS` or :data:`PRESET_ALIASES` (docs/corrections.md
+        §9.2-§9.3); ``overrides`` set its tunable arguments (e.g. ``threshold``, ``rs_threshold``).
+        ``RolloutCorrectionConfig.<name>(**overrides)`` is the same call."""
+        fields = _preset_fields(name, overrides)
+        with warnings.catch_warnings():  # a preset's metrics-only IS (ppo_is_bypass) is deliberate
             warnings.simplefilter("ignore", UserWarning)
-            return cls(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True,
-                       loss_type="ppo_clip")
-
-    @classmethod
-    def pg_is(cls, threshold: float | str = 2.0):
-        """Alias of :meth:`bypass_pg_is` (REINFORCE + sequence IS)."""
-        return cls.bypass_pg_is(threshold)
-
-    @classmethod
-    def pg_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: float | None = None,
-              veto_threshold: float | None = 1e-4):
-        """REINFORCE + legacy geometric RS (-> seq_mean_k1, [lower or 1/U, U]) + veto."""
-        return cls(rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                   rollout_rs_threshold_lower=rs_threshold_lower,
-                   rollout_token_veto_threshold=veto_threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_rs(cls):
-        """Alias of :meth:`bypass_pg_geo_rs` named in seed 002 §"Preset Configuration Guide"."""
-        return cls.bypass_pg_geo_rs()
+            return cls(**fields)
 
 
-#: Every preset constructor usable with :meth:`RolloutCorrectionConfig.from_name`.
-PRESET_NAMES = (
-    "decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop", "decoupled_seq_is_rs",
-    "decoupled_geo_rs", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs",
-    "bypass_pg_is", "bypass_pg_token_icepop", "bypass_pg_geo_rs", "decoupled_geo_rs_seq_tis",
-    "decoupled_geo_rs_token_tis", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
-    "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis", "disabled",
-    # older names from the seeds (docs/corrections.md §9.3) and the explicit baseline alias
-    "ppo_is_bypass", "pg_is", "pg_rs", "bypass_pg_rs", "naive",
-)
+class _Arg(NamedTuple):
+    """A tunable preset field: the keyword argument that sets it, and its default."""
+
+    name: str
+    default: Any
+
+
+class _Band(NamedTuple):
+    """A tunable "L_U" threshold string; ``lower=None`` gives "_U" (a k1 gate with no lower bound)."""
+
+    lower: _Arg | None
+    upper: _Arg
+
+
+_PPO = {"bypass_mode": True, "loss_type": "ppo_clip"}  # bypass PPO-clip against mu (§7.3)
+_PG = {"bypass_mode": True, "loss_type": "reinforce"}  # bypass REINFORCE (§7.4)
+_ICEPOP = _Band(_Arg("threshold_lower", 0.5), _Arg("threshold", 5.0))
+_GEO_RS = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": _Arg("rs_threshold", "0.999_1.001")}
+_K3_RS = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": _Arg("rs_threshold", 0.01)}
+# One-sided Seq-MIS, w = rho * 1[rho <= C] (Liu, Li et al. 2025): sequence TIS at C, and the rows
+# with rho > C rejected by seq_sum_k1 "_C" (no lower bound), so a kept row carries rho itself.
+_SEQ_MIS = {"rollout_is": "sequence", "rollout_is_threshold": _Arg("threshold", 2.0),
+            "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _Band(None, _Arg("threshold", 2.0))}
+
+
+def _tis(level: str, arg: str = "is_threshold") -> dict[str, Any]:
+    return {"rollout_is": level, "rollout_is_threshold": _Arg(arg, 2.0)}
+
+
+#: The presets (docs/corrections.md §9.2): name -> the config fields that differ from the
+#: defaults; an _Arg / _Band value is tunable by keyword (its default shown).  Decoupled presets
+#: (no bypass fields) multiply IS weights into the PPO loss (§7.2).
+PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled_token_is": _tis("token", "threshold"),  # Token-TIS (Yao et al. 2025)
+    "decoupled_seq_is": _tis("sequence", "threshold"),  # Seq-TIS (Liu, Li et al. 2025)
+    "decoupled_token_icepop": {"rollout_is": "token", "rollout_is_threshold": _ICEPOP},
+    "decoupled_seq_is_rs": {**_tis("sequence"), "rollout_rs": "seq_sum_k1",
+                            "rollout_rs_threshold": _Arg("rs_threshold", "0.5_2.0")},
+    "decoupled_seq_mis": {**_SEQ_MIS},
+    # Geo-RS; a legacy lower bound selects the legacy name "geometric" (see _preset_fields)
+    "decoupled_geo_rs": {**_GEO_RS, "rollout_token_veto_threshold": _Arg("veto_threshold", None),
+                         "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None)},
+    "bypass_ppo_clip": {**_PPO},
+    "bypass_ppo_clip_geo_rs": {**_GEO_RS, **_PPO},
+    "bypass_ppo_clip_k3_rs": {**_K3_RS, **_PPO},  # TRM average criterion (arXiv 2512.23075)
+    "bypass_pg_is": {**_tis("sequence", "threshold"), **_PG},  # trajectory IS (§12.1)
+    "bypass_pg_token_icepop": {"rollout_is": "token", "rollout_is_threshold": _ICEPOP, **_PG},
+    "bypass_pg_geo_rs": {**_GEO_RS, **_PG},
+    "bypass_pg_seq_mis": {**_SEQ_MIS, **_PG},
+    "decoupled_geo_rs_seq_tis": {**_tis("sequence"), **_GEO_RS},
+    "decoupled_geo_rs_token_tis": {**_tis("token"), **_GEO_RS},
+    "bypass_pg_geo_rs_seq_tis": {**_tis("sequence"), **_GEO_RS, **_PG},
+    "bypass_pg_geo_rs_token_tis": {**_tis("token"), **_GEO_RS, **_PG},
+    "decoupled_k3_rs": {**_K3_RS},
+    "decoupled_k3_rs_seq_tis": {**_tis("sequence"), **_K3_RS},
+    "decoupled_k3_rs_token_tis": {**_tis("token"), **_K3_RS},
+    "disabled": {},  # metrics only: naive PPO against the recompute (§7.2)
+}
+
+#: Older preset names (docs/corrections.md §9.3): name -> (preset, fields replaced on top of it).
+PRESET_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "naive": ("disabled", {}),  # the explicit no-correction baseline arm
+    "pg_is": ("bypass_pg_is", {}),
+    "bypass_pg_rs": ("bypass_pg_geo_rs", {}),
+    # token IS in bypass PPO-clip: metrics only, on purpose (no warning)
+    "ppo_is_bypass": ("bypass_ppo_clip", _tis("token", "threshold")),
+    # legacy geometric RS ([lower or 1/U, U]) + veto, REINFORCE
+    "pg_rs": ("bypass_pg_geo_rs", {"rollout_rs": "geometric",
+                                   "rollout_rs_threshold": _Arg("rs_threshold", 1.001),
+                                   "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None),
+                                   "rollout_token_veto_threshold": _Arg("veto_threshold", 1e-4)}),
+}
+
+#: Every name accepted by :meth:`RolloutCorrectionConfig.from_name`.
+PRESET_NAMES = tuple(PRESETS) + tuple(PRESET_ALIASES)
+
+
+def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields of preset ``name`` with its tunables set from ``overrides``."""
+    if name in PRESET_ALIASES:
+        target, extra = PRESET_ALIASES[name]
+        table = {**PRESETS[target], **extra}
+    elif name in PRESETS:
+        table = PRESETS[name]
+    else:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    args = {a.name: a.default for v in table.values()
+            for a in ((v.lower, v.upper) if isinstance(v, _Band) else (v,)) if isinstance(a, _Arg)}
+    unknown = sorted(set(overrides) - set(args))
+    if unknown:
+        raise TypeError(f"preset {name!r} got unexpected argument(s) {', '.join(unknown)}; "
+                        f"its arguments are {', '.join(args) or 'none'}")
+    args.update(overrides)
+    fields = {}
+    for field, value in table.items():
+        if isinstance(value, _Band):
+            lower = "" if value.lower is None else args[value.lower.name]
+            value = f"{lower}_{args[value.upper.name]}"
+        fields[field] = args[value.name] if isinstance(value, _Arg) else value
+    if fields.get("rollout_rs_threshold_lower") is not None:  # the legacy key needs a legacy name
+        legacy = {canonical: old for old, canonical in LEGACY_RS_NAMES.items()}
+        fields["rollout_rs"] = legacy.get(fields["rollout_rs"], fields["rollout_rs"])
+    return fields
+
+
+def _preset_method(name: str):
+    """``RolloutCorrectionConfig.<name>(**overrides)``, the classmethod form of ``from_name``."""
+    def build(cls, **overrides: Any) -> RolloutCorrectionConfig:
+        return cls.from_name(name, **overrides)
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = f"Preset {name!r}: {_preset_fields(name, {})} (docs/corrections.md §9.2-§9.3)."
+    return classmethod(build)
+
+
+for _name in PRESET_NAMES:
+    setattr(RolloutCorrectionConfig, _name, _preset_method(_name))
 
 
 # ============================================================================================

@@ -45,12 +45,13 @@ import torch
 # Notation: reductions and the safety bound (docs/corrections.md §1, §2)
 # ============================================================================================
 
-#: Safety bound S: log-ratios are clipped to [-S, S] before exponentiation (docs/corrections.md §2).
+#: Safety bound S: log-ratios are clipped to [-S, S] before exponentiation (§2).
 SAFETY_BOUND = 20.0
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """sum_{mask} x, selecting the entries where ``mask`` is set, never multiplying (docs/corrections.md §1)."""
+    """sum_{mask} x: selects the entries where ``mask`` is set, never multiplies
+    (docs/corrections.md §1)."""
     picked = torch.where(_as_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return picked.sum() if dim is None else picked.sum(dim)
 
@@ -103,9 +104,8 @@ def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """s_i = sum_t m_it l_it: log of the trajectory ratio prod_t rho_it (docs/corrections.md §1, §12.1).
-
-    Built from the *unclipped* token log-ratios (docs/corrections.md §2).  Fully padded rows give 0.
+    """s_i = sum_t m_it l_it: log of the trajectory ratio prod_t rho_it (docs/corrections.md §1,
+    §12.1).  Built from the *unclipped* token log-ratios (§2).  Fully padded rows give 0.
     """
     return masked_sum(log_ratio, mask, dim=-1)
 
@@ -139,7 +139,7 @@ def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
 IS_LEVELS = ("token", "sequence")
 
 
-_ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (docs/corrections.md §3.7, §6.1)
+_ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (§3.7, §6.1)
 
 
 class ISThreshold(NamedTuple):
@@ -156,7 +156,7 @@ class ISThreshold(NamedTuple):
 
 
 def _parse_positive(text: Any, field: str, spec: Any) -> float:
-    """Parse one threshold value, which must be finite and > 0 (docs/corrections.md §3.2, §4.2 step 4)."""
+    """Parse one threshold value, finite and > 0 (docs/corrections.md §3.2, §4.2 step 4)."""
     if isinstance(text, bool):
         raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
     if isinstance(text, str):
@@ -178,7 +178,7 @@ def _parse_positive(text: Any, field: str, spec: Any) -> float:
 
 def _parse_lower_upper(text: str, field: str, spec: Any, open_lower: bool = False
                        ) -> tuple[float | None, float]:
-    """Parse ``"L_U"`` with exactly one underscore (docs/corrections.md §3.2, §11 item 19); L <= U.
+    """Parse ``"L_U"``, exactly one underscore, L <= U (docs/corrections.md §3.2, §11 item 19).
 
     With ``open_lower`` (k1 RS options) an empty L, ``"_U"``, means "no lower bound" (L = None).
     """
@@ -332,7 +332,7 @@ def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tens
 # Rejection sampling (docs/corrections.md §4.1-§4.4, metrics §6.2)
 # ============================================================================================
 
-#: The 11 canonical RS options of docs/corrections.md §4.1 (there is deliberately no ``seq_max_k1``).
+#: The 11 canonical RS options of docs/corrections.md §4.1 (deliberately no ``seq_max_k1``).
 RS_OPTIONS = (
     "token_k1", "token_k2", "token_k3",
     "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -408,7 +408,8 @@ def _refuse_zero_lower(text: Any, field: str, spec: Any) -> None:
 
 
 def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
-    """Map a legacy level token/sequence/geometric to its canonical k1 option (docs/corrections.md §4.4)."""
+    """Map a legacy level token/sequence/geometric to its canonical k1 option
+    (docs/corrections.md §4.4)."""
     if isinstance(threshold, str) and ("_" in threshold or "," in threshold):
         raise ValueError(f"rollout_rs_threshold={threshold!r}: the legacy rollout_rs={name!r} "
                          f"takes a single number U (use rollout_rs_threshold_lower for L)")
@@ -577,7 +578,8 @@ def compute_rs_option_metrics(q: torch.Tensor, row_value: torch.Tensor, keep: to
 
 def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
                            options: Sequence[RSOption]) -> tuple[torch.Tensor, dict]:
-    """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (docs/corrections.md §4.3, §6.2).
+    """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (docs/corrections.md §4.3,
+    §6.2).
 
     Statistics use lambda = clip_S(l) (§2).  RS only produces a keep mask; it never touches IS
     weights.  Returns (keep restricted to valid tokens, metrics).
@@ -603,7 +605,7 @@ def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
 # ============================================================================================
 
 def parse_veto_threshold(tau: Any) -> float | None:
-    """Validate the veto threshold tau: None disables it, otherwise 0 < tau < 1 (docs/corrections.md §10)."""
+    """The veto threshold tau: None disables it, otherwise 0 < tau < 1 (§4.5, §10)."""
     if tau is None:
         return None
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
@@ -672,7 +674,7 @@ def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
 
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
                               response_mask: torch.Tensor) -> dict[str, float]:
-    """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed names), over valid tokens / rows.
+    """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed), over valid tokens / rows.
 
     With a_bar_i, b_bar_i the row means of log pi_train and log mu and d_i = b_bar_i - a_bar_i:
     training_ppl = E_V exp(-a_bar); training_log_ppl = E_V(-a_bar); rollout_ppl / rollout_log_ppl
@@ -783,16 +785,16 @@ def compute_rollout_correction_and_rejection_mask(
 
     ``old_log_prob`` is log pi_train (pi_old in decoupled mode, sg(pi_theta) in bypass mode),
     ``rollout_log_prob`` is log mu, ``response_mask`` is the original mask m, ``config`` a
-    :class:`RolloutCorrectionConfig` (validated when it was built, docs/corrections.md §10), the same object
-    the bypass loss takes.  Steps: validate -> l = log pi_train - log mu -> IS weights + metrics
+    :class:`RolloutCorrectionConfig` (validated when it was built, §10), the same object the
+    bypass loss takes.  Steps: validate -> l = log pi_train - log mu -> IS weights + metrics
     (then batch-normalise) -> RS keep mask + metrics -> veto -> off-policy, consistency and
     ``tv_mismatch`` metrics on the original mask -> prefix ``rollout_corr/``.  IS and RS both read
     the same l and m and never alter each other.
 
     Returns ``(is_weights or None (detached, padding 0), m * k (dtype of response_mask),
     metrics)``.  ``tv_mismatch`` = (1/2)<|1 - rho|> estimates alpha_1 in decoupled mode and beta
-    in bypass mode (docs/corrections.md §12.7).  ``with_metrics=False`` skips the diagnostic metrics and their
-    host transfers (the weights and the keep mask are the same).
+    in bypass mode (§12.7).  ``with_metrics=False`` skips the diagnostic metrics and their host
+    transfers (the weights and the keep mask are the same).
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
@@ -853,15 +855,15 @@ def compute_policy_loss_vanilla(
     rollout_log_prob: torch.Tensor | None = None, global_token_count: Any = None,
     global_seq_count: Any = None, loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped loss with IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
+    """PPO clipped loss, IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
 
-    Decoupled objective (docs/corrections.md §7.2, §12.3; Hilton et al. 2021, decoupled PPO):
+    Decoupled objective (§7.2, §12.3; Hilton et al. 2021, decoupled PPO):
     L = agg( sg(w) * phi_PPO(r = pi_theta / pi_old) ) over m' = m * k, denominators from m (§7.5).
-    ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (docs/corrections.md §6.6, over m',
-    not IS-weighted, 0.0 when no token is kept): actor/pg_loss, actor/pg_clipfrac (L2 > L1),
+    ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (§6.6, over m', not
+    IS-weighted, 0.0 when no token is kept): actor/pg_loss, actor/pg_clipfrac (L2 > L1),
     actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
     actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
-    TRPO bound (docs/corrections.md §12.6-§12.7; Wang & Zhang 2025, Theorem 2).
+    TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2).
     """
     check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
                         loss_scale_factor)
@@ -871,7 +873,8 @@ def compute_policy_loss_vanilla(
                             {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
     effective = _effective_mask(mask, keep_mask)
     dt = _work_dtype(old_log_prob, log_prob, advantages)  # at least fp32, also for bf16 inputs
-    old, adv = _zero_padding(old_log_prob.detach(), mask, dt), _zero_padding(advantages.detach(), mask, dt)
+    old = _zero_padding(old_log_prob.detach(), mask, dt)
+    adv = _zero_padding(advantages.detach(), mask, dt)
     current = _zero_padding(log_prob, mask, dt)
     phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high,
                                        clip_ratio_c)
@@ -904,9 +907,9 @@ def compute_policy_loss_reinforce(
 
     No ratio clipping; the update size is limited only by TIS/IcePop, RS and the veto.  With
     sequence IS and ``seq-mean-token-sum`` the gradient is the trajectory-IS REINFORCE estimator
-    (docs/corrections.md §12.1) with a truncated weight.  The loss *value* holds log pi_theta and is not
-    comparable with the PPO loss; only its gradient is meaningful.  Metrics: actor/pg_loss and
-    actor/ppo_kl = <log mu - log pi_theta>_{m'} (docs/corrections.md §6.6).
+    (§12.1) with a truncated weight.  The loss *value* holds log pi_theta and is not comparable
+    with the PPO loss; only its gradient is meaningful.  Metrics: actor/pg_loss and
+    actor/ppo_kl = <log mu - log pi_theta>_{m'} (§6.6).
     """
     check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
     finite = {"log_prob": log_prob, "rollout_log_prob": rollout_log_prob, "advantages": advantages}
@@ -943,12 +946,13 @@ def compute_policy_loss_bypass_mode(
     The correction (IS/RS/veto + all ``rollout_corr/*`` metrics of this micro-batch) is computed
     inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: PPO with
     r = pi_theta / mu and *no* IS factor -- the ratio already is the IS ratio, multiplying would
-    apply it twice (docs/corrections.md §7.3, §12.5); IS weights are metrics only, RS/veto act through the
-    keep mask.  ``loss_type="reinforce"``: -A log pi_theta sg(w) (docs/corrections.md §7.4).  Returns the
-    loss and the union of ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not
-    reported here (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
-    ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a trainer that keeps
-    them only from the first optimizer step of a batch skips their cost on the others.
+    apply it twice (§7.3, §12.5); IS weights are metrics only, RS/veto act through the keep mask.
+    ``loss_type="reinforce"``: -A log pi_theta sg(w) (§7.4).  Returns the loss and the union of
+    ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not reported here
+    (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
+    ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a
+    trainer that keeps them only from the first optimizer step of a batch skips their cost on the
+    others.
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
@@ -1011,8 +1015,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     N_B = ``global_token_count`` and V_B = ``global_seq_count`` (all micro-batches, all ranks);
     by default they are counted locally from m.  K = ``loss_scale_factor``; the trainer passes the
     configured maximum response length, and when omitted K defaults to the tensor width T (then
-    the divisor depends on padding -- pass K explicitly, docs/corrections.md §11 item 14).  Micro-batch
-    contributions add up to the batch loss; no kept token gives exactly 0.
+    the divisor depends on padding -- pass K explicitly, §11 item 14).  Micro-batch contributions
+    add up to the batch loss; no kept token gives exactly 0.
     """
     check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
     keep = _check_mask_values(loss_mask, "loss_mask")
@@ -1117,13 +1121,14 @@ def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashabl
 _KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
-#: KL-penalty estimator names of docs/corrections.md §7.6, including the straight-through "+" variants.
+#: KL-penalty estimator names of docs/corrections.md §7.6, with the straight-through "+" variants.
 KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                kl_estimator: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md §7.6).
+    """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md
+    §7.6).
 
     kl / k1: d;  abs: |d|;  mse / k2: d^2 / 2;
     low_var_kl / k3: kappa = clip_S(log pi_ref - log pi_theta), clip(e^kappa - kappa - 1, -10, 10)
@@ -1152,7 +1157,8 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     elif base in ("mse", "k2"):
         value = k2_divergence(d)
     else:
-        value = torch.clamp(k3_divergence(safety_clip(ref_log_prob - log_prob)), min=-10.0, max=10.0)
+        kappa = safety_clip(ref_log_prob - log_prob)
+        value = torch.clamp(k3_divergence(kappa), min=-10.0, max=10.0)
     if not straight:
         return value
     k2 = k2_divergence(d)
@@ -1199,17 +1205,17 @@ _LOSS_TYPE_DEFAULT = _DefaultLossType("ppo_clip")
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """The correction configuration: single source of defaults (docs/corrections.md §9.1), validated at
-    construction (docs/corrections.md §10).  Parsed thresholds are stored in the non-init fields
+    """The correction configuration: single source of defaults (docs/corrections.md §9.1),
+    validated at construction (§10).  Parsed thresholds are stored in the non-init fields
     ``is_spec`` (:class:`ISThreshold` or None), ``rs_specs`` (tuple of :class:`RSOption`, legacy
     names already mapped) and ``veto_tau``.
 
     ``loss_type=None`` means "not set": it becomes "ppo_clip", or what the legacy
     ``use_policy_gradient`` implies; an explicit loss_type that contradicts it is an error.
 
-    Mode rules (docs/corrections.md §9.4): decoupled + ppo_clip multiplies IS weights; bypass + ppo_clip
-    uses IS for metrics only (a warning is issued); bypass + reinforce multiplies -A log pi;
-    decoupled + reinforce is an error; RS and the veto act in every mode.
+    Mode rules (§9.4): decoupled + ppo_clip multiplies IS weights; bypass + ppo_clip uses IS for
+    metrics only (a warning is issued); bypass + reinforce multiplies -A log pi; decoupled +
+    reinforce is an error; RS and the veto act in every mode.  Presets: :meth:`from_name`.
     """
 
     rollout_is: str | None = None
@@ -1237,9 +1243,10 @@ class RolloutCorrectionConfig:
                     if self.rollout_is == "geometric" else "")
             raise ValueError(f"rollout_is={self.rollout_is!r} is not one of None, "
                              f"{', '.join(map(repr, IS_LEVELS))}{hint}")
-        # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's threshold may
-        # stay behind when an override turns its correction off).
-        set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if self.rollout_is is not None else None)
+        # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's
+        # threshold may stay behind when an override turns its correction off).
+        is_on = self.rollout_is is not None
+        set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if is_on else None)
         if not isinstance(self.rollout_is_batch_normalize, bool):
             raise TypeError(f"rollout_is_batch_normalize must be a bool, got "
                             f"{self.rollout_is_batch_normalize!r}")
@@ -1257,7 +1264,7 @@ class RolloutCorrectionConfig:
                           UserWarning, stacklevel=3)
 
     def _resolve_loss_type(self) -> str:
-        """Apply the legacy ``use_policy_gradient`` alias and check loss_type (docs/corrections.md §9.1)."""
+        """Apply the legacy ``use_policy_gradient`` alias and check loss_type (§9.1)."""
         loss_type, upg = self.loss_type, self.use_policy_gradient
         explicit = loss_type is not None and not isinstance(loss_type, _DefaultLossType)
         if loss_type is None:  # unset (e.g. from a CLI): the default, or use_policy_gradient's
@@ -1277,15 +1284,16 @@ class RolloutCorrectionConfig:
         if loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError(f"loss_type={str(loss_type)!r} requires bypass_mode=True "
                              f"(decoupled mode always uses ppo_clip)")
-        # A value the user did not set stays marked as such, so dataclasses.replace(config, use_policy_gradient=...)
-        # may still choose it, exactly as the constructor would.
+        # A value the user did not set stays marked as such, so dataclasses.replace(config,
+        # use_policy_gradient=...) may still choose it, exactly as the constructor would.
         return str(loss_type) if explicit else _DefaultLossType(loss_type)
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
-        """Build the preset ``name`` of :data:`PRESETS` or :data:`PRESET_ALIASES` (docs/corrections.md
-        §9.2-§9.3); ``overrides`` set its tunable arguments (e.g. ``threshold``, ``rs_threshold``).
-        ``RolloutCorrectionConfig.<name>(**overrides)`` is the same call."""
+        """Build the preset ``name`` of :data:`PRESETS` or :data:`PRESET_ALIASES`
+        (docs/corrections.md §9.2-§9.3); ``overrides`` set its tunable arguments (e.g.
+        ``threshold``, ``rs_threshold``).  ``RolloutCorrectionConfig.<name>(**overrides)`` is the
+        same call."""
         fields = _preset_fields(name, overrides)
         with warnings.catch_warnings():  # a preset's metrics-only IS (ppo_is_bypass) is deliberate
             warnings.simplefilter("ignore", UserWarning)
@@ -1300,7 +1308,7 @@ class _Arg(NamedTuple):
 
 
 class _Band(NamedTuple):
-    """A tunable "L_U" threshold string; ``lower=None`` gives "_U" (a k1 gate with no lower bound)."""
+    """A tunable "L_U" threshold string; ``lower=None`` gives "_U" (k1 RS with no lower bound)."""
 
     lower: _Arg | None
     upper: _Arg
@@ -1402,7 +1410,7 @@ def _preset_method(name: str):
     def build(cls, **overrides: Any) -> RolloutCorrectionConfig:
         return cls.from_name(name, **overrides)
     build.__name__ = build.__qualname__ = name
-    build.__doc__ = f"Preset {name!r}: {_preset_fields(name, {})} (docs/corrections.md §9.2-§9.3)."
+    build.__doc__ = f"Preset {name!r}: {_preset_fields(name, {})} (docs/corrections.md §9.2)."
     return classmethod(build)
 
 
@@ -1427,14 +1435,14 @@ def _masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _pop_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sqrt(max(<x^2> - <x>^2, 0)) over selected entries if N > 1, else 0 (docs/corrections.md §6.1)."""
+    """sqrt(max(<x^2> - <x>^2, 0)) over selected entries if N > 1, else 0 (§6.1)."""
     mean = masked_mean(x, mask)
     var = torch.clamp(masked_mean(x * x, mask) - mean * mean, min=0.0)
     return torch.where(mask.sum() > 1, torch.sqrt(var), torch.zeros_like(var))
 
 
 def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x_bar_i = (1/n_i) sum_t m_it x_it for valid rows, 0 for fully padded rows (docs/corrections.md §1)."""
+    """x_bar_i = (1/n_i) sum_t m_it x_it for valid rows, 0 for fully padded rows (§1)."""
     return masked_mean(x, mask, dim=-1)
 
 
@@ -1444,7 +1452,7 @@ def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _quantiles(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Linear-interpolation quantiles of the selected values (docs/corrections.md §6.1 percentile rule).
+    """Linear-interpolation quantiles of the selected values (the §6.1 percentile rule).
 
     With the values sorted x_(0) <= ... <= x_(N-1) and h = q (N-1):
     Q(q) = x_(floor h) + (h - floor h) (x_(ceil h) - x_(floor h)).
@@ -1701,52 +1709,20 @@ def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
     return out
 
 
+# Public names (kept at the end so that the formulas come first).
 __all__ = [
-    "IS_LEVELS",
-    "KL_ESTIMATORS",
-    "LEGACY_RS_NAMES",
-    "LOSS_AGG_MODES",
-    "PRESET_NAMES",
-    "RS_OPTIONS",
-    "SAFETY_BOUND",
-    "ISThreshold",
-    "RSOption",
-    "RolloutCorrectionConfig",
-    "agg_loss",
-    "batch_normalize_is_weights",
-    "check_loss_settings",
-    "compute_consistency_metrics",
-    "compute_grpo_outcome_advantage",
-    "compute_is_metrics",
-    "compute_offpolicy_metrics",
-    "compute_policy_loss_bypass_mode",
-    "compute_policy_loss_reinforce",
-    "compute_policy_loss_vanilla",
-    "compute_rejection_mask",
-    "compute_rollout_correction_and_rejection_mask",
-    "compute_rollout_correction_weights",
-    "compute_rs_option_metrics",
-    "compute_veto_mask",
-    "entropy_from_logits",
-    "estimate_tv_distance",
-    "geometric_log_ratio",
-    "icepop_is_weights",
-    "kl_penalty",
-    "log_probs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "parse_is_threshold",
-    "parse_rs_options",
-    "parse_veto_threshold",
-    "ppo_clipped_token_loss",
-    "raw_is_weights",
-    "reinforce_token_loss",
-    "rs_aggregate",
-    "rs_base_statistic",
-    "rs_option_keep_mask",
-    "safety_clip",
-    "sequence_log_ratio",
-    "token_log_ratio",
-    "truncate_is_weights",
+    "IS_LEVELS", "KL_ESTIMATORS", "LEGACY_RS_NAMES", "LOSS_AGG_MODES", "PRESETS",
+    "PRESET_ALIASES", "PRESET_NAMES", "RS_OPTIONS", "SAFETY_BOUND", "ISThreshold", "RSOption",
+    "RolloutCorrectionConfig", "agg_loss", "batch_normalize_is_weights", "check_loss_settings",
+    "chi2_divergence", "compute_consistency_metrics", "compute_grpo_outcome_advantage",
+    "compute_is_metrics", "compute_offpolicy_metrics", "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_reinforce", "compute_policy_loss_vanilla", "compute_rejection_mask",
+    "compute_rollout_correction_and_rejection_mask", "compute_rollout_correction_weights",
+    "compute_rs_option_metrics", "compute_veto_mask", "entropy_from_logits",
+    "estimate_tv_distance", "geometric_log_ratio", "icepop_is_weights", "k2_divergence",
+    "k3_divergence", "kl_penalty", "log_probs_from_logits", "masked_mean", "masked_sum",
+    "masked_var", "parse_is_threshold", "parse_rs_options", "parse_veto_threshold",
+    "ppo_clipped_token_loss", "raw_is_weights", "reinforce_token_loss", "rs_aggregate",
+    "rs_base_statistic", "rs_option_keep_mask", "safe_exp", "safety_clip", "sequence_log_ratio",
+    "token_log_ratio", "truncate_is_weights",
 ]

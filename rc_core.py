@@ -1377,8 +1377,8 @@ PRESET_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
 PRESET_NAMES = tuple(PRESETS) + tuple(PRESET_ALIASES)
 
 
-def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The config fields of preset ``name`` with its tunables set from ``overrides``."""
+def _preset_table(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(fields of preset ``name``, its tunable arguments -> their defaults)."""
     if name in PRESET_ALIASES:
         target, extra = PRESET_ALIASES[name]
         table = {**PRESETS[target], **extra}
@@ -1388,6 +1388,12 @@ def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
     args = {a.name: a.default for v in table.values()
             for a in ((v.lower, v.upper) if isinstance(v, _Band) else (v,)) if isinstance(a, _Arg)}
+    return table, args
+
+
+def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields of preset ``name`` with its tunable arguments set from ``overrides``."""
+    table, args = _preset_table(name)
     unknown = sorted(set(overrides) - set(args))
     if unknown:
         raise TypeError(f"preset {name!r} got unexpected argument(s) {', '.join(unknown)}; "
@@ -1409,19 +1415,22 @@ def _preset_method(name: str):
     """``RolloutCorrectionConfig.<name>(**overrides)``, the classmethod form of ``from_name``."""
     def build(cls, **overrides: Any) -> RolloutCorrectionConfig:
         return cls.from_name(name, **overrides)
+    section = "9.3" if name in PRESET_ALIASES else "9.2"
+    args = ", ".join(f"{k}={v!r}" for k, v in _preset_table(name)[1].items()) or "none"
     build.__name__ = build.__qualname__ = name
-    build.__doc__ = f"Preset {name!r}: {_preset_fields(name, {})} (docs/corrections.md §9.2)."
+    build.__doc__ = (f"Preset {name!r} (docs/corrections.md §{section}): {_preset_fields(name, {})}."
+                     f"\n\nTunable arguments (defaults): {args}.")
     return classmethod(build)
 
 
 for _name in PRESET_NAMES:
     setattr(RolloutCorrectionConfig, _name, _preset_method(_name))
+del _name
 
 
 # ============================================================================================
 # Helpers: reductions over valid entries, input validation (docs/corrections.md §1, §10)
 # ============================================================================================
-
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

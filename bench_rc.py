@@ -25,6 +25,7 @@ Usage:  python bench_rc.py            (B=512, T=2048: several minutes on 2 cores
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -37,6 +38,9 @@ import time
 import torch
 
 import rc_core as rc
+
+#: log_probs_from_logits's own chunk_size default, so the report cannot drift from the code
+DEFAULT_CHUNK = inspect.signature(rc.log_probs_from_logits).parameters["chunk_size"].default
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,8 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--mem-tokens", type=int, help="tokens for (c) (default 2048; quick 1024)")
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--mem-chunks", default="256,1024,128",
-                   help="comma list of chunk_size values for (c); 256 is the default")
+    p.add_argument("--mem-chunks", default=f"{DEFAULT_CHUNK},1024,128",
+                   help=f"comma list of chunk_size values for (c); {DEFAULT_CHUNK} is the default")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for every timing (default 1: on a 2-core machine\n"
                         "shared with a training job, 2 OpenMP threads thrash and make small\n"
@@ -329,7 +333,7 @@ def bench_memory(args):
     for chunk in [int(c) for c in args.mem_chunks.split(",")]:
         ours = run_mem("chunked", args.mem_tokens, vocab, chunk, False, th)
         rows.append(("forward", args.mem_tokens, chunk, ours["extra_bytes"], full["extra_bytes"]))
-    default_chunk = 256
+    default_chunk = DEFAULT_CHUNK
     full_b = run_mem("full", args.mem_tokens, vocab, 0, True, th)
     ours_b = run_mem("chunked", args.mem_tokens, vocab, default_chunk, True, th)
     rows.append(("fwd+bwd", args.mem_tokens, default_chunk, ours_b["extra_bytes"],
@@ -389,7 +393,7 @@ def main(argv=None):
     m = bench_memory(args)
     mib = 1024 ** 2
     print(f"\n(c) peak extra memory ({m['how']} delta, fresh process each), V={m['vocab']:,}, "
-          f"fp32 logits; chunk_size 256 is the default")
+          f"fp32 logits; chunk_size {DEFAULT_CHUNK} is the default")
     print(f"    {'pass':<9}{'tokens':>7}{'chunk':>7}{'logits MiB':>12}{'chunked MiB':>13}"
           f"{'full MiB':>10}{'ratio':>8}{'goal':>7}")
     for kind, tokens, chunk, ours, full in m["rows"]:

@@ -1,51 +1,33 @@
 """Rollout correction: the formula module of the GRPO-on-GSM8K reference trainer.
 
-This module holds every training-inference mismatch correction as plain torch functions:
-importance-sampling (IS) weights, rejection sampling (RS), the worst-token veto, the
-off-policy and consistency diagnostics, the PPO / REINFORCE policy losses, loss aggregation,
-the GRPO advantage and the KL penalty, plus the validated configuration and its presets.
-It imports nothing but torch and the standard library.
+Every training-inference mismatch correction as a plain torch function, in the order of the math:
+ratios -> importance-sampling (IS) weights -> rejection sampling (RS) -> veto -> metrics -> the
+correction entry point -> policy losses -> aggregation -> GRPO advantage -> KL penalty ->
+configuration and presets; then the helpers and the chunked log-prob / entropy kernels.  Pure
+torch and the standard library.  "§N" is a section of ``docs/corrections.md``, the specification.
 
-The specification is the project note ``correction-semantics.md`` (cited below as "semantics
-§N"). It in turn cites five design documents ("seeds", in ``shared/seeds/``) by file name:
-
-* seed 000 = ``000_942613bf4f9033c0.txt``  (rollout-correction math, §1-§6)
-* seed 001 = ``001_a621c3f872b63d4c.txt``  (the three log-probs and how they enter the loss)
-* seed 002 = ``002_1c633fc99a31e6f1.txt``  (usage guide: options, presets, metrics)
-* seed 003 = ``003_b47766cd87c98f8f.txt``  (history, legacy keys, consistency metrics)
-* seed 004 = ``004_7959361f0aac6661.txt``  (three-policy TRPO view of TIS/IcePop/MIS/WTRS)
-
-Notation (semantics §1; seed 000 §2.1, §2.4)
---------------------------------------------
+Notation (§1)
+-------------
 Per-token tensors have shape (B, T) and cover response tokens only.
 
-* ``m``   original response mask (1 = generated token).  Rejection never changes it.
+* ``m``   original response mask (1 = generated token); rejection never changes it.
 * ``k``   keep mask produced by RS and the veto; ``m' = m * k`` is the effective mask.
 * ``n_i = sum_t m_it``, ``N = sum m``; row i is valid iff ``n_i > 0``; ``V`` = #valid rows.
-* ``mu = pi_rollout`` (behaviour policy, the inference engine), ``pi_old`` (proximal policy,
-  frozen recompute), ``pi_theta`` (current policy).  ``pi_train`` is ``pi_old`` in decoupled
-  mode and ``sg(pi_theta)`` in bypass mode.
-* ``l_it = log pi_train - log mu`` (token log-ratio), ``rho = exp(l)``;
-  ``s_i = sum_t m_it l_it`` (sequence log-ratio); ``rho_geo_i = exp(s_i / n_i)``.
-* ``S = 20`` is the safety bound: ``clip_S(x) = min(max(x, -S), S)`` (semantics §2).
+* ``mu`` (behaviour policy, the inference engine), ``pi_old`` (proximal policy, frozen
+  recompute), ``pi_theta`` (current policy); ``pi_train`` is ``pi_old`` in decoupled mode and
+  ``sg(pi_theta)`` in bypass mode.
+* ``l_it = log pi_train - log mu``, ``rho = exp(l)``; ``s_i = sum_t m_it l_it``;
+  ``rho_geo_i = exp(s_i / n_i)``.
+* ``S = 20``: ``clip_S(x) = min(max(x, -S), S)`` before any exponential (§2).
 
 Padded positions are never read: reductions *select* valid entries (``torch.where``) instead of
-multiplying by the mask, because NaN * 0 = NaN.  Every entry point also replaces padded inputs by
-0 before any arithmetic, so non-finite padding can leak neither into values nor into gradients.
+multiplying by the mask (NaN * 0 = NaN), and every entry point replaces padded inputs by 0 first.
 
-Loss denominators (semantics §7.5; the project's deliberate difference from verl, §11 item 5)
-----------------------------------------------------------------------------------------------
-**Rejected tokens are treated as weight-0 tokens; every loss denominator is computed from the
-pre-rejection response mask of the whole optimizer-step batch, identically in decoupled and
-bypass modes.**  Numerators use ``m' = m * k``; the token count ``N_B``, the valid-row count
-``V_B`` and the row lengths ``n_i`` come from the original mask ``m``.  A rejection therefore
-removes a token's contribution without up-weighting the survivors, and the loss of a batch is
-the sum of its micro-batch contributions (independent of how the batch is split).  A
+Loss denominators (§7.5, §11 item 5): **rejected tokens are treated as weight-0 tokens; every loss
+denominator is computed from the pre-rejection response mask of the whole optimizer-step batch,
+identically in decoupled and bypass modes.**  Numerators use ``m'``; ``N_B``, ``V_B`` and ``n_i``
+come from ``m``.  The loss of a batch is the sum of its micro-batch contributions, and a
 micro-batch with no kept token contributes exactly 0.
-
-Layout (top to bottom): notation and constants -> primitives -> policies and ratios ->
-IS weights -> rejection -> veto -> metrics (and the correction entry point) -> losses ->
-aggregation -> advantages -> KL penalty -> configuration and presets.
 """
 
 from __future__ import annotations
@@ -59,104 +41,23 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = [
-    "IS_LEVELS",
-    "KL_ESTIMATORS",
-    "LEGACY_RS_NAMES",
-    "LOSS_AGG_MODES",
-    "PRESET_NAMES",
-    "RS_OPTIONS",
-    "SAFETY_BOUND",
-    "ISThreshold",
-    "RSOption",
-    "RolloutCorrectionConfig",
-    "agg_loss",
-    "batch_normalize_is_weights",
-    "check_loss_settings",
-    "compute_consistency_metrics",
-    "compute_grpo_outcome_advantage",
-    "compute_is_metrics",
-    "compute_offpolicy_metrics",
-    "compute_policy_loss_bypass_mode",
-    "compute_policy_loss_reinforce",
-    "compute_policy_loss_vanilla",
-    "compute_rejection_mask",
-    "compute_rollout_correction_and_rejection_mask",
-    "compute_rollout_correction_weights",
-    "compute_rs_option_metrics",
-    "compute_veto_mask",
-    "entropy_from_logits",
-    "estimate_tv_distance",
-    "geometric_log_ratio",
-    "icepop_is_weights",
-    "kl_penalty",
-    "log_probs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "parse_is_threshold",
-    "parse_rs_options",
-    "parse_veto_threshold",
-    "ppo_clipped_token_loss",
-    "raw_is_weights",
-    "reinforce_token_loss",
-    "rs_aggregate",
-    "rs_base_statistic",
-    "rs_option_keep_mask",
-    "safety_clip",
-    "sequence_log_ratio",
-    "token_log_ratio",
-    "truncate_is_weights",
-]
-
 # ============================================================================================
-# Notation and constants (semantics §1, §2)
+# Notation: reductions and the safety bound (docs/corrections.md §1, §2)
 # ============================================================================================
 
-#: Safety bound S: log-ratios are clipped to [-S, S] before exponentiation (semantics §2).
+#: Safety bound S: log-ratios are clipped to [-S, S] before exponentiation (§2).
 SAFETY_BOUND = 20.0
-
-#: IS levels of semantics §3.1 ("geometric" is an RS option only, see §3.1 last paragraph).
-IS_LEVELS = ("token", "sequence")
-
-#: The 11 canonical RS options of semantics §4.1 (there is deliberately no ``seq_max_k1``).
-RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)
-
-#: Legacy RS level names and their canonical mapping (semantics §4.4; seed 000 §3.4).
-LEGACY_RS_NAMES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
-
-#: Loss aggregation modes of semantics §7.5.
-LOSS_AGG_MODES = (
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
-_KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-#: KL-penalty estimator names of semantics §7.6, including the straight-through "+" variants.
-KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
-
-_LOSS_TYPES = ("ppo_clip", "reinforce")
-_ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (semantics §3.7, §6.1)
-_QUANTILES = (("p25", 0.25), ("p50", 0.50), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99))
-
-# ============================================================================================
-# Primitives (semantics §1 reductions, §2 safety bound)
-# ============================================================================================
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """sum_{mask} x: selects the entries where ``mask`` is set (never multiplies; semantics §1)."""
+    """sum_{mask} x: selects the entries where ``mask`` is set, never multiplies
+    (docs/corrections.md §1)."""
     picked = torch.where(_as_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return picked.sum() if dim is None else picked.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """<x>_q = sum q x / sum q over selected entries (semantics §1).
+    """<x>_q = sum q x / sum q over selected entries (docs/corrections.md §1).
 
     An empty selection gives 0 (never NaN); callers that need ">= 1 entry" validate it first.
     """
@@ -169,7 +70,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance over the selected entries: sum (x - <x>)^2 / (n - 1) (or / n if not unbiased).
 
-    Returns 0 when fewer than two entries are selected (n - 1 = 0; semantics §1 sd_V rule).
+    Returns 0 when fewer than two entries are selected (the sd_V rule of docs/corrections.md §1).
     """
     mask = _as_bool(mask)
     count = mask.sum().to(x.dtype)
@@ -181,8 +82,1355 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def safety_clip(x: torch.Tensor, bound: float = SAFETY_BOUND) -> torch.Tensor:
-    """clip_S(x) = min(max(x, -S), S), S = 20 (semantics §2; seed 002 "Key Design Principle")."""
+    """clip_S(x) = min(max(x, -S), S), S = 20 (docs/corrections.md §2)."""
     return torch.clamp(x, min=-bound, max=bound)
+
+
+def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(clip_S(x)): a ratio from its log, in [e^-20, e^20], never overflowing (§2)."""
+    return torch.exp(safety_clip(log_ratio))
+
+
+# ============================================================================================
+# Ratios (docs/corrections.md §1)
+# ============================================================================================
+
+def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.Tensor:
+    """l_it = log pi_train(y_it | s_it) - log mu(y_it | s_it) (docs/corrections.md §1).
+
+    pi_train is pi_old in decoupled mode and sg(pi_theta) in bypass mode.
+    """
+    return train_log_prob - rollout_log_prob
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """s_i = sum_t m_it l_it: log of the trajectory ratio prod_t rho_it (docs/corrections.md §1,
+    §12.1).  Built from the *unclipped* token log-ratios (§2).  Fully padded rows give 0.
+    """
+    return masked_sum(log_ratio, mask, dim=-1)
+
+
+def geometric_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log rho_geo_i = s_i / n_i (docs/corrections.md §1, §12.8); 0 for fully padded rows."""
+    return _row_mean(log_ratio, mask)
+
+
+def k2_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k2 = x^2 / 2 >= 0 for x = log(pi / mu): biased, low-variance, and its expected gradient is
+    that of KL (docs/corrections.md §7.6, §12.9; Schulman 2020)."""
+    return 0.5 * log_ratio * log_ratio
+
+
+def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(x) - 1 - x >= 0, the k3 estimator of KL(mu || pi) for x = log(pi / mu) under mu
+    (docs/corrections.md §12.9; Schulman 2020, "Approximating KL Divergence").
+
+    Computed as expm1(x) - x: exp(x) - 1 rounds to 0 or 2^-23 in float32 for |x| ~ 1e-8 and made
+    near-identical policies show k3 ~ -1e-8; expm1 keeps it >= 0.  The caller clips x.
+    """
+    return torch.expm1(log_ratio) - log_ratio
+
+
+# ============================================================================================
+# IS weights (docs/corrections.md §3, metrics §6.1)
+# ============================================================================================
+
+#: IS levels of docs/corrections.md §3.1 ("geometric" is an RS option only: ``seq_mean_k1``).
+IS_LEVELS = ("token", "sequence")
+
+
+_ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (§3.7, §6.1)
+
+
+class ISThreshold(NamedTuple):
+    """Parsed ``rollout_is_threshold``: TIS (upper cap) or IcePop (two-sided zeroing)."""
+
+    mode: str  # "tis" or "icepop"
+    lower: float | None  # IcePop L; None for TIS
+    upper: float  # U
+
+    @property
+    def diagnostic_lower(self) -> float:
+        """L' of docs/corrections.md §6.1: L for IcePop, 1/U for TIS (metrics only)."""
+        return self.lower if self.mode == "icepop" else 1.0 / self.upper
+
+
+def _parse_positive(text: Any, field: str, spec: Any) -> float:
+    """Parse one threshold value, finite and > 0 (docs/corrections.md §3.2, §4.2 step 4)."""
+    if isinstance(text, bool):
+        raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
+    if isinstance(text, str):
+        text = text.strip()
+        if not text:
+            raise ValueError(f"{field}={spec!r}: empty value (expected a number)")
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{field}={spec!r}: {text!r} is not a number") from None
+    elif isinstance(text, numbers.Real):
+        value = float(text)
+    else:
+        raise TypeError(f"{field} entries must be numbers or strings, got {spec!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{field}={spec!r}: value {value!r} must be finite and > 0")
+    return value
+
+
+def _parse_lower_upper(text: str, field: str, spec: Any, open_lower: bool = False
+                       ) -> tuple[float | None, float]:
+    """Parse ``"L_U"``, exactly one underscore, L <= U (docs/corrections.md §3.2, §11 item 19).
+
+    With ``open_lower`` (k1 RS options) an empty L, ``"_U"``, means "no lower bound" (L = None).
+    """
+    parts = text.split("_")
+    if len(parts) != 2:
+        raise ValueError(f"{field}={spec!r}: a lower_upper spec must contain exactly one "
+                         f"underscore, e.g. '0.5_5.0'")
+    if open_lower and not parts[0].strip():
+        return None, _parse_positive(parts[1], field, spec)
+    lower, upper = (_parse_positive(p, field, spec) for p in parts)
+    if lower > upper:
+        raise ValueError(f"{field}={spec!r}: lower bound {lower!r} exceeds upper bound {upper!r}")
+    return lower, upper
+
+
+def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThreshold:
+    """Parse the IS threshold spec (docs/corrections.md §3.2).
+
+    number x -> TIS with U = x;  "x" -> TIS;  "L_U" -> IcePop with [L, U].
+    bool and non-number/non-string types raise TypeError; None, "", bad grammar, non-finite,
+    non-positive values and L > U raise ValueError naming the spec.
+    """
+    if spec is None:
+        raise ValueError(f"{field}=None while rollout_is is set: give a number (TIS cap) or "
+                         f"'L_U' (IcePop); IS is never disabled silently")
+    if isinstance(spec, bool):
+        raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
+    if isinstance(spec, numbers.Real):
+        return ISThreshold("tis", None, _parse_positive(spec, field, spec))
+    if not isinstance(spec, str):
+        raise TypeError(f"{field} must be a number or string, got {type(spec).__name__} {spec!r}")
+    text = spec.strip()
+    if not text:
+        raise ValueError(f"{field}={spec!r}: empty string (expected a number or 'L_U')")
+    if "_" in text:
+        lower, upper = _parse_lower_upper(text, field, spec)
+        return ISThreshold("icepop", lower, upper)
+    return ISThreshold("tis", None, _parse_positive(text, field, spec))
+
+
+def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Raw IS weights w_hat with padding zeroed (docs/corrections.md §3.1, §3.5).
+
+    token:    w_hat_it = exp(clip_S(l_it)) * m_it     (Yao et al. 2025, TIS)
+    sequence: w_hat_it = exp(clip_S(s_i)) * m_it, s_i = sum_t m_it l_it   (trajectory ratio,
+              docs/corrections.md §12.1; Liu, Li et al. 2025, Seq-TIS) -- an exponential of a
+              sum, never a sum/product of already-exponentiated ratios.
+    """
+    if level == "token":
+        weights = safe_exp(log_ratio)
+    elif level == "sequence":
+        seq = safe_exp(sequence_log_ratio(log_ratio, mask))
+        weights = seq.unsqueeze(-1).expand_as(log_ratio)
+    else:
+        raise ValueError(f"rollout_is={level!r}: expected one of {IS_LEVELS}")
+    return _zero_padding(weights, mask)
+
+
+def truncate_is_weights(raw: torch.Tensor, upper: float) -> torch.Tensor:
+    """TIS: w = min(w_hat, U); one-sided, small weights are kept (docs/corrections.md §3.3;
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
+    Padded zeros stay 0."""
+    return torch.clamp(raw, max=upper)
+
+
+def icepop_is_weights(raw: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """IcePop: w = w_hat * 1[L <= w_hat <= U] (docs/corrections.md §3.4; Ling team 2025, IcePop;
+    Ring-1T, arXiv 2510.18855).  The response mask is not changed; a zeroed token stays valid."""
+    inside = (raw >= lower) & (raw <= upper)
+    return torch.where(inside, raw, torch.zeros_like(raw))
+
+
+def batch_normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor, level: str
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-normalise the applied weights to mean 1 (docs/corrections.md §3.7, §12.10).
+
+    token:    Z = <w> = (1/N) sum m w                (mean over valid tokens)
+    sequence: Z = E_V[w_bar_i], w_bar_i = (1/n_i) sum_t m w   (mean over *valid* rows, §11 item 16)
+    If Z > 1e-8: w <- w / Z and factor = Z; otherwise w is unchanged and factor = 1.
+    Z is computed over the tensors passed in; no implicit all-reduce (§11 item 16).
+    Returns (weights, factor).
+    """
+    if level == "token":
+        z = masked_mean(weights, mask)
+    else:
+        z = masked_mean(_row_mean(weights, mask), _valid_rows(mask))
+    ok = z > _ZERO_GUARD
+    scaled = torch.where(ok, weights / torch.where(ok, z, torch.ones_like(z)), weights)
+    return scaled, torch.where(ok, z, torch.ones_like(z))
+
+
+def compute_is_metrics(raw: torch.Tensor, applied: torch.Tensor, log_ratio: torch.Tensor,
+                       mask: torch.Tensor, level: str, spec: ISThreshold
+                       ) -> dict[str, torch.Tensor]:
+    """IS metrics of docs/corrections.md §6.1 (unprefixed), on the applied weights *before* batch
+    normalisation; exceedance fractions, seq-level max/min and percentiles use the raw weights.
+
+    mean <w>; std sqrt(max(<w^2> - <w>^2, 0)); ESS 1/<(w/(<w>+1e-8))^2> (0 if all w = 0, §11
+    item 2; the Kish ESS as a fraction of N, §12.10); seq_* over valid rows of w_bar;
+    oob_ratio for IcePop only.
+    """
+    rows, dt = _valid_rows(mask), raw.dtype
+    upper, low_diag = spec.upper, spec.diagnostic_lower
+    mean = masked_mean(applied, mask)
+    ess = 1.0 / masked_mean((applied / (mean + _ZERO_GUARD)) ** 2, mask)
+    all_zero = _masked_max(applied, mask) == 0
+    out = {"mean": mean, "std": _pop_std(applied, mask),
+           "eff_sample_size": torch.where(all_zero, torch.zeros_like(ess), ess)}
+    if level == "token":
+        out["max"], out["min"] = _masked_max(applied, mask), _masked_min(applied, mask)
+        out["ratio_fraction_high"] = _fraction(raw > upper, mask, dt)
+        out["ratio_fraction_low"] = _fraction(raw < low_diag, mask, dt)
+    else:
+        seq = sequence_log_ratio(log_ratio, mask)  # unclipped log-sums
+        out["max"] = torch.exp(torch.clamp(_masked_max(seq, rows), max=SAFETY_BOUND))
+        out["min"] = torch.exp(_masked_min(seq, rows))
+        out["ratio_fraction_high"] = _fraction(seq > math.log(upper), rows, dt)
+        out["ratio_fraction_low"] = _fraction(seq < math.log(low_diag), rows, dt)
+    raw_bar = _row_mean(raw, mask)
+    out.update(_seq_metrics(_row_mean(applied, mask), rows, 1.0, raw_bar > upper,
+                            raw_bar < low_diag))
+    if spec.mode == "icepop":
+        out["oob_ratio"] = _fraction((raw < spec.lower) | (raw > spec.upper), mask, dt)
+    out.update(_quantiles(raw, mask))
+    return {f"rollout_is_{k}": v for k, v in out.items()}
+
+
+def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str,
+                                       spec: ISThreshold, batch_normalize: bool = False
+                                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Processed, detached IS weights and their metrics (docs/corrections.md §5 step 3).
+
+    raw (§3.1, padding zeroed §3.5) -> TIS (§3.3) or IcePop (§3.4) -> metrics (§6.1) ->
+    stop-gradient (§3.6, §12.4) -> optional
+    batch normalisation (§3.7), whose factor is the metric ``rollout_is_batch_norm_factor``.
+    """
+    raw = raw_is_weights(log_ratio.detach(), mask, level)
+    if spec.mode == "icepop":
+        applied = icepop_is_weights(raw, spec.lower, spec.upper)
+    else:
+        applied = truncate_is_weights(raw, spec.upper)
+    metrics = compute_is_metrics(raw, applied, log_ratio.detach(), mask, level, spec)
+    weights = applied.detach()
+    if batch_normalize:
+        weights, factor = batch_normalize_is_weights(weights, mask, level)
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, metrics
+
+
+# ============================================================================================
+# Rejection sampling (docs/corrections.md §4.1-§4.4, metrics §6.2)
+# ============================================================================================
+
+#: The 11 canonical RS options of docs/corrections.md §4.1 (deliberately no ``seq_max_k1``).
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+
+
+#: Legacy RS level names and their canonical mapping (docs/corrections.md §4.4).
+LEGACY_RS_NAMES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+class RSOption(NamedTuple):
+    """One parsed RS option: statistic k1/k2/k3, aggregation token/seq_sum/seq_mean/seq_max.
+
+    k1 options bound the ratio rho (or its product / geometric mean) to [lower, upper], with no
+    lower bound when ``lower`` is None (the spec "_U"); k2/k3 options bound the statistic from
+    above by ``upper`` (``lower`` is None).
+    """
+
+    name: str
+    statistic: str
+    aggregation: str
+    lower: float | None
+    upper: float
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """[a, b] on the statistic (docs/corrections.md §4.1): k1 -> [-log U, -log L] (b = +inf
+        without L); k2/k3 -> [0, U]."""
+        if self.statistic == "k1":
+            return -math.log(self.upper), math.inf if self.lower is None else -math.log(self.lower)
+        return 0.0, self.upper
+
+
+def _rs_option(name: str, entry: Any) -> RSOption:
+    """Parse one threshold entry for a canonical option (docs/corrections.md §4.2 step 4)."""
+    field = "rollout_rs_threshold"
+    aggregation, statistic = name.rsplit("_", 1)
+    if statistic == "k1":
+        if isinstance(entry, str) and "_" in entry:
+            _refuse_zero_lower(entry.split("_")[0], field, entry)
+            lower, upper = _parse_lower_upper(entry.strip(), field, entry, open_lower=True)
+        else:
+            upper = _parse_positive(entry, field, entry)
+            lower = _reciprocal_lower(upper, f"{field}={entry!r} for {name}")
+        return RSOption(name, "k1", aggregation, lower, upper)
+    if isinstance(entry, str) and "_" in entry:
+        raise ValueError(f"{field}={entry!r} for {name}: k2/k3 take a single upper bound, "
+                         f"not a lower_upper pair")
+    return RSOption(name, statistic, aggregation, None, _parse_positive(entry, field, entry))
+
+
+def _reciprocal_lower(upper: float, context: str) -> float:
+    """A single k1 value u means [1/u, u], which needs u >= 1 (docs/corrections.md §4.2, §4.4)."""
+    if upper < 1.0:
+        raise ValueError(f"{context}: a single k1 value u means [1/u, u] and needs u >= 1 "
+                         f"(got {upper!r})")
+    return 1.0 / upper
+
+
+def _refuse_zero_lower(text: Any, field: str, spec: Any) -> None:
+    """A k1 gate's lower bound L enters the statistic as -log L: L = 0 (log 0 = -inf) is refused,
+    pointing to the one-sided form "_U" of the canonical k1 options (docs/corrections.md §4.2)."""
+    text = text.strip() if isinstance(text, str) else text
+    try:
+        zero = not isinstance(text, bool) and float(text) == 0.0
+    except (TypeError, ValueError):
+        return  # not a number: _parse_positive names it
+    if zero:
+        raise ValueError(f"{field}={spec!r}: a k1 lower bound of {text!r} is log(0) = -inf; for no "
+                         f"lower bound give a canonical k1 option the threshold '_U', e.g. '_2.0'")
+
+
+def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
+    """Map a legacy level token/sequence/geometric to its canonical k1 option
+    (docs/corrections.md §4.4)."""
+    if isinstance(threshold, str) and ("_" in threshold or "," in threshold):
+        raise ValueError(f"rollout_rs_threshold={threshold!r}: the legacy rollout_rs={name!r} "
+                         f"takes a single number U (use rollout_rs_threshold_lower for L)")
+    upper = _parse_positive(threshold, "rollout_rs_threshold", threshold)
+    if lower is None:
+        low = _reciprocal_lower(upper, f"rollout_rs_threshold={threshold!r} with no "
+                                       f"rollout_rs_threshold_lower")
+    else:
+        _refuse_zero_lower(lower, "rollout_rs_threshold_lower", lower)
+        low = _parse_positive(lower, "rollout_rs_threshold_lower", lower)
+        if low > upper:
+            raise ValueError(f"rollout_rs_threshold_lower={lower!r} exceeds "
+                             f"rollout_rs_threshold={threshold!r}")
+    canonical = LEGACY_RS_NAMES[name]
+    aggregation = canonical.rsplit("_", 1)[0]
+    return RSOption(canonical, "k1", aggregation, low, upper)
+
+
+def _split_rs_names(rollout_rs: Any) -> list[str]:
+    """Split and check the option list (docs/corrections.md §4.2 step 1)."""
+    if not isinstance(rollout_rs, str):
+        raise TypeError(f"rollout_rs must be None or a comma-separated string, got {rollout_rs!r}")
+    names = [part.strip() for part in rollout_rs.split(",") if part.strip()]
+    if not names:
+        raise ValueError(f"rollout_rs={rollout_rs!r} names no option")
+    for name in names:
+        if name not in RS_OPTIONS and name not in LEGACY_RS_NAMES:
+            raise ValueError(f"rollout_rs={rollout_rs!r}: unknown option {name!r}; valid options "
+                             f"are {', '.join(RS_OPTIONS)} and the legacy names "
+                             f"{', '.join(LEGACY_RS_NAMES)}")
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"rollout_rs={rollout_rs!r}: duplicate option {name!r}")
+        seen.add(name)
+    if len(names) > 1 and any(name in LEGACY_RS_NAMES for name in names):
+        raise ValueError(f"rollout_rs={rollout_rs!r}: a legacy name (token/sequence/geometric) "
+                         f"must be the only RS option")
+    return names
+
+
+def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
+                     rollout_rs_threshold_lower: Any = None) -> tuple[RSOption, ...]:
+    """Parse ``rollout_rs`` and its thresholds into RS options (docs/corrections.md §4.2, §4.4).
+
+    Options are comma-separated and chained with AND (§4.3).  One threshold entry is broadcast to
+    every option, otherwise entries match options by position.  k1 entries are "L_U", "_U" (no
+    lower bound) or u (-> [1/u, u]); k2/k3 entries are one upper bound.  Legacy names map to k1
+    options.
+    """
+    if rollout_rs is None:
+        if rollout_rs_threshold_lower is not None:
+            raise ValueError(f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
+                             f"accepted with a legacy rollout_rs (token/sequence/geometric)")
+        return ()
+    names = _split_rs_names(rollout_rs)
+    legacy = names[0] in LEGACY_RS_NAMES
+    if rollout_rs_threshold_lower is not None and not legacy:
+        raise ValueError(f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
+                         f"accepted with a legacy rollout_rs, not rollout_rs={rollout_rs!r}")
+    threshold = rollout_rs_threshold
+    if threshold is None:
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold (got None)")
+    if isinstance(threshold, bool):
+        raise TypeError(f"rollout_rs_threshold must be a number or string, not a boolean "
+                        f"(got {threshold!r})")
+    if legacy:
+        return (_legacy_rs_option(names[0], threshold, rollout_rs_threshold_lower),)
+    if isinstance(threshold, numbers.Real):
+        entries: list[Any] = [threshold]
+    elif isinstance(threshold, str):
+        entries = [part.strip() for part in threshold.split(",") if part.strip()]
+        if not entries:
+            raise ValueError(f"rollout_rs_threshold={threshold!r} contains no value")
+    else:
+        raise TypeError(f"rollout_rs_threshold must be a number or string, got {threshold!r}")
+    if len(entries) not in (1, len(names)):
+        raise ValueError(f"rollout_rs_threshold={threshold!r} has {len(entries)} entries but "
+                         f"rollout_rs={rollout_rs!r} has {len(names)} options; give 1 entry "
+                         f"(broadcast) or {len(names)}")
+    if len(entries) == 1:
+        entries = entries * len(names)
+    return tuple(_rs_option(name, entry) for name, entry in zip(names, entries))
+
+
+def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.Tensor:
+    """Per-token RS statistic from lambda = clip_S(l) (docs/corrections.md §4.1, §12.9):
+
+    k1 = -lambda (signed; mean = KL(mu||pi_train) under mu), k2 = lambda^2 / 2,
+    k3 = exp(lambda) - 1 - lambda >= 0 (:func:`k3_divergence`).
+    """
+    lam = clipped_log_ratio
+    if statistic == "k1":
+        return -lam
+    if statistic == "k2":
+        return k2_divergence(lam)
+    if statistic == "k3":
+        return k3_divergence(lam)
+    raise ValueError(f"unknown RS statistic {statistic!r}")
+
+
+def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aggregate a per-token statistic g to (q, R) (docs/corrections.md §4.1, §6.2).
+
+    token:    q_it = g_it;                       R_i = (1/n_i) sum_t m g
+    seq_sum:  Q_i = sum_t m_it g_it              (q = Q_i broadcast, R = Q)
+    seq_mean: Q_i = (1/n_i) sum_t m_it g_it      (Liu, Li et al. 2025, Geo-RS; TRM average)
+    seq_max:  Q_i = max_{t: m_it = 1} g_it       (Trust Region Masking, arXiv 2512.23075, max)
+    Invalid rows get Q_i = 0.
+    """
+    rows = _valid_rows(mask)
+    if aggregation == "token":
+        return stat, _row_mean(stat, mask)
+    if aggregation == "seq_sum":
+        row_value = masked_sum(stat, mask, dim=-1)
+    elif aggregation == "seq_mean":
+        row_value = _row_mean(stat, mask)
+    elif aggregation == "seq_max":
+        neg_inf = torch.full((), -math.inf, dtype=stat.dtype, device=stat.device)
+        row_value = torch.where(mask, stat, neg_inf).amax(dim=-1)
+        row_value = torch.where(rows, row_value, torch.zeros_like(row_value))
+    else:
+        raise ValueError(f"unknown RS aggregation {aggregation!r}")
+    return row_value.unsqueeze(-1).expand_as(stat), row_value
+
+
+def rs_option_keep_mask(q: torch.Tensor, mask: torch.Tensor, option: RSOption) -> torch.Tensor:
+    """Keep mask of one option, restricted to valid tokens (docs/corrections.md §4.1 "Acceptance").
+
+    k1: keep iff a <= q <= b with [a, b] = [-log U, -log L], i.e. L <= rho <= U in ratio space
+        (project direction, docs/corrections.md §11 item 1); b = +inf without L.
+    k2/k3: keep iff q <= U (one-sided).
+    """
+    a, b = option.interval
+    keep = q <= b
+    if option.statistic == "k1":
+        keep = keep & (q >= a)
+    return keep & mask
+
+
+def compute_rs_option_metrics(q: torch.Tensor, row_value: torch.Tensor, keep: torch.Tensor,
+                              mask: torch.Tensor, option: RSOption) -> dict[str, torch.Tensor]:
+    """Per-option RS metrics ``rollout_rs_<option>_*`` of docs/corrections.md §6.2.  For k1
+    ``_fraction_high`` counts ratios below L and ``_fraction_low`` ratios above U;
+    ``_seq_fraction_low`` exists for k1 options only."""
+    rows, dt = _valid_rows(mask), q.dtype
+    a, b = option.interval
+    is_k1 = option.statistic == "k1"
+    out = {"mean": masked_mean(q, mask)}
+    if option.aggregation == "token":
+        out["max"], out["min"] = _masked_max(q, mask), _masked_min(q, mask)
+        out["fraction_high"] = _fraction(q > b, mask, dt)
+        out["fraction_low"] = _fraction(q < a, mask, dt) if is_k1 else 0.0
+    else:
+        out["max"], out["min"] = _masked_max(row_value, rows), _masked_min(row_value, rows)
+        out["fraction_high"] = _fraction(row_value > b, rows, dt)
+        out["fraction_low"] = _fraction(row_value < a, rows, dt) if is_k1 else 0.0
+    out["std"] = _pop_std(torch.clamp(q, min=a, max=b), mask)
+    out.update(_seq_metrics(row_value, rows, 0.0, row_value > b, row_value < a if is_k1 else None))
+    rejected = mask & ~keep
+    out["masked_fraction"] = _fraction(rejected, mask, dt)
+    out["seq_masked_fraction"] = _fraction(rejected.any(dim=-1), rows, dt)
+    return {f"rollout_rs_{option.name}_{k}": v for k, v in out.items()}
+
+
+def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
+                           options: Sequence[RSOption]) -> tuple[torch.Tensor, dict]:
+    """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (docs/corrections.md §4.3,
+    §6.2).
+
+    Statistics use lambda = clip_S(l) (§2).  RS only produces a keep mask; it never touches IS
+    weights.  Returns (keep restricted to valid tokens, metrics).
+    """
+    lam = safety_clip(log_ratio.detach())
+    keep = mask.clone()
+    metrics: dict[str, torch.Tensor | float] = {}
+    for option in options:
+        q, row_value = rs_aggregate(rs_base_statistic(lam, option.statistic), mask,
+                                    option.aggregation)
+        option_keep = rs_option_keep_mask(q, mask, option)
+        metrics.update(compute_rs_option_metrics(q, row_value, option_keep, mask, option))
+        keep = keep & option_keep
+    rejected = mask & ~keep
+    metrics["rollout_rs_masked_fraction"] = _fraction(rejected, mask, log_ratio.dtype)
+    metrics["rollout_rs_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), _valid_rows(mask),
+                                                          log_ratio.dtype)
+    return keep, metrics
+
+
+# ============================================================================================
+# Veto: worst-token rejection (docs/corrections.md §4.5, metrics §6.3)
+# ============================================================================================
+
+def parse_veto_threshold(tau: Any) -> float | None:
+    """The veto threshold tau: None disables it, otherwise 0 < tau < 1 (§4.5, §10)."""
+    if tau is None:
+        return None
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+        raise TypeError(f"rollout_token_veto_threshold must be None or a number in (0, 1), "
+                        f"got {tau!r}")
+    value = float(tau)
+    if not (math.isfinite(value) and 0.0 < value < 1.0):
+        raise ValueError(f"rollout_token_veto_threshold={tau!r} must be finite and in (0, 1)")
+    return value
+
+
+def compute_veto_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Worst-token veto (docs/corrections.md §4.5; INTELLECT-3, arXiv 2512.16144):
+    c_it = m_it 1[l_it < log tau] on the *unclipped* l (strict <);
+    row i is vetoed iff h_i = max_t c_it = 1, i.e. iff min_{t valid} rho_it < tau.
+
+    Returns the row keep mask (1 - h_i) broadcast over tokens (restricted to valid tokens) and the
+    metrics rollout_is_veto_fraction = E_V h, rollout_is_catastrophic_token_fraction = <c>.
+    """
+    catastrophic = mask & (log_ratio.detach() < math.log(tau))
+    vetoed = catastrophic.any(dim=-1)
+    keep = mask & ~vetoed.unsqueeze(-1)
+    dt = log_ratio.dtype
+    metrics = {"rollout_is_veto_fraction": _fraction(vetoed, _valid_rows(mask), dt),
+               "rollout_is_catastrophic_token_fraction": _fraction(catastrophic, mask, dt)}
+    return keep, metrics
+
+
+# ============================================================================================
+# Metrics: off-policy, consistency, TV (docs/corrections.md §6.4, §6.5, §12.7)
+# ============================================================================================
+
+def chi2_divergence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """chi^2(pi || mu) ~ <exp(2 clip_S(x))>_mask - 1 for x = log(pi / mu) sampled from mu
+    (docs/corrections.md §6.4, §12.9): per token (x = l over valid tokens) or per sequence
+    (x = s_i over valid rows)."""
+    return masked_mean(torch.exp(2.0 * safety_clip(log_ratio)), mask) - 1.0
+
+
+def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
+                              mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensor-valued body of :func:`compute_offpolicy_metrics` (inputs already sanitised)."""
+    rows = _valid_rows(mask)
+    a_bar = _row_mean(train, mask)
+    out = {"training_ppl": masked_mean(torch.exp(-a_bar), rows),
+           "training_log_ppl": masked_mean(-a_bar, rows)}
+    if rollout is None:
+        return out
+    b_bar = _row_mean(rollout, mask)
+    ell = token_log_ratio(train, rollout)
+    d = b_bar - a_bar
+    out["rollout_ppl"] = masked_mean(torch.exp(-b_bar), rows)
+    out["rollout_log_ppl"] = masked_mean(-b_bar, rows)
+    out["kl"] = masked_mean(-ell, mask)
+    out["k3_kl"] = masked_mean(k3_divergence(safety_clip(ell)), mask)
+    out["log_ppl_diff"] = masked_mean(d, rows)
+    out["log_ppl_abs_diff"] = masked_mean(d.abs(), rows)
+    out["log_ppl_diff_max"] = _masked_max(d, rows)
+    out["log_ppl_diff_min"] = _masked_min(d, rows)
+    out["ppl_ratio"] = masked_mean(torch.exp(d), rows)
+    out["chi2_token"] = chi2_divergence(ell, mask)
+    out["chi2_seq"] = chi2_divergence(sequence_log_ratio(ell, mask), rows)
+    return out
+
+
+def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
+                              response_mask: torch.Tensor) -> dict[str, float]:
+    """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed), over valid tokens / rows.
+
+    With a_bar_i, b_bar_i the row means of log pi_train and log mu and d_i = b_bar_i - a_bar_i:
+    training_ppl = E_V exp(-a_bar); training_log_ppl = E_V(-a_bar); rollout_ppl / rollout_log_ppl
+    likewise; kl = <log mu - log pi_train> (k1); k3_kl = <e^lambda - lambda - 1>, lambda = clip_S(l)
+    (§11 item 12); log_ppl_diff = E_V d; log_ppl_abs_diff = E_V |d|; log_ppl_diff_max/min;
+    ppl_ratio = E_V e^d (per sequence, then averaged); chi2_token = <e^{2 lambda}> - 1;
+    chi2_seq = E_V e^{2 clip_S(s_i)} - 1.  With ``rollout_log_prob=None`` only the two training
+    metrics are returned.  KL estimators: Schulman 2020 (§12.9).
+    """
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
+    with torch.no_grad():
+        return _to_floats(_offpolicy_metric_tensors(train, rollout, mask))
+
+
+def _consistency_metric_tensors(train: torch.Tensor, rollout: torch.Tensor,
+                                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensor-valued body of :func:`compute_consistency_metrics` (inputs already sanitised)."""
+    p_tr, p_ro = torch.exp(train), torch.exp(rollout)
+    delta = (p_tr - p_ro).abs()
+    n = mask.sum()
+    mx, my = masked_mean(p_tr, mask), masked_mean(p_ro, mask)
+    cov = masked_mean((p_tr - mx) * (p_ro - my), mask)
+    vx, vy = masked_mean((p_tr - mx) ** 2, mask), masked_mean((p_ro - my) ** 2, mask)
+    constant = (_masked_max(p_tr, mask) == _masked_min(p_tr, mask)) | (
+        _masked_max(p_ro, mask) == _masked_min(p_ro, mask))
+    corr = cov / torch.sqrt(vx * vy)
+    nan = torch.full_like(corr, math.nan)
+    return {
+        "rollout_probs_diff_max": _masked_max(delta, mask),
+        "rollout_probs_diff_mean": masked_mean(delta, mask),
+        "rollout_probs_diff_std": torch.sqrt(masked_var(delta, mask, unbiased=True)),
+        "rollout_actor_probs_pearson_corr": torch.where((n < 2) | constant, nan, corr),
+    }
+
+
+def compute_consistency_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                                response_mask: torch.Tensor) -> dict[str, float]:
+    """Probability-space consistency metrics of docs/corrections.md §6.5.
+
+    With p_tr = exp(log pi_train), p_ro = exp(log mu), delta = |p_tr - p_ro| over valid tokens:
+    rollout_probs_diff_max = max delta; _mean = <delta>; _std = unbiased std (0 if N = 1);
+    rollout_actor_probs_pearson_corr = Pearson(p_tr, p_ro) (NaN if N < 2 or a constant series).
+    """
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
+    with torch.no_grad():
+        return _to_floats(_consistency_metric_tensors(train, rollout, mask))
+
+
+def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None,
+                         mask: torch.Tensor) -> torch.Tensor:
+    """D_TV(pi_1, pi_2) ~ (1/2) <|rho_1 - rho_2|> with rho_j = pi_j / mu, a = sampled from mu
+    (docs/corrections.md §12.6-§12.7; Wang & Zhang 2025, "From Two Policies to Three", Theorem 2:
+    alpha_0 = D_TV(pi_old, pi_theta), alpha_1 = D_TV(mu, pi_old)).
+
+    ``log_rho_2=None`` means pi_2 = mu (rho_2 = 1): the alpha_1 estimate (1/2)<|1 - rho|>.
+    Log-ratios are clipped to +/-S before exponentiation.  These are averages over visited states,
+    i.e. lower proxies of the max-over-states alpha; they cannot certify the TRPO bound.
+    An empty mask gives 0.
+    """
+    rho_1 = safe_exp(log_rho_1)
+    rho_2 = torch.ones_like(rho_1) if log_rho_2 is None else safe_exp(log_rho_2)
+    return 0.5 * masked_mean((rho_1 - rho_2).abs(), mask)
+
+
+# ============================================================================================
+# The correction entry point (docs/corrections.md §5)
+# ============================================================================================
+
+def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True):
+    """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5).
+    with_metrics=False skips the diagnostic metrics and their host transfers (the weights and the
+    keep mask are the same)."""
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
+    with torch.no_grad():
+        ell = token_log_ratio(train, rollout)  # step 2: one l for IS, RS, veto and metrics
+        metrics: dict[str, torch.Tensor | float] = {}
+        weights = None
+        if config.rollout_is is not None:  # step 3
+            weights, is_metrics = compute_rollout_correction_weights(
+                ell, mask, config.rollout_is, config.is_spec, config.rollout_is_batch_normalize)
+            metrics.update(is_metrics)
+        keep = mask
+        if config.rs_specs:  # step 4
+            keep, rs_metrics = compute_rejection_mask(ell, mask, config.rs_specs)
+            metrics.update(rs_metrics)
+        if config.veto_tau is not None:  # step 5: after RS, AND-ed into the keep mask
+            veto_keep, veto_metrics = compute_veto_mask(ell, mask, config.veto_tau)
+            keep = keep & veto_keep
+            metrics.update(veto_metrics)
+        if with_metrics:
+            metrics.update(_offpolicy_metric_tensors(train, rollout, mask))  # step 6
+            metrics.update(_consistency_metric_tensors(train, rollout, mask))
+            metrics["tv_mismatch"] = estimate_tv_distance(ell, None, mask)
+        floats = _to_floats(metrics) if with_metrics else {}
+    out_mask = keep.to(response_mask.dtype, copy=True)
+    return weights, out_mask, {f"rollout_corr/{k}": v for k, v in floats.items()}  # step 7
+
+
+def compute_rollout_correction_and_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    *,
+    with_metrics: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """The correction entry point (docs/corrections.md §5).
+
+    ``old_log_prob`` is log pi_train (pi_old in decoupled mode, sg(pi_theta) in bypass mode),
+    ``rollout_log_prob`` is log mu, ``response_mask`` is the original mask m, ``config`` a
+    :class:`RolloutCorrectionConfig` (validated when it was built, §10), the same object the
+    bypass loss takes.  Steps: validate -> l = log pi_train - log mu -> IS weights + metrics
+    (then batch-normalise) -> RS keep mask + metrics -> veto -> off-policy, consistency and
+    ``tv_mismatch`` metrics on the original mask -> prefix ``rollout_corr/``.  IS and RS both read
+    the same l and m and never alter each other.
+
+    Returns ``(is_weights or None (detached, padding 0), m * k (dtype of response_mask),
+    metrics)``.  ``tv_mismatch`` = (1/2)<|1 - rho|> estimates alpha_1 in decoupled mode and beta
+    in bypass mode (§12.7).  ``with_metrics=False`` skips the diagnostic metrics and their host
+    transfers (the weights and the keep mask are the same).
+    """
+    if not isinstance(config, RolloutCorrectionConfig):
+        raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
+    return _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics)
+
+
+# ============================================================================================
+# Losses (docs/corrections.md §7.1-§7.4, metrics §6.6)
+# ============================================================================================
+
+def ppo_clipped_token_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor,
+                           advantages: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
+                           clip_ratio_c: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO loss with asymmetric and dual clip (docs/corrections.md §7.1, §12.2;
+    Schulman et al. 2017, PPO; Ye et al. 2020, dual clip; Yu et al. 2025, DAPO clip-higher).
+
+    lambda_r = clip_S(log pi_theta - log pi_prox), r = exp(lambda_r)
+    L1 = -A r,  L2 = -A clip(r, 1 - eps_low, 1 + eps_high),  C1 = max(L1, L2)
+    L3 = -A c,  C2 = min(L3, C1),  phi = C2 if A < 0 else C1
+    Returns phi and the indicators {clipped: L2 > L1, clipped_lower: (C1 > L3) & (A < 0),
+    log_ratio: lambda_r} used by the actor metrics.
+    """
+    log_ratio = safety_clip(log_prob - prox_log_prob)
+    ratio = torch.exp(log_ratio)
+    loss_1 = -advantages * ratio
+    loss_2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_1 = torch.maximum(loss_1, loss_2)
+    loss_3 = -advantages * clip_ratio_c
+    clip_2 = torch.minimum(loss_3, clip_1)
+    negative = advantages < 0
+    phi = torch.where(negative, clip_2, clip_1)
+    info = {"clipped": loss_2 > loss_1, "clipped_lower": (clip_1 > loss_3) & negative,
+            "log_ratio": log_ratio}
+    return phi, info
+
+
+def reinforce_token_loss(log_prob: torch.Tensor, advantages: torch.Tensor,
+                         weights: torch.Tensor | None = None) -> torch.Tensor:
+    """phi_PG = -A * log pi_theta * sg(w), w = 1 if IS is off (docs/corrections.md §7.4; Williams
+    1992, REINFORCE).  The gradient is -A w grad log pi_theta; the stop-gradient removes the
+    spurious log pi grad w term (§12.4)."""
+    loss = -advantages * log_prob
+    return loss if weights is None else loss * weights.detach()
+
+
+def _effective_mask(mask: torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
+    """m' = m * k; ``keep_mask`` may be the keep mask k or the effective mask itself."""
+    if keep_mask is None:
+        return mask
+    return mask & _check_mask_values(keep_mask, "keep_mask")
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None, *, keep_mask: torch.Tensor | None = None,
+    rollout_log_prob: torch.Tensor | None = None, global_token_count: Any = None,
+    global_seq_count: Any = None, loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped loss, IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
+
+    Decoupled objective (§7.2, §12.3; Hilton et al. 2021, decoupled PPO):
+    L = agg( sg(w) * phi_PPO(r = pi_theta / pi_old) ) over m' = m * k, denominators from m (§7.5).
+    ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (§6.6, over m', not
+    IS-weighted, 0.0 when no token is kept): actor/pg_loss, actor/pg_clipfrac (L2 > L1),
+    actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
+    actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
+    TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2).
+    """
+    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
+                        loss_scale_factor)
+    finite = {"old_log_prob": old_log_prob, "log_prob": log_prob, "advantages": advantages,
+              "rollout_log_prob": rollout_log_prob}
+    mask = _validate_inputs(response_mask, finite,
+                            {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
+    effective = _effective_mask(mask, keep_mask)
+    dt = _work_dtype(old_log_prob, log_prob, advantages)  # at least fp32, also for bf16 inputs
+    old = _zero_padding(old_log_prob.detach(), mask, dt)
+    adv = _zero_padding(advantages.detach(), mask, dt)
+    current = _zero_padding(log_prob, mask, dt)
+    phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high,
+                                       clip_ratio_c)
+    if rollout_is_weights is not None:
+        phi = phi * _zero_padding(rollout_is_weights.detach(), mask, phi.dtype)
+    loss = agg_loss(phi, effective, loss_agg_mode, response_mask=mask,
+                    global_token_count=global_token_count, global_seq_count=global_seq_count,
+                    loss_scale_factor=loss_scale_factor)
+    with torch.no_grad():
+        dt = phi.dtype
+        metrics = {"actor/pg_loss": loss.detach(),
+                   "actor/pg_clipfrac": _fraction(info["clipped"], effective, dt),
+                   "actor/pg_clipfrac_lower": _fraction(info["clipped_lower"], effective, dt),
+                   "actor/ppo_kl": masked_mean(-info["log_ratio"].detach(), effective)}
+        if rollout_log_prob is not None:
+            rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
+            metrics["actor/tv_update"] = estimate_tv_distance(
+                old - rollout, current.detach() - rollout, effective)
+    return loss, _to_floats(metrics)
+
+
+def compute_policy_loss_reinforce(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
+    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None, *, keep_mask: torch.Tensor | None = None,
+    global_token_count: Any = None, global_seq_count: Any = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Bypass REINFORCE loss L = agg(-A * log pi_theta * sg(w)) over m' (docs/corrections.md §7.4).
+
+    No ratio clipping; the update size is limited only by TIS/IcePop, RS and the veto.  With
+    sequence IS and ``seq-mean-token-sum`` the gradient is the trajectory-IS REINFORCE estimator
+    (§12.1) with a truncated weight.  The loss *value* holds log pi_theta and is not comparable
+    with the PPO loss; only its gradient is meaningful.  Metrics: actor/pg_loss and
+    actor/ppo_kl = <log mu - log pi_theta>_{m'} (§6.6).
+    """
+    check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
+    finite = {"log_prob": log_prob, "rollout_log_prob": rollout_log_prob, "advantages": advantages}
+    mask = _validate_inputs(response_mask, finite,
+                            {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
+    effective = _effective_mask(mask, keep_mask)
+    dt = _work_dtype(log_prob, rollout_log_prob, advantages)  # at least fp32, also for bf16 inputs
+    current = _zero_padding(log_prob, mask, dt)
+    adv = _zero_padding(advantages.detach(), mask, dt)
+    weights = None
+    if rollout_is_weights is not None:
+        weights = _zero_padding(rollout_is_weights.detach(), mask, current.dtype)
+    phi = reinforce_token_loss(current, adv, weights)
+    loss = agg_loss(phi, effective, loss_agg_mode, response_mask=mask,
+                    global_token_count=global_token_count, global_seq_count=global_seq_count,
+                    loss_scale_factor=loss_scale_factor)
+    with torch.no_grad():
+        rollout = _zero_padding(rollout_log_prob.detach(), mask, current.dtype)
+        metrics = {"actor/pg_loss": loss.detach(),
+                   "actor/ppo_kl": masked_mean(rollout - current.detach(), effective)}
+    return loss, _to_floats(metrics)
+
+
+def compute_policy_loss_bypass_mode(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
+    response_mask: torch.Tensor, config: RolloutCorrectionConfig,
+    loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0, *, global_token_count: Any = None, global_seq_count: Any = None,
+    loss_scale_factor: float | None = None, with_correction_metrics: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (docs/corrections.md §5, §7.3-§7.4,
+    §12.5).
+
+    The correction (IS/RS/veto + all ``rollout_corr/*`` metrics of this micro-batch) is computed
+    inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: PPO with
+    r = pi_theta / mu and *no* IS factor -- the ratio already is the IS ratio, multiplying would
+    apply it twice (§7.3, §12.5); IS weights are metrics only, RS/veto act through the keep mask.
+    ``loss_type="reinforce"``: -A log pi_theta sg(w) (§7.4).  Returns the loss and the union of
+    ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not reported here
+    (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
+    ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a
+    trainer that keeps them only from the first optimizer step of a batch skips their cost on the
+    others.
+    """
+    if not isinstance(config, RolloutCorrectionConfig):
+        raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
+    weights, effective, corr_metrics = _apply_correction(
+        log_prob.detach(), rollout_log_prob, response_mask, config, with_correction_metrics)
+    common = {"keep_mask": effective, "global_token_count": global_token_count,
+              "global_seq_count": global_seq_count, "loss_scale_factor": loss_scale_factor}
+    if config.loss_type == "ppo_clip":
+        loss, actor_metrics = compute_policy_loss_vanilla(
+            rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+            clip_ratio_low, clip_ratio_high, clip_ratio_c, None, **common)
+    else:
+        loss, actor_metrics = compute_policy_loss_reinforce(
+            log_prob, rollout_log_prob, advantages, response_mask, loss_agg_mode, weights,
+            **common)
+    return loss, {**actor_metrics, **corr_metrics}
+
+
+# ============================================================================================
+# Aggregation (docs/corrections.md §7.5)
+# ============================================================================================
+
+#: Loss aggregation modes of docs/corrections.md §7.5.
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def _count(value: Any, name: str, local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Resolve a global denominator (N_B or V_B); default: local count from the original mask."""
+    if value is None:
+        return local.to(dtype)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not bool(value.detach() > 0):  # one scalar host read; 0 would give inf
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+        return value.detach().to(device=local.device, dtype=dtype).reshape(())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return torch.tensor(float(value), dtype=dtype, device=local.device)
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+             *, response_mask: torch.Tensor | None = None, global_token_count: Any = None,
+             global_seq_count: Any = None, loss_scale_factor: float | None = None
+             ) -> torch.Tensor:
+    """Aggregate a per-token loss over the optimizer-step batch B (docs/corrections.md §7.5).
+
+    Rejected tokens are treated as weight-0 tokens; every loss denominator is computed from the
+    pre-rejection response mask of the whole optimizer-step batch, identically in decoupled and
+    bypass modes.  With numerator mask m' (``loss_mask``) and original mask m (``response_mask``,
+    default ``loss_mask``):
+
+    token-mean              sum m' L / N_B
+    token-sum               sum m' L
+    seq-mean-token-sum      sum m' L / V_B
+    seq-mean-token-mean     (1/V_B) sum_{i: n_i > 0} (1/n_i) sum_t m' L     (n_i from m)
+    seq-mean-token-sum-norm sum m' L / (V_B K)   (Dr.GRPO constant normaliser; Liu et al. 2025)
+
+    N_B = ``global_token_count`` and V_B = ``global_seq_count`` (all micro-batches, all ranks);
+    by default they are counted locally from m.  K = ``loss_scale_factor``; the trainer passes the
+    configured maximum response length, and when omitted K defaults to the tensor width T (then
+    the divisor depends on padding -- pass K explicitly, §11 item 14).  Micro-batch contributions
+    add up to the batch loss; no kept token gives exactly 0.
+    """
+    check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
+    keep = _check_mask_values(loss_mask, "loss_mask")
+    mask = keep if response_mask is None else _check_mask_values(response_mask, "response_mask")
+    for name, t in (("loss_mat", loss_mat), ("loss_mask", loss_mask)):
+        if tuple(t.shape) != tuple(mask.shape) or mask.dim() != 2:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but response_mask has shape "
+                             f"{tuple(mask.shape)}; expected equal (B, T) shapes")
+    keep = keep & mask
+    total_per_row = masked_sum(loss_mat, keep, dim=-1)
+    if loss_agg_mode == "token-sum":
+        return total_per_row.sum()
+    dtype = total_per_row.dtype
+    needs_local = (global_token_count is None if loss_agg_mode == "token-mean"
+                   else global_seq_count is None)
+    if needs_local and not bool(mask.any()):
+        raise ValueError("response mask must contain at least one valid token")
+    if loss_agg_mode == "token-mean":
+        return total_per_row.sum() / _count(global_token_count, "global_token_count",
+                                            mask.sum(), dtype)
+    n_rows = _count(global_seq_count, "global_seq_count", _valid_rows(mask).sum(), dtype)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return total_per_row.sum() / n_rows
+    if loss_agg_mode == "seq-mean-token-mean":
+        lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)
+        return (total_per_row / lengths).sum() / n_rows
+    scale = float(loss_mat.shape[-1]) if loss_scale_factor is None else float(loss_scale_factor)
+    return total_per_row.sum() / (n_rows * scale)
+
+
+# ============================================================================================
+# Advantages: GRPO and Dr.GRPO (docs/corrections.md §8)
+# ============================================================================================
+
+def _group_codes(index: Any, batch_size: int, device: torch.device) -> torch.Tensor:
+    """Map group ids (hashables or an integer tensor) to dense int64 codes, once."""
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1 or index.shape[0] != batch_size:
+            raise ValueError(f"index has shape {tuple(index.shape)} but the batch has "
+                             f"{batch_size} scores; expected ({batch_size},)")
+        # sort + "new value" flags + cumsum: the inverse of unique, without torch.unique's slow
+        # CPU return_inverse path
+        ordered, order = torch.sort(index.to(device), stable=True)
+        starts = torch.ones_like(ordered, dtype=torch.bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+        return torch.empty_like(order).scatter_(0, order, torch.cumsum(starts, 0) - 1)
+    ids = list(index)
+    if len(ids) != batch_size:
+        raise ValueError(f"index has length {len(ids)} but the batch has {batch_size} scores")
+    codes: dict[Hashable, int] = {key: i for i, key in enumerate(dict.fromkeys(ids))}
+    return torch.tensor(list(map(codes.__getitem__, ids)), dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashable] | torch.Tensor,
+                                   epsilon: float = 1e-6, norm_adv_by_std: bool = True,
+                                   response_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO outcome advantage (docs/corrections.md §8), vectorised over groups.
+
+    R_i = sum_t r_it (scores (B, T) are summed over all positions; (B,) is used as is).
+    For a group g of size n_g >= 2: mu_g = mean, sigma_g = unbiased std (n_g - 1); for a
+    singleton mu_g = 0, sigma_g = 1 (raw score, no baseline).
+    A_i = (R_i - mu_g) / (sigma_g + eps) if ``norm_adv_by_std`` else R_i - mu_g (Dr.GRPO).
+    A group whose scores are all equal gets exactly A = 0.  With ``response_mask`` the result is
+    A_it = A_i m_it (B, T); otherwise (B,).  RS never changes the group statistics.
+    """
+    scores = torch.as_tensor(scores)
+    if scores.dim() not in (1, 2):
+        raise ValueError(f"scores must have shape (B,) or (B, T), got {tuple(scores.shape)}")
+    dtype = _work_dtype(scores)
+    returns = (scores.sum(dim=-1) if scores.dim() == 2 else scores).to(dtype)
+    size = returns.shape[0]
+    codes = _group_codes(index, size, returns.device)
+    n_groups = int(codes.max()) + 1 if size else 0
+    counts = torch.bincount(codes, minlength=n_groups).to(dtype)
+    mean = torch.zeros(n_groups, dtype=dtype, device=returns.device).index_add_(0, codes, returns)
+    mean = mean / counts
+    dev = returns - mean[codes]
+    sq = torch.zeros_like(mean).index_add_(0, codes, dev * dev)
+    std = torch.sqrt(sq / (counts - 1).clamp(min=1))
+    hi = torch.full_like(mean, -math.inf).scatter_reduce_(0, codes, returns, "amax")
+    lo = torch.full_like(mean, math.inf).scatter_reduce_(0, codes, returns, "amin")
+    single = counts < 2
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    flat = (hi == lo) & ~single  # all-equal groups of size >= 2 carry no signal
+    dev = torch.where(flat[codes], torch.zeros_like(returns), returns - mean[codes])
+    adv = dev / (std[codes] + epsilon) if norm_adv_by_std else dev
+    if response_mask is None:
+        return adv
+    if response_mask.dim() != 2 or response_mask.shape[0] != size:
+        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)} but the batch "
+                         f"has {size} scores; expected ({size}, T)")
+    mask = _check_mask_values(response_mask, "response_mask")
+    return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
+
+
+# ============================================================================================
+# KL penalty (docs/corrections.md §7.6)
+# ============================================================================================
+
+_KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+#: KL-penalty estimator names of docs/corrections.md §7.6, with the straight-through "+" variants.
+KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+               kl_estimator: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md
+    §7.6).
+
+    kl / k1: d;  abs: |d|;  mse / k2: d^2 / 2;
+    low_var_kl / k3: kappa = clip_S(log pi_ref - log pi_theta), clip(e^kappa - kappa - 1, -10, 10)
+    (the rho - log rho - 1 form, :func:`k3_divergence`; docs/corrections.md §12.9).
+    "<name>+": straight-through -- the value of <name> with the gradient of k2:
+    v = d^2/2 - sg(d^2/2) + sg(base).  "full" and unknown names raise ValueError.
+    Not IS-weighted; aggregate it with :func:`agg_loss` like the policy loss.
+    """
+    if not isinstance(kl_estimator, str):
+        raise TypeError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    straight = kl_estimator.endswith("+")
+    base = kl_estimator[:-1] if straight else kl_estimator
+    if base == "full":
+        raise ValueError(f"kl_estimator={kl_estimator!r} needs full-vocabulary distributions and "
+                         f"is not supported; choose one of {KL_ESTIMATORS}")
+    if base not in _KL_BASE_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
+    if log_prob.shape != ref_log_prob.shape:
+        raise ValueError(f"log_prob has shape {tuple(log_prob.shape)} but ref_log_prob has shape "
+                         f"{tuple(ref_log_prob.shape)}")
+    d = log_prob - ref_log_prob
+    if base in ("kl", "k1"):
+        value = d
+    elif base == "abs":
+        value = d.abs()
+    elif base in ("mse", "k2"):
+        value = k2_divergence(d)
+    else:
+        kappa = safety_clip(ref_log_prob - log_prob)
+        value = torch.clamp(k3_divergence(kappa), min=-10.0, max=10.0)
+    if not straight:
+        return value
+    k2 = k2_divergence(d)
+    return k2 - k2.detach() + value.detach()
+
+
+# ============================================================================================
+# Configuration and presets (docs/corrections.md §9, §10)
+# ============================================================================================
+
+_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+def check_loss_settings(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                        loss_agg_mode: str, loss_scale_factor: float | None = None) -> None:
+    """Validate the loss fields (docs/corrections.md §7.1 constraints, §10): 0 <= eps_low < 1,
+    eps_high >= 0, c > 1, a known ``loss_agg_mode``, and K > 0 when given.  Raises ValueError."""
+    def number(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    if not 0.0 <= number("clip_ratio_low", clip_ratio_low) < 1.0:
+        raise ValueError(f"clip_ratio_low={clip_ratio_low!r} must lie in [0, 1)")
+    if not number("clip_ratio_high", clip_ratio_high) >= 0.0:
+        raise ValueError(f"clip_ratio_high={clip_ratio_high!r} must be >= 0")
+    if not number("clip_ratio_c", clip_ratio_c) > 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c!r} must be > 1 (dual-clip bound)")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of "
+                         f"{', '.join(LOSS_AGG_MODES)}")
+    if loss_scale_factor is not None:
+        k = number("loss_scale_factor", loss_scale_factor)
+        if not (k > 0 and math.isfinite(k)):
+            raise ValueError(f"loss_scale_factor={loss_scale_factor!r} must be finite and > 0")
+
+
+class _DefaultLossType(str):
+    """Marks ``loss_type`` left at its default, so ``use_policy_gradient`` may set it."""
+
+
+_LOSS_TYPE_DEFAULT = _DefaultLossType("ppo_clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """The correction configuration: single source of defaults (docs/corrections.md §9.1),
+    validated at construction (§10).  Parsed thresholds are stored in the non-init fields
+    ``is_spec`` (:class:`ISThreshold` or None), ``rs_specs`` (tuple of :class:`RSOption`, legacy
+    names already mapped) and ``veto_tau``.
+
+    ``loss_type=None`` means "not set": it becomes "ppo_clip", or what the legacy
+    ``use_policy_gradient`` implies; an explicit loss_type that contradicts it is an error.
+
+    Mode rules (§9.4): decoupled + ppo_clip multiplies IS weights; bypass + ppo_clip uses IS for
+    metrics only (a warning is issued); bypass + reinforce multiplies -A log pi; decoupled +
+    reinforce is an error; RS and the veto act in every mode.  Presets: :meth:`from_name`.
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str | None = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    rollout_rs_threshold_lower: float | None = None
+    rollout_token_veto_threshold: float | None = None
+    bypass_mode: bool = False
+    loss_type: str | None = _LOSS_TYPE_DEFAULT
+    use_policy_gradient: bool | None = None
+    is_spec: ISThreshold | None = dataclasses.field(init=False, repr=False, compare=False,
+                                                    default=None)
+    rs_specs: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+    veto_tau: float | None = dataclasses.field(init=False, repr=False, compare=False,
+                                               default=None)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.rollout_is is not None and not isinstance(self.rollout_is, str):
+            raise TypeError(f"rollout_is must be None or a string, got {self.rollout_is!r}")
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            hint = (" ('geometric' is a rejection option: use rollout_rs='seq_mean_k1')"
+                    if self.rollout_is == "geometric" else "")
+            raise ValueError(f"rollout_is={self.rollout_is!r} is not one of None, "
+                             f"{', '.join(map(repr, IS_LEVELS))}{hint}")
+        # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's
+        # threshold may stay behind when an override turns its correction off).
+        is_on = self.rollout_is is not None
+        set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if is_on else None)
+        if not isinstance(self.rollout_is_batch_normalize, bool):
+            raise TypeError(f"rollout_is_batch_normalize must be a bool, got "
+                            f"{self.rollout_is_batch_normalize!r}")
+        set_(self, "rs_specs", parse_rs_options(self.rollout_rs, self.rollout_rs_threshold,
+                                                self.rollout_rs_threshold_lower))
+        set_(self, "veto_tau", parse_veto_threshold(self.rollout_token_veto_threshold))
+        if not isinstance(self.bypass_mode, bool):
+            raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
+        set_(self, "loss_type", self._resolve_loss_type())
+        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
+            warnings.warn(f"rollout_is={self.rollout_is!r} with bypass_mode=True and "
+                          f"loss_type='ppo_clip' only adds IS metrics: the PPO ratio pi_theta/mu "
+                          f"already is the IS ratio, weights are never multiplied "
+                          f"(docs/corrections.md §7.3)",
+                          UserWarning, stacklevel=3)
+
+    def _resolve_loss_type(self) -> str:
+        """Apply the legacy ``use_policy_gradient`` alias and check loss_type (§9.1)."""
+        loss_type, upg = self.loss_type, self.use_policy_gradient
+        explicit = loss_type is not None and not isinstance(loss_type, _DefaultLossType)
+        if loss_type is None:  # unset (e.g. from a CLI): the default, or use_policy_gradient's
+            loss_type = _LOSS_TYPE_DEFAULT
+        if loss_type not in _LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} must be one of {_LOSS_TYPES}")
+        if upg is not None:
+            if not isinstance(upg, bool):
+                raise TypeError(f"use_policy_gradient must be None or a bool, got {upg!r}")
+            implied = "reinforce" if upg else "ppo_clip"
+            if explicit and loss_type != implied:
+                raise ValueError(f"use_policy_gradient={upg!r} conflicts with "
+                                 f"loss_type={str(loss_type)!r}")
+            if upg and not self.bypass_mode:
+                raise ValueError(f"use_policy_gradient={upg!r} requires bypass_mode=True")
+            loss_type = implied
+        if loss_type == "reinforce" and not self.bypass_mode:
+            raise ValueError(f"loss_type={str(loss_type)!r} requires bypass_mode=True "
+                             f"(decoupled mode always uses ppo_clip)")
+        # A value the user did not set stays marked as such, so dataclasses.replace(config,
+        # use_policy_gradient=...) may still choose it, exactly as the constructor would.
+        return str(loss_type) if explicit else _DefaultLossType(loss_type)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
+        """Build the preset ``name`` of :data:`PRESETS` or :data:`PRESET_ALIASES`
+        (docs/corrections.md §9.2-§9.3); ``overrides`` set its tunable arguments (e.g.
+        ``threshold``, ``rs_threshold``).  ``RolloutCorrectionConfig.<name>(**overrides)`` is the
+        same call."""
+        fields = _preset_fields(name, overrides)
+        with warnings.catch_warnings():  # a preset's metrics-only IS (ppo_is_bypass) is deliberate
+            warnings.simplefilter("ignore", UserWarning)
+            return cls(**fields)
+
+
+class _Arg(NamedTuple):
+    """A tunable preset field: the keyword argument that sets it, and its default."""
+
+    name: str
+    default: Any
+
+
+class _Band(NamedTuple):
+    """A tunable "L_U" threshold string; ``lower=None`` gives "_U" (k1 RS with no lower bound)."""
+
+    lower: _Arg | None
+    upper: _Arg
+
+
+_PPO = {"bypass_mode": True, "loss_type": "ppo_clip"}  # bypass PPO-clip against mu (§7.3)
+_PG = {"bypass_mode": True, "loss_type": "reinforce"}  # bypass REINFORCE (§7.4)
+_ICEPOP = _Band(_Arg("threshold_lower", 0.5), _Arg("threshold", 5.0))
+_GEO_RS = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": _Arg("rs_threshold", "0.999_1.001")}
+_K3_RS = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": _Arg("rs_threshold", 0.01)}
+# One-sided Seq-MIS, w = rho * 1[rho <= C] (Liu, Li et al. 2025): sequence TIS at C, and the rows
+# with rho > C rejected by seq_sum_k1 "_C" (no lower bound), so a kept row carries rho itself.
+_SEQ_MIS = {"rollout_is": "sequence", "rollout_is_threshold": _Arg("threshold", 2.0),
+            "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _Band(None, _Arg("threshold", 2.0))}
+
+
+def _tis(level: str, arg: str = "is_threshold") -> dict[str, Any]:
+    return {"rollout_is": level, "rollout_is_threshold": _Arg(arg, 2.0)}
+
+
+#: The presets (docs/corrections.md §9.2): name -> the config fields that differ from the
+#: defaults; an _Arg / _Band value is tunable by keyword (its default shown).  Decoupled presets
+#: (no bypass fields) multiply IS weights into the PPO loss (§7.2).
+PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled_token_is": _tis("token", "threshold"),  # Token-TIS (Yao et al. 2025)
+    "decoupled_seq_is": _tis("sequence", "threshold"),  # Seq-TIS (Liu, Li et al. 2025)
+    "decoupled_token_icepop": {"rollout_is": "token", "rollout_is_threshold": _ICEPOP},
+    "decoupled_seq_is_rs": {**_tis("sequence"), "rollout_rs": "seq_sum_k1",
+                            "rollout_rs_threshold": _Arg("rs_threshold", "0.5_2.0")},
+    "decoupled_seq_mis": {**_SEQ_MIS},
+    # Geo-RS; a legacy lower bound selects the legacy name "geometric" (see _preset_fields)
+    "decoupled_geo_rs": {**_GEO_RS, "rollout_token_veto_threshold": _Arg("veto_threshold", None),
+                         "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None)},
+    "bypass_ppo_clip": {**_PPO},
+    "bypass_ppo_clip_geo_rs": {**_GEO_RS, **_PPO},
+    "bypass_ppo_clip_k3_rs": {**_K3_RS, **_PPO},  # TRM average criterion (arXiv 2512.23075)
+    "bypass_pg_is": {**_tis("sequence", "threshold"), **_PG},  # trajectory IS (§12.1)
+    "bypass_pg_token_icepop": {"rollout_is": "token", "rollout_is_threshold": _ICEPOP, **_PG},
+    "bypass_pg_geo_rs": {**_GEO_RS, **_PG},
+    "bypass_pg_seq_mis": {**_SEQ_MIS, **_PG},
+    "decoupled_geo_rs_seq_tis": {**_tis("sequence"), **_GEO_RS},
+    "decoupled_geo_rs_token_tis": {**_tis("token"), **_GEO_RS},
+    "bypass_pg_geo_rs_seq_tis": {**_tis("sequence"), **_GEO_RS, **_PG},
+    "bypass_pg_geo_rs_token_tis": {**_tis("token"), **_GEO_RS, **_PG},
+    "decoupled_k3_rs": {**_K3_RS},
+    "decoupled_k3_rs_seq_tis": {**_tis("sequence"), **_K3_RS},
+    "decoupled_k3_rs_token_tis": {**_tis("token"), **_K3_RS},
+    "disabled": {},  # metrics only: naive PPO against the recompute (§7.2)
+}
+
+#: Older preset names (docs/corrections.md §9.3): name -> (preset, fields replaced on top of it).
+PRESET_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "naive": ("disabled", {}),  # the explicit no-correction baseline arm
+    "pg_is": ("bypass_pg_is", {}),
+    "bypass_pg_rs": ("bypass_pg_geo_rs", {}),
+    # token IS in bypass PPO-clip: metrics only, on purpose (no warning)
+    "ppo_is_bypass": ("bypass_ppo_clip", _tis("token", "threshold")),
+    # legacy geometric RS ([lower or 1/U, U]) + veto, REINFORCE
+    "pg_rs": ("bypass_pg_geo_rs", {"rollout_rs": "geometric",
+                                   "rollout_rs_threshold": _Arg("rs_threshold", 1.001),
+                                   "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None),
+                                   "rollout_token_veto_threshold": _Arg("veto_threshold", 1e-4)}),
+}
+
+#: Every name accepted by :meth:`RolloutCorrectionConfig.from_name`.
+PRESET_NAMES = tuple(PRESETS) + tuple(PRESET_ALIASES)
+
+
+def _preset_table(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(fields of preset ``name``, its tunable arguments -> their defaults)."""
+    if name in PRESET_ALIASES:
+        target, extra = PRESET_ALIASES[name]
+        table = {**PRESETS[target], **extra}
+    elif name in PRESETS:
+        table = PRESETS[name]
+    else:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    args = {a.name: a.default for v in table.values()
+            for a in ((v.lower, v.upper) if isinstance(v, _Band) else (v,)) if isinstance(a, _Arg)}
+    return table, args
+
+
+def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields of preset ``name`` with its tunable arguments set from ``overrides``."""
+    table, args = _preset_table(name)
+    unknown = sorted(set(overrides) - set(args))
+    if unknown:
+        raise TypeError(f"preset {name!r} got unexpected argument(s) {', '.join(unknown)}; "
+                        f"its arguments are {', '.join(args) or 'none'}")
+    args.update(overrides)
+    fields = {}
+    for field, value in table.items():
+        if isinstance(value, _Band):
+            lower = "" if value.lower is None else args[value.lower.name]
+            value = f"{lower}_{args[value.upper.name]}"
+        fields[field] = args[value.name] if isinstance(value, _Arg) else value
+    if fields.get("rollout_rs_threshold_lower") is not None:  # the legacy key needs a legacy name
+        legacy = {canonical: old for old, canonical in LEGACY_RS_NAMES.items()}
+        fields["rollout_rs"] = legacy.get(fields["rollout_rs"], fields["rollout_rs"])
+    return fields
+
+
+def _preset_method(name: str):
+    """``RolloutCorrectionConfig.<name>(**overrides)``, the classmethod form of ``from_name``."""
+    def build(cls, **overrides: Any) -> RolloutCorrectionConfig:
+        return cls.from_name(name, **overrides)
+    section = "9.3" if name in PRESET_ALIASES else "9.2"
+    args = ", ".join(f"{k}={v!r}" for k, v in _preset_table(name)[1].items()) or "none"
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (f"Preset {name!r} (docs/corrections.md §{section}): {_preset_fields(name, {})}."
+                     f"\n\nTunable arguments (defaults): {args}.")
+    return classmethod(build)
+
+
+for _name in PRESET_NAMES:
+    setattr(RolloutCorrectionConfig, _name, _preset_method(_name))
+del _name
+
+
+# ============================================================================================
+# Helpers: reductions over valid entries, input validation (docs/corrections.md §1, §10)
+# ============================================================================================
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -196,24 +1444,24 @@ def _masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _pop_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sqrt(max(<x^2> - <x>^2, 0)) over selected entries if N > 1, else 0 (semantics §6.1)."""
+    """sqrt(max(<x^2> - <x>^2, 0)) over selected entries if N > 1, else 0 (§6.1)."""
     mean = masked_mean(x, mask)
     var = torch.clamp(masked_mean(x * x, mask) - mean * mean, min=0.0)
     return torch.where(mask.sum() > 1, torch.sqrt(var), torch.zeros_like(var))
 
 
 def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x_bar_i = (1/n_i) sum_t m_it x_it for valid rows, 0 for fully padded rows (semantics §1)."""
+    """x_bar_i = (1/n_i) sum_t m_it x_it for valid rows, 0 for fully padded rows (§1)."""
     return masked_mean(x, mask, dim=-1)
 
 
 def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Valid-row indicator n_i > 0 (semantics §1)."""
+    """Valid-row indicator n_i > 0 (docs/corrections.md §1)."""
     return mask.any(dim=-1)
 
 
 def _quantiles(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Linear-interpolation quantiles of the selected values (semantics §6.1 percentile rule).
+    """Linear-interpolation quantiles of the selected values (the §6.1 percentile rule).
 
     With the values sorted x_(0) <= ... <= x_(N-1) and h = q (N-1):
     Q(q) = x_(floor h) + (h - floor h) (x_(ceil h) - x_(floor h)).
@@ -221,82 +1469,121 @@ def _quantiles(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tens
     ordered = torch.sort(values[mask]).values
     last = ordered.numel() - 1
     out = {}
-    for name, q in _QUANTILES:
+    for name, q in (("p25", 0.25), ("p50", 0.50), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99)):
         h = q * last
         lo, hi = math.floor(h), math.ceil(h)
         out[name] = ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo])
     return out
 
 
-def _scaled_chunk(chunk: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
-    """x / tau in the working dtype as a fresh tensor that may be modified in place."""
-    x = chunk.to(work, copy=True)
-    return x.div_(temperature) if temperature != 1.0 else x
+def _fraction(condition: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """<1[condition]>_mask: the share of the selected entries where ``condition`` holds."""
+    return masked_mean(condition.to(dtype), mask)
 
 
-def _chunk_log_normaliser(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim, computed *in place* on ``x`` (x is overwritten by
-    exp(x - max)), so a chunk costs one temporary of its own size."""
-    top = x.amax(dim=-1, keepdim=True)
-    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
-
-
-def _row_chunks(shape: torch.Size, chunk_size: int):
-    """Index tuples that cover the rows of a (..., rows, V) tensor ``chunk_size`` rows at a time. A 2-D tensor gives
-    plain row slices; with more leading dims (a non-viewable slice such as logits[:, :-1]) each chunk stays inside
-    one leading index, so no reshape (and no copy) is needed and the loop is over chunks, never over rows."""
-    import itertools
-
-    *outer, rows = shape[:-1]
-    for lead in itertools.product(*map(range, outer)):
-        for start in range(0, rows, chunk_size):
-            yield (*lead, slice(start, start + chunk_size))
-
-
-class _ChunkedTokenLogProb(torch.autograd.Function):
-    """log p(label) = x_label / tau - logsumexp(x / tau), chunked over rows, with a backward
-    that recomputes softmax per chunk, so neither pass holds a full-vocabulary copy."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_size):
-        ctx.save_for_backward(logits, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return _token_log_prob_chunks(logits, labels, temperature, chunk_size)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        logits, labels = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        tau, step = ctx.temperature, ctx.chunk_size
-        work = torch.promote_types(logits.dtype, torch.float32)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for idx in _row_chunks(logits.shape, step):
-            x = _scaled_chunk(logits[idx], tau, work)
-            g = grad_out[idx].to(work).unsqueeze(-1)
-            # d/dx [x_y - logsumexp(x)] = onehot(y) - softmax(x); chain rule through x / tau.
-            top = x.amax(dim=-1, keepdim=True)
-            probs = x.sub_(top).exp_()
-            probs.div_(probs.sum(dim=-1, keepdim=True)).mul_(-g)
-            probs.scatter_add_(-1, labels[idx].unsqueeze(-1), g)
-            if tau != 1.0:
-                probs.div_(tau)
-            grad[idx] = probs
-        return grad, None, None, None
-
-
-def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
-    """Forward pass of :func:`log_probs_from_logits` on a (..., rows, V) tensor, chunk by chunk."""
-    work = torch.promote_types(logits.dtype, torch.float32)
-    out = torch.empty(labels.shape, dtype=work, device=logits.device)
-    with torch.no_grad():
-        for idx in _row_chunks(logits.shape, chunk_size):
-            chunk = logits[idx]
-            picked = chunk.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1).to(work) / temperature
-            out[idx] = picked - _chunk_log_normaliser(_scaled_chunk(chunk, temperature, work))
+def _seq_metrics(row_value: torch.Tensor, rows: torch.Tensor, centre: float,
+                 high: torch.Tensor, low: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The seq_* block shared by the IS and RS metrics (docs/corrections.md §6.1, §6.2), over
+    the valid rows: E_V R, sd_V(R), max R, min R, max |R - centre|, E_V 1[high], E_V 1[low]
+    (the last only when ``low`` is given).  ``centre`` is the value for identical policies."""
+    dt = row_value.dtype
+    out = {"seq_mean": masked_mean(row_value, rows),
+           "seq_std": torch.sqrt(masked_var(row_value, rows, unbiased=True)),
+           "seq_max": _masked_max(row_value, rows), "seq_min": _masked_min(row_value, rows),
+           "seq_max_deviation": _masked_max((row_value - centre).abs(), rows),
+           "seq_fraction_high": _fraction(high, rows, dt)}
+    if low is not None:
+        out["seq_fraction_low"] = _fraction(low, rows, dt)
     return out
 
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_mask_values(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """Mask must be bool or hold only 0/1 values (docs/corrections.md §1, §10)."""
+    if mask.dtype == torch.bool:
+        return mask
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        examples = torch.unique(mask[bad].detach().float().cpu())[:5].tolist()
+        raise ValueError(f"{name} must contain only 0/1 (or bool) values; found {examples!r}")
+    return mask != 0
+
+
+def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Tensor | None],
+                     other: Mapping[str, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Validate per-token inputs and return the original mask as bool (docs/corrections.md §10).
+
+    Checks, in order: 2-D equal shapes (naming both shapes), 0/1 mask values, at least one valid
+    token, and finite values of every tensor in ``finite`` at valid positions.
+    """
+    if not isinstance(response_mask, torch.Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask)!r}")
+    if response_mask.dim() != 2:
+        raise ValueError(
+            f"response_mask must be 2-D (B, T), got shape {tuple(response_mask.shape)}")
+    tensors = {**finite, **(other or {})}
+    for name, tensor in tensors.items():
+        if tensor is not None and tuple(tensor.shape) != tuple(response_mask.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but response_mask has shape "
+                f"{tuple(response_mask.shape)}; all per-token tensors must have the same shape")
+    mask = _check_mask_values(response_mask, "response_mask")
+    if not bool(mask.any()):
+        raise ValueError("response mask must contain at least one valid token")
+    for name, tensor in finite.items():
+        if tensor is None:
+            continue
+        bad = int((mask & ~torch.isfinite(tensor.detach())).sum())
+        if bad:
+            raise ValueError(f"{name} has {bad} non-finite value(s) (NaN or +/-inf) at valid "
+                             f"positions of response_mask; sanitise it before the correction")
+    return mask
+
+
+def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None = None):
+    """Replace padded entries by 0 (by selection), so padding cannot leak into values/gradients."""
+    x = x if dtype is None else x.to(dtype)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
+                       response_mask: torch.Tensor):
+    """Validate (§10) and return (mask as bool, log pi_train, log mu or None): detached, in the
+    work dtype, padding replaced by 0."""
+    mask = _validate_inputs(response_mask, {"old_log_prob": old_log_prob,
+                                            "rollout_log_prob": rollout_log_prob})
+    dtype = _work_dtype(old_log_prob, rollout_log_prob)
+    train = _zero_padding(old_log_prob.detach(), mask, dtype)
+    rollout = None if rollout_log_prob is None else _zero_padding(rollout_log_prob.detach(), mask,
+                                                                  dtype)
+    return mask, train, rollout
+
+
+def _to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Convert a dict of 0-d tensors / floats to Python floats with a single device sync."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys])
+        out.update(zip(keys, values.cpu().tolist()))
+    return {k: out[k] for k in metrics}
+
+
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Float dtype used for corrections: the inputs' promoted dtype, at least fp32."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+# ============================================================================================
+# Kernels: per-token log-probability and entropy from logits, chunked over rows
+# ============================================================================================
 
 def log_probs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256
@@ -310,8 +1597,7 @@ def log_probs_from_logits(
     151,936-vocabulary x 8k-token input never materialises a full-vocabulary log-softmax copy;
     the backward pass recomputes the softmax per chunk and writes the logits gradient directly.
     The temperature must be the sampling temperature so that the result describes the processed
-    distribution that sampled the tokens (semantics §1, "Three policies"; seed 001 §"三个 Log
-    Prob 的定义").
+    distribution that sampled the tokens (docs/corrections.md §1, "Three policies").
     """
     if tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(
@@ -362,1405 +1648,90 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_si
     return out.reshape(logits.shape[:-1])
 
 
-# --- input validation (semantics §10, "call" rows) ------------------------------------------
+def _row_chunks(shape: torch.Size, chunk_size: int):
+    """Index tuples that cover the rows of a (..., rows, V) tensor ``chunk_size`` rows at a time. A 2-D tensor gives
+    plain row slices; with more leading dims (a non-viewable slice such as logits[:, :-1]) each chunk stays inside
+    one leading index, so no reshape (and no copy) is needed and the loop is over chunks, never over rows."""
+    import itertools
+
+    *outer, rows = shape[:-1]
+    for lead in itertools.product(*map(range, outer)):
+        for start in range(0, rows, chunk_size):
+            yield (*lead, slice(start, start + chunk_size))
 
 
-def _as_bool(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
+def _scaled_chunk(chunk: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
+    """x / tau in the working dtype as a fresh tensor that may be modified in place."""
+    x = chunk.to(work, copy=True)
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
-def _check_mask_values(mask: torch.Tensor, name: str) -> torch.Tensor:
-    """Mask must be bool or hold only 0/1 values (semantics §1, §10)."""
-    if mask.dtype == torch.bool:
-        return mask
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        examples = torch.unique(mask[bad].detach().float().cpu())[:5].tolist()
-        raise ValueError(f"{name} must contain only 0/1 (or bool) values; found {examples!r}")
-    return mask != 0
+def _chunk_log_normaliser(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, computed *in place* on ``x`` (x is overwritten by
+    exp(x - max)), so a chunk costs one temporary of its own size."""
+    top = x.amax(dim=-1, keepdim=True)
+    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
 
 
-def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Tensor | None],
-                     other: Mapping[str, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Validate per-token inputs and return the original mask as bool (semantics §10).
+class _ChunkedTokenLogProb(torch.autograd.Function):
+    """log p(label) = x_label / tau - logsumexp(x / tau), chunked over rows, with a backward
+    that recomputes softmax per chunk, so neither pass holds a full-vocabulary copy."""
 
-    Checks, in order: 2-D equal shapes (naming both shapes), 0/1 mask values, at least one valid
-    token, and finite values of every tensor in ``finite`` at valid positions.
-    """
-    if not isinstance(response_mask, torch.Tensor):
-        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask)!r}")
-    if response_mask.dim() != 2:
-        raise ValueError(
-            f"response_mask must be 2-D (B, T), got shape {tuple(response_mask.shape)}")
-    tensors = {**finite, **(other or {})}
-    for name, tensor in tensors.items():
-        if tensor is not None and tuple(tensor.shape) != tuple(response_mask.shape):
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)} but response_mask has shape "
-                f"{tuple(response_mask.shape)}; all per-token tensors must have the same shape")
-    mask = _check_mask_values(response_mask, "response_mask")
-    if not bool(mask.any()):
-        raise ValueError("response mask must contain at least one valid token")
-    for name, tensor in finite.items():
-        if tensor is None:
-            continue
-        bad = int((mask & ~torch.isfinite(tensor.detach())).sum())
-        if bad:
-            raise ValueError(f"{name} has {bad} non-finite value(s) (NaN or +/-inf) at valid "
-                             f"positions of response_mask; sanitise it before the correction")
-    return mask
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_size):
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return _token_log_prob_chunks(logits, labels, temperature, chunk_size)
 
-
-def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None = None):
-    """Replace padded entries by 0 (by selection), so padding cannot leak into values/gradients."""
-    x = x if dtype is None else x.to(dtype)
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, labels = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        tau, step = ctx.temperature, ctx.chunk_size
+        work = torch.promote_types(logits.dtype, torch.float32)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _row_chunks(logits.shape, step):
+            x = _scaled_chunk(logits[idx], tau, work)
+            g = grad_out[idx].to(work).unsqueeze(-1)
+            # d/dx [x_y - logsumexp(x)] = onehot(y) - softmax(x); chain rule through x / tau.
+            top = x.amax(dim=-1, keepdim=True)
+            probs = x.sub_(top).exp_()
+            probs.div_(probs.sum(dim=-1, keepdim=True)).mul_(-g)
+            probs.scatter_add_(-1, labels[idx].unsqueeze(-1), g)
+            if tau != 1.0:
+                probs.div_(tau)
+            grad[idx] = probs
+        return grad, None, None, None
 
 
-def _to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
-    """Convert a dict of 0-d tensors / floats to Python floats with a single device sync."""
-    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if keys:
-        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys])
-        out.update(zip(keys, values.cpu().tolist()))
-    return {k: out[k] for k in metrics}
-
-
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Float dtype used for corrections: the inputs' promoted dtype, at least fp32."""
-    dtype = torch.float32
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-# ============================================================================================
-# Policies and ratios (semantics §1 "Ratios"; seed 000 §1.1, §2.3, §3.3)
-# ============================================================================================
-
-
-def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.Tensor:
-    """l_it = log pi_train(y_it | s_it) - log mu(y_it | s_it) (semantics §1; seed 000 §3.3.1).
-
-    pi_train is pi_old in decoupled mode and sg(pi_theta) in bypass mode (seed 001 §"三个 Log
-    Prob 的定义").
-    """
-    return train_log_prob - rollout_log_prob
-
-
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """s_i = sum_t m_it l_it: log of the trajectory ratio prod_t rho_it (seed 000 §1.1, §3.3.2).
-
-    Built from the *unclipped* token log-ratios (semantics §2).  Fully padded rows give 0.
-    """
-    return masked_sum(log_ratio, mask, dim=-1)
-
-
-def geometric_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log rho_geo_i = s_i / n_i (seed 000 §3.3.3); 0 for fully padded rows."""
-    return _row_mean(log_ratio, mask)
-
-
-# ============================================================================================
-# IS weights (semantics §3; seed 000 §3.3, §3.6; seed 004 §"1. TIS", §"2. IcePop")
-# ============================================================================================
-
-
-class ISThreshold(NamedTuple):
-    """Parsed ``rollout_is_threshold``: TIS (upper cap) or IcePop (two-sided zeroing)."""
-
-    mode: str  # "tis" or "icepop"
-    lower: float | None  # IcePop L; None for TIS
-    upper: float  # U
-
-    @property
-    def diagnostic_lower(self) -> float:
-        """L' of semantics §6.1: L for IcePop, 1/U for TIS (metrics only)."""
-        return self.lower if self.mode == "icepop" else 1.0 / self.upper
-
-
-def _parse_positive(text: Any, field: str, spec: Any) -> float:
-    """Parse one threshold value, which must be finite and > 0 (semantics §3.2, §4.2 step 4)."""
-    if isinstance(text, bool):
-        raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
-    if isinstance(text, str):
-        text = text.strip()
-        if not text:
-            raise ValueError(f"{field}={spec!r}: empty value (expected a number)")
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"{field}={spec!r}: {text!r} is not a number") from None
-    elif isinstance(text, numbers.Real):
-        value = float(text)
-    else:
-        raise TypeError(f"{field} entries must be numbers or strings, got {spec!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{field}={spec!r}: value {value!r} must be finite and > 0")
-    return value
-
-
-def _parse_lower_upper(text: str, field: str, spec: Any) -> tuple[float, float]:
-    """Parse ``"L_U"`` with exactly one underscore (semantics §3.2, §11 item 19); L <= U."""
-    parts = text.split("_")
-    if len(parts) != 2:
-        raise ValueError(f"{field}={spec!r}: a lower_upper spec must contain exactly one "
-                         f"underscore, e.g. '0.5_5.0'")
-    lower, upper = (_parse_positive(p, field, spec) for p in parts)
-    if lower > upper:
-        raise ValueError(f"{field}={spec!r}: lower bound {lower!r} exceeds upper bound {upper!r}")
-    return lower, upper
-
-
-def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThreshold:
-    """Parse the IS threshold spec (semantics §3.2; seed 002 §"Configuration Parameters").
-
-    number x -> TIS with U = x;  "x" -> TIS;  "L_U" -> IcePop with [L, U].
-    bool and non-number/non-string types raise TypeError; None, "", bad grammar, non-finite,
-    non-positive values and L > U raise ValueError naming the spec.
-    """
-    if spec is None:
-        raise ValueError(f"{field}=None while rollout_is is set: give a number (TIS cap) or "
-                         f"'L_U' (IcePop); IS is never disabled silently")
-    if isinstance(spec, bool):
-        raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
-    if isinstance(spec, numbers.Real):
-        return ISThreshold("tis", None, _parse_positive(spec, field, spec))
-    if not isinstance(spec, str):
-        raise TypeError(f"{field} must be a number or string, got {type(spec).__name__} {spec!r}")
-    text = spec.strip()
-    if not text:
-        raise ValueError(f"{field}={spec!r}: empty string (expected a number or 'L_U')")
-    if "_" in text:
-        lower, upper = _parse_lower_upper(text, field, spec)
-        return ISThreshold("icepop", lower, upper)
-    return ISThreshold("tis", None, _parse_positive(text, field, spec))
-
-
-def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """Raw IS weights w_hat with padding zeroed (semantics §3.1, §3.5).
-
-    token:    w_hat_it = exp(clip_S(l_it)) * m_it     (seed 000 §3.3.1; Yao et al. 2025, TIS)
-    sequence: w_hat_it = exp(clip_S(s_i)) * m_it, s_i = sum_t m_it l_it   (seed 000 §1.1, §3.3.2;
-              Liu, Li et al. 2025, Seq-TIS) -- an exponential of a sum, never a sum/product of
-              already-exponentiated ratios.
-    """
-    if level == "token":
-        weights = torch.exp(safety_clip(log_ratio))
-    elif level == "sequence":
-        seq = torch.exp(safety_clip(sequence_log_ratio(log_ratio, mask)))
-        weights = seq.unsqueeze(-1).expand_as(log_ratio)
-    else:
-        raise ValueError(f"rollout_is={level!r}: expected one of {IS_LEVELS}")
-    return _zero_padding(weights, mask)
-
-
-def truncate_is_weights(raw: torch.Tensor, upper: float) -> torch.Tensor:
-    """TIS: w = min(w_hat, U); one-sided, small weights are kept (semantics §3.3; seed 000
-    §3.3.1-§3.3.2; seed 004 §"1. TIS"; Yao et al. 2025).  Padded zeros stay 0."""
-    return torch.clamp(raw, max=upper)
-
-
-def icepop_is_weights(raw: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
-    """IcePop: w = w_hat * 1[L <= w_hat <= U] (semantics §3.4; seed 004 §"2. IcePop"; Ring-1T
-    arXiv 2510.18855).  The response mask is not changed; a zeroed token stays valid."""
-    inside = (raw >= lower) & (raw <= upper)
-    return torch.where(inside, raw, torch.zeros_like(raw))
-
-
-def batch_normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor, level: str
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Self-normalise the applied weights to mean 1 (semantics §3.7; seed 000 §3.6).
-
-    token:    Z = <w> = (1/N) sum m w                (mean over valid tokens)
-    sequence: Z = E_V[w_bar_i], w_bar_i = (1/n_i) sum_t m w   (mean over *valid* rows, §11 item 16)
-    If Z > 1e-8: w <- w / Z and factor = Z; otherwise w is unchanged and factor = 1.
-    Z is computed over the tensors passed in; no implicit all-reduce (semantics §11 item 16).
-    Returns (weights, factor).
-    """
-    if level == "token":
-        z = masked_mean(weights, mask)
-    else:
-        z = masked_mean(_row_mean(weights, mask), _valid_rows(mask))
-    ok = z > _ZERO_GUARD
-    scaled = torch.where(ok, weights / torch.where(ok, z, torch.ones_like(z)), weights)
-    return scaled, torch.where(ok, z, torch.ones_like(z))
-
-
-def compute_is_metrics(raw: torch.Tensor, applied: torch.Tensor, log_ratio: torch.Tensor,
-                       mask: torch.Tensor, level: str, spec: ISThreshold
-                       ) -> dict[str, torch.Tensor]:
-    """IS metrics of semantics §6.1 (unprefixed), on the applied weights *before* batch
-    normalisation; exceedance fractions, seq-level max/min and percentiles use the raw weights.
-
-    mean <w>; std sqrt(max(<w^2> - <w>^2, 0)); ESS 1/<(w/(<w>+1e-8))^2> (0 if all w = 0, §11
-    item 2; Kish ESS as a fraction of N, seed 002 §"Effective Sample Size"); seq_* over valid
-    rows of w_bar; oob_ratio for IcePop only.
-    Ref: seed 002 §"Metrics"; seed 003 §"MIS 演进与重构".
-    """
-    rows = _valid_rows(mask)
-    upper, low_diag = spec.upper, spec.diagnostic_lower
-    mean = masked_mean(applied, mask)
-    ess = 1.0 / masked_mean((applied / (mean + _ZERO_GUARD)) ** 2, mask)
-    all_zero = _masked_max(applied, mask) == 0
-    out = {"rollout_is_mean": mean, "rollout_is_std": _pop_std(applied, mask),
-           "rollout_is_eff_sample_size": torch.where(all_zero, torch.zeros_like(ess), ess)}
-    if level == "token":
-        out["rollout_is_max"] = _masked_max(applied, mask)
-        out["rollout_is_min"] = _masked_min(applied, mask)
-        out["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).to(raw.dtype), mask)
-        out["rollout_is_ratio_fraction_low"] = masked_mean((raw < low_diag).to(raw.dtype), mask)
-    else:
-        seq = sequence_log_ratio(log_ratio, mask)  # unclipped log-sums
-        out["rollout_is_max"] = torch.exp(torch.clamp(_masked_max(seq, rows), max=SAFETY_BOUND))
-        out["rollout_is_min"] = torch.exp(_masked_min(seq, rows))
-        out["rollout_is_ratio_fraction_high"] = masked_mean(
-            (seq > math.log(upper)).to(raw.dtype), rows)
-        out["rollout_is_ratio_fraction_low"] = masked_mean(
-            (seq < math.log(low_diag)).to(raw.dtype), rows)
-    w_bar, raw_bar = _row_mean(applied, mask), _row_mean(raw, mask)
-    out["rollout_is_seq_mean"] = masked_mean(w_bar, rows)
-    out["rollout_is_seq_std"] = torch.sqrt(masked_var(w_bar, rows, unbiased=True))
-    out["rollout_is_seq_max"] = _masked_max(w_bar, rows)
-    out["rollout_is_seq_min"] = _masked_min(w_bar, rows)
-    out["rollout_is_seq_max_deviation"] = _masked_max((w_bar - 1.0).abs(), rows)
-    out["rollout_is_seq_fraction_high"] = masked_mean((raw_bar > upper).to(raw.dtype), rows)
-    out["rollout_is_seq_fraction_low"] = masked_mean((raw_bar < low_diag).to(raw.dtype), rows)
-    if spec.mode == "icepop":
-        outside = (raw < spec.lower) | (raw > spec.upper)
-        out["rollout_is_oob_ratio"] = masked_mean(outside.to(raw.dtype), mask)
-    out.update({f"rollout_is_{k}": v for k, v in _quantiles(raw, mask).items()})
+def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
+    """Forward pass of :func:`log_probs_from_logits` on a (..., rows, V) tensor, chunk by chunk."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    out = torch.empty(labels.shape, dtype=work, device=logits.device)
+    with torch.no_grad():
+        for idx in _row_chunks(logits.shape, chunk_size):
+            chunk = logits[idx]
+            picked = chunk.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1).to(work) / temperature
+            out[idx] = picked - _chunk_log_normaliser(_scaled_chunk(chunk, temperature, work))
     return out
 
 
-def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str,
-                                       spec: ISThreshold, batch_normalize: bool = False
-                                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Processed, detached IS weights and their metrics (semantics §5 step 3).
-
-    raw (§3.1, padding zeroed §3.5) -> TIS (§3.3) or IcePop (§3.4) -> metrics (§6.1) ->
-    stop-gradient (§3.6; seed 000 §3.2.2; seed 001 §"梯度阻断（stopgrad）") -> optional
-    batch normalisation (§3.7), whose factor is the metric ``rollout_is_batch_norm_factor``.
-    """
-    raw = raw_is_weights(log_ratio.detach(), mask, level)
-    if spec.mode == "icepop":
-        applied = icepop_is_weights(raw, spec.lower, spec.upper)
-    else:
-        applied = truncate_is_weights(raw, spec.upper)
-    metrics = compute_is_metrics(raw, applied, log_ratio.detach(), mask, level, spec)
-    weights = applied.detach()
-    if batch_normalize:
-        weights, factor = batch_normalize_is_weights(weights, mask, level)
-        metrics["rollout_is_batch_norm_factor"] = factor
-    return weights, metrics
-
-
-# ============================================================================================
-# Rejection sampling (semantics §4.1-§4.4; seed 000 §3.3.3, §3.4; seed 002 `rollout_rs`)
-# ============================================================================================
-
-
-class RSOption(NamedTuple):
-    """One parsed RS option: statistic k1/k2/k3, aggregation token/seq_sum/seq_mean/seq_max.
-
-    k1 options bound the ratio rho (or its product / geometric mean) to [lower, upper]; k2/k3
-    options bound the statistic from above by ``upper`` (``lower`` is None).
-    """
-
-    name: str
-    statistic: str
-    aggregation: str
-    lower: float | None
-    upper: float
-
-    @property
-    def interval(self) -> tuple[float, float]:
-        """[a, b] on the statistic: k1 -> [-log U, -log L]; k2/k3 -> [0, U] (semantics §4.1)."""
-        if self.statistic == "k1":
-            return -math.log(self.upper), -math.log(self.lower)
-        return 0.0, self.upper
-
-
-def _rs_option(name: str, entry: Any) -> RSOption:
-    """Parse one threshold entry for a canonical option (semantics §4.2 step 4)."""
-    field = "rollout_rs_threshold"
-    aggregation, statistic = name.rsplit("_", 1)
-    if statistic == "k1":
-        if isinstance(entry, str) and "_" in entry:
-            lower, upper = _parse_lower_upper(entry.strip(), field, entry)
-        else:
-            upper = _parse_positive(entry, field, entry)
-            lower = 1.0 / upper
-            if upper < 1.0:
-                raise ValueError(f"{field}={entry!r} for {name}: a single k1 value u means "
-                                 f"[1/u, u] and needs u >= 1 (got {upper!r})")
-        return RSOption(name, "k1", aggregation, lower, upper)
-    if isinstance(entry, str) and "_" in entry:
-        raise ValueError(f"{field}={entry!r} for {name}: k2/k3 take a single upper bound, "
-                         f"not a lower_upper pair")
-    return RSOption(name, statistic, aggregation, None, _parse_positive(entry, field, entry))
-
-
-def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
-    """Map a legacy level token/sequence/geometric to its canonical k1 option (semantics §4.4)."""
-    if isinstance(threshold, str) and ("_" in threshold or "," in threshold):
-        raise ValueError(f"rollout_rs_threshold={threshold!r}: the legacy rollout_rs={name!r} "
-                         f"takes a single number U (use rollout_rs_threshold_lower for L)")
-    upper = _parse_positive(threshold, "rollout_rs_threshold", threshold)
-    if lower is None:
-        if upper < 1.0:
-            raise ValueError(f"rollout_rs_threshold={threshold!r}: with no "
-                             f"rollout_rs_threshold_lower, L = 1/U needs U >= 1")
-        low = 1.0 / upper
-    else:
-        low = _parse_positive(lower, "rollout_rs_threshold_lower", lower)
-        if low > upper:
-            raise ValueError(f"rollout_rs_threshold_lower={lower!r} exceeds "
-                             f"rollout_rs_threshold={threshold!r}")
-    canonical = LEGACY_RS_NAMES[name]
-    aggregation = canonical.rsplit("_", 1)[0]
-    return RSOption(canonical, "k1", aggregation, low, upper)
-
-
-def _split_rs_names(rollout_rs: Any) -> list[str]:
-    """Split and check the option list (semantics §4.2 step 1)."""
-    if not isinstance(rollout_rs, str):
-        raise TypeError(f"rollout_rs must be None or a comma-separated string, got {rollout_rs!r}")
-    names = [part.strip() for part in rollout_rs.split(",") if part.strip()]
-    if not names:
-        raise ValueError(f"rollout_rs={rollout_rs!r} names no option")
-    for name in names:
-        if name not in RS_OPTIONS and name not in LEGACY_RS_NAMES:
-            raise ValueError(f"rollout_rs={rollout_rs!r}: unknown option {name!r}; valid options "
-                             f"are {', '.join(RS_OPTIONS)} and the legacy names "
-                             f"{', '.join(LEGACY_RS_NAMES)}")
-    seen = set()
-    for name in names:
-        if name in seen:
-            raise ValueError(f"rollout_rs={rollout_rs!r}: duplicate option {name!r}")
-        seen.add(name)
-    if len(names) > 1 and any(name in LEGACY_RS_NAMES for name in names):
-        raise ValueError(f"rollout_rs={rollout_rs!r}: a legacy name (token/sequence/geometric) "
-                         f"must be the only RS option")
-    return names
-
-
-def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
-                     rollout_rs_threshold_lower: Any = None) -> tuple[RSOption, ...]:
-    """Parse ``rollout_rs`` and its thresholds into RS options (semantics §4.2, §4.4).
-
-    Options are comma-separated and chained with AND (§4.3).  One threshold entry is broadcast to
-    every option, otherwise entries match options by position.  k1 entries are "L_U" or u
-    (-> [1/u, u]); k2/k3 entries are one upper bound.  Legacy names map to k1 options.
-    """
-    if rollout_rs is None:
-        if rollout_rs_threshold_lower is not None:
-            raise ValueError(f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
-                             f"accepted with a legacy rollout_rs (token/sequence/geometric)")
-        return ()
-    names = _split_rs_names(rollout_rs)
-    legacy = names[0] in LEGACY_RS_NAMES
-    if rollout_rs_threshold_lower is not None and not legacy:
-        raise ValueError(f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
-                         f"accepted with a legacy rollout_rs, not rollout_rs={rollout_rs!r}")
-    threshold = rollout_rs_threshold
-    if threshold is None:
-        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold (got None)")
-    if isinstance(threshold, bool):
-        raise TypeError(f"rollout_rs_threshold must be a number or string, not a boolean "
-                        f"(got {threshold!r})")
-    if legacy:
-        return (_legacy_rs_option(names[0], threshold, rollout_rs_threshold_lower),)
-    if isinstance(threshold, numbers.Real):
-        entries: list[Any] = [threshold]
-    elif isinstance(threshold, str):
-        entries = [part.strip() for part in threshold.split(",") if part.strip()]
-        if not entries:
-            raise ValueError(f"rollout_rs_threshold={threshold!r} contains no value")
-    else:
-        raise TypeError(f"rollout_rs_threshold must be a number or string, got {threshold!r}")
-    if len(entries) not in (1, len(names)):
-        raise ValueError(f"rollout_rs_threshold={threshold!r} has {len(entries)} entries but "
-                         f"rollout_rs={rollout_rs!r} has {len(names)} options; give 1 entry "
-                         f"(broadcast) or {len(names)}")
-    if len(entries) == 1:
-        entries = entries * len(names)
-    return tuple(_rs_option(name, entry) for name, entry in zip(names, entries))
-
-
-def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.Tensor:
-    """Per-token RS statistic from lambda = clip_S(l) (semantics §4.1; Schulman 2020):
-
-    k1 = -lambda (signed; mean = KL(mu||pi_train) under mu), k2 = lambda^2 / 2,
-    k3 = exp(lambda) - 1 - lambda (>= 0).  Ref: seed 002 `rollout_rs` (k1/k2/k3 definitions).
-    k3 is computed as expm1(lambda) - lambda: exp(lambda) - 1 rounds to 0 or 2^-23 in float32 for |lambda| ~ 1e-8,
-    which made near-identical policies show k3 ~ -1e-8; expm1 keeps it >= 0.
-    """
-    lam = clipped_log_ratio
-    if statistic == "k1":
-        return -lam
-    if statistic == "k2":
-        return 0.5 * lam * lam
-    if statistic == "k3":
-        return torch.expm1(lam) - lam
-    raise ValueError(f"unknown RS statistic {statistic!r}")
-
-
-def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Aggregate a per-token statistic g to (q, R) (semantics §4.1, §6.2).
-
-    token:    q_it = g_it;                       R_i = (1/n_i) sum_t m g
-    seq_sum:  Q_i = sum_t m_it g_it              (q = Q_i broadcast, R = Q)
-    seq_mean: Q_i = (1/n_i) sum_t m_it g_it      (Liu, Li et al. 2025 Geo-RS; TRM average)
-    seq_max:  Q_i = max_{t: m_it = 1} g_it       (TRM arXiv 2512.23075 max criterion)
-    Invalid rows get Q_i = 0.
-    """
-    rows = _valid_rows(mask)
-    if aggregation == "token":
-        return stat, _row_mean(stat, mask)
-    if aggregation == "seq_sum":
-        row_value = masked_sum(stat, mask, dim=-1)
-    elif aggregation == "seq_mean":
-        row_value = _row_mean(stat, mask)
-    elif aggregation == "seq_max":
-        neg_inf = torch.full((), -math.inf, dtype=stat.dtype, device=stat.device)
-        row_value = torch.where(mask, stat, neg_inf).amax(dim=-1)
-        row_value = torch.where(rows, row_value, torch.zeros_like(row_value))
-    else:
-        raise ValueError(f"unknown RS aggregation {aggregation!r}")
-    return row_value.unsqueeze(-1).expand_as(stat), row_value
-
-
-def rs_option_keep_mask(q: torch.Tensor, mask: torch.Tensor, option: RSOption) -> torch.Tensor:
-    """Keep mask of one option, restricted to valid tokens (semantics §4.1 "Acceptance").
-
-    k1: keep iff a <= q <= b with [a, b] = [-log U, -log L], i.e. L <= rho <= U in ratio space
-        (project direction, semantics §11 item 1; seed 000 §3.4).
-    k2/k3: keep iff q <= U (one-sided).
-    """
-    a, b = option.interval
-    keep = q <= b
-    if option.statistic == "k1":
-        keep = keep & (q >= a)
-    return keep & mask
-
-
-def compute_rs_option_metrics(q: torch.Tensor, row_value: torch.Tensor, keep: torch.Tensor,
-                              mask: torch.Tensor, option: RSOption) -> dict[str, torch.Tensor]:
-    """Per-option RS metrics ``rollout_rs_<option>_*`` of semantics §6.2 (seed 002 §"Metrics" ›
-    "Rejection Sampling Metrics").  For k1 ``_fraction_high`` counts ratios below L and
-    ``_fraction_low`` ratios above U; ``_seq_fraction_low`` exists for k1 options only."""
-    rows = _valid_rows(mask)
-    a, b = option.interval
-    dt = q.dtype
-    token_level = option.aggregation == "token"
-    is_k1 = option.statistic == "k1"
-    out = {"mean": masked_mean(q, mask)}
-    out["max"] = _masked_max(q, mask) if token_level else _masked_max(row_value, rows)
-    out["min"] = _masked_min(q, mask) if token_level else _masked_min(row_value, rows)
-    if token_level:
-        out["fraction_high"] = masked_mean((q > b).to(dt), mask)
-        out["fraction_low"] = masked_mean((q < a).to(dt), mask) if is_k1 else 0.0
-    else:
-        out["fraction_high"] = masked_mean((row_value > b).to(dt), rows)
-        out["fraction_low"] = masked_mean((row_value < a).to(dt), rows) if is_k1 else 0.0
-    out["std"] = _pop_std(torch.clamp(q, min=a, max=b), mask)
-    out["seq_mean"] = masked_mean(row_value, rows)
-    out["seq_std"] = torch.sqrt(masked_var(row_value, rows, unbiased=True))
-    out["seq_max"] = _masked_max(row_value, rows)
-    out["seq_min"] = _masked_min(row_value, rows)
-    out["seq_max_deviation"] = _masked_max(row_value.abs(), rows)
-    out["seq_fraction_high"] = masked_mean((row_value > b).to(dt), rows)
-    if is_k1:
-        out["seq_fraction_low"] = masked_mean((row_value < a).to(dt), rows)
-    rejected = mask & ~keep
-    out["masked_fraction"] = masked_mean(rejected.to(dt), mask)
-    out["seq_masked_fraction"] = masked_mean(rejected.any(dim=-1).to(dt), rows)
-    return {f"rollout_rs_{option.name}_{k}": v for k, v in out.items()}
-
-
-def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
-                           options: Sequence[RSOption]) -> tuple[torch.Tensor, dict]:
-    """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (semantics §4.3, §6.2).
-
-    Statistics use lambda = clip_S(l) (semantics §2).  RS only produces a keep mask; it never
-    touches IS weights.  Returns (keep restricted to valid tokens, metrics).
-    """
-    lam = safety_clip(log_ratio.detach())
-    keep = mask.clone()
-    metrics: dict[str, torch.Tensor | float] = {}
-    for option in options:
-        q, row_value = rs_aggregate(rs_base_statistic(lam, option.statistic), mask,
-                                    option.aggregation)
-        option_keep = rs_option_keep_mask(q, mask, option)
-        metrics.update(compute_rs_option_metrics(q, row_value, option_keep, mask, option))
-        keep = keep & option_keep
-    rejected = (mask & ~keep).to(log_ratio.dtype)
-    metrics["rollout_rs_masked_fraction"] = masked_mean(rejected, mask)
-    metrics["rollout_rs_seq_masked_fraction"] = masked_mean(
-        (rejected > 0).any(dim=-1).to(log_ratio.dtype), _valid_rows(mask))
-    return keep, metrics
-
-
-# ============================================================================================
-# Veto / worst-token rejection (semantics §4.5; seed 000 §3.5; seed 004 §"4. Worst Token
-# Reject Sampling"; INTELLECT-3 arXiv 2512.16144)
-# ============================================================================================
-
-
-def parse_veto_threshold(tau: Any) -> float | None:
-    """Validate the veto threshold tau: None disables it, otherwise 0 < tau < 1 (semantics §10)."""
-    if tau is None:
-        return None
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
-        raise TypeError(f"rollout_token_veto_threshold must be None or a number in (0, 1), "
-                        f"got {tau!r}")
-    value = float(tau)
-    if not (math.isfinite(value) and 0.0 < value < 1.0):
-        raise ValueError(f"rollout_token_veto_threshold={tau!r} must be finite and in (0, 1)")
-    return value
-
-
-def compute_veto_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Worst-token veto: c_it = m_it 1[l_it < log tau] on the *unclipped* l (strict <);
-    row i is vetoed iff h_i = max_t c_it = 1, i.e. iff min_{t valid} rho_it < tau.
-
-    Returns the row keep mask (1 - h_i) broadcast over tokens (restricted to valid tokens) and the
-    metrics rollout_is_veto_fraction = E_V h, rollout_is_catastrophic_token_fraction = <c>.
-    """
-    catastrophic = mask & (log_ratio.detach() < math.log(tau))
-    vetoed = catastrophic.any(dim=-1)
-    keep = mask & ~vetoed.unsqueeze(-1)
-    dt = log_ratio.dtype
-    metrics = {
-        "rollout_is_veto_fraction": masked_mean(vetoed.to(dt), _valid_rows(mask)),
-        "rollout_is_catastrophic_token_fraction": masked_mean(catastrophic.to(dt), mask),
-    }
-    return keep, metrics
-
-
-# ============================================================================================
-# Metrics (semantics §6.4, §6.5, §12.7) and the correction entry point (semantics §5)
-# ============================================================================================
-
-
-def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
-                              mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Tensor-valued body of :func:`compute_offpolicy_metrics` (inputs already sanitised)."""
-    rows = _valid_rows(mask)
-    a_bar = _row_mean(train, mask)
-    out = {"training_ppl": masked_mean(torch.exp(-a_bar), rows),
-           "training_log_ppl": masked_mean(-a_bar, rows)}
-    if rollout is None:
-        return out
-    b_bar = _row_mean(rollout, mask)
-    ell = token_log_ratio(train, rollout)
-    lam = safety_clip(ell)
-    d = b_bar - a_bar
-    out["rollout_ppl"] = masked_mean(torch.exp(-b_bar), rows)
-    out["rollout_log_ppl"] = masked_mean(-b_bar, rows)
-    out["kl"] = masked_mean(-ell, mask)
-    out["k3_kl"] = masked_mean(rs_base_statistic(lam, "k3"), mask)  # never negative (see rs_base_statistic)
-    out["log_ppl_diff"] = masked_mean(d, rows)
-    out["log_ppl_abs_diff"] = masked_mean(d.abs(), rows)
-    out["log_ppl_diff_max"] = _masked_max(d, rows)
-    out["log_ppl_diff_min"] = _masked_min(d, rows)
-    out["ppl_ratio"] = masked_mean(torch.exp(d), rows)
-    out["chi2_token"] = masked_mean(torch.exp(2.0 * lam), mask) - 1.0
-    seq = safety_clip(sequence_log_ratio(ell, mask))
-    out["chi2_seq"] = masked_mean(torch.exp(2.0 * seq), rows) - 1.0
-    return out
-
-
-def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
-                              response_mask: torch.Tensor) -> dict[str, float]:
-    """Off-policy diagnostics of semantics §6.4 (unprefixed names), over valid tokens / rows.
-
-    With a_bar_i, b_bar_i the row means of log pi_train and log mu and d_i = b_bar_i - a_bar_i:
-    training_ppl = E_V exp(-a_bar); training_log_ppl = E_V(-a_bar); rollout_ppl / rollout_log_ppl
-    likewise; kl = <log mu - log pi_train> (k1); k3_kl = <e^lambda - lambda - 1>, lambda = clip_S(l)
-    (§11 item 12); log_ppl_diff = E_V d; log_ppl_abs_diff = E_V |d|; log_ppl_diff_max/min;
-    ppl_ratio = E_V e^d (per sequence, then averaged); chi2_token = <e^{2 lambda}> - 1;
-    chi2_seq = E_V e^{2 clip_S(s_i)} - 1.  With ``rollout_log_prob=None`` only the two training
-    metrics are returned.  Ref: seed 000 §4.1-§4.3; seed 002 §"Off-Policy Diagnostic Metrics";
-    seed 003 §"一致性指标"; Schulman 2020.
-    """
-    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite)
-    dtype = _work_dtype(old_log_prob, rollout_log_prob)
-    with torch.no_grad():
-        train = _zero_padding(old_log_prob.detach(), mask, dtype)
-        rollout = None if rollout_log_prob is None else _zero_padding(
-            rollout_log_prob.detach(), mask, dtype)
-        return _to_floats(_offpolicy_metric_tensors(train, rollout, mask))
-
-
-def _consistency_metric_tensors(train: torch.Tensor, rollout: torch.Tensor,
-                                mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Tensor-valued body of :func:`compute_consistency_metrics` (inputs already sanitised)."""
-    p_tr, p_ro = torch.exp(train), torch.exp(rollout)
-    delta = (p_tr - p_ro).abs()
-    n = mask.sum()
-    mx, my = masked_mean(p_tr, mask), masked_mean(p_ro, mask)
-    cov = masked_mean((p_tr - mx) * (p_ro - my), mask)
-    vx, vy = masked_mean((p_tr - mx) ** 2, mask), masked_mean((p_ro - my) ** 2, mask)
-    constant = (_masked_max(p_tr, mask) == _masked_min(p_tr, mask)) | (
-        _masked_max(p_ro, mask) == _masked_min(p_ro, mask))
-    corr = cov / torch.sqrt(vx * vy)
-    nan = torch.full_like(corr, math.nan)
-    return {
-        "rollout_probs_diff_max": _masked_max(delta, mask),
-        "rollout_probs_diff_mean": masked_mean(delta, mask),
-        "rollout_probs_diff_std": torch.sqrt(masked_var(delta, mask, unbiased=True)),
-        "rollout_actor_probs_pearson_corr": torch.where((n < 2) | constant, nan, corr),
-    }
-
-
-def compute_consistency_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                                response_mask: torch.Tensor) -> dict[str, float]:
-    """Probability-space consistency metrics of semantics §6.5 (seed 003 §"一致性指标").
-
-    With p_tr = exp(log pi_train), p_ro = exp(log mu), delta = |p_tr - p_ro| over valid tokens:
-    rollout_probs_diff_max = max delta; _mean = <delta>; _std = unbiased std (0 if N = 1);
-    rollout_actor_probs_pearson_corr = Pearson(p_tr, p_ro) (NaN if N < 2 or a constant series).
-    """
-    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite)
-    dtype = _work_dtype(old_log_prob, rollout_log_prob)
-    with torch.no_grad():
-        train = _zero_padding(old_log_prob.detach(), mask, dtype)
-        rollout = _zero_padding(rollout_log_prob.detach(), mask, dtype)
-        return _to_floats(_consistency_metric_tensors(train, rollout, mask))
-
-
-def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None,
-                         mask: torch.Tensor) -> torch.Tensor:
-    """D_TV(pi_1, pi_2) ~ (1/2) <|rho_1 - rho_2|> with rho_j = pi_j / mu, a = sampled from mu
-    (semantics §12.7; seed 004 §"两策略 TRPO" D_TV, §"三策略 TRPO" alpha_0, alpha_1).
-
-    ``log_rho_2=None`` means pi_2 = mu (rho_2 = 1): the alpha_1 estimate (1/2)<|1 - rho|>.
-    Log-ratios are clipped to +/-S before exponentiation.  These are averages over visited states,
-    i.e. lower proxies of the max-over-states alpha; they cannot certify the TRPO bound.
-    An empty mask gives 0.
-    """
-    rho_1 = torch.exp(safety_clip(log_rho_1))
-    rho_2 = torch.ones_like(rho_1) if log_rho_2 is None else torch.exp(safety_clip(log_rho_2))
-    return 0.5 * masked_mean((rho_1 - rho_2).abs(), mask)
-
-
-def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True):
-    """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5). with_metrics=False skips
-    the diagnostic metrics and their host transfers (the weights and the keep mask are the same)."""
-    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite)
-    dtype = _work_dtype(old_log_prob, rollout_log_prob)
-    with torch.no_grad():
-        train = _zero_padding(old_log_prob.detach(), mask, dtype)
-        rollout = _zero_padding(rollout_log_prob.detach(), mask, dtype)
-        ell = token_log_ratio(train, rollout)  # step 2: one l for IS, RS, veto and metrics
-        metrics: dict[str, torch.Tensor | float] = {}
-        weights = None
-        if config.rollout_is is not None:  # step 3
-            weights, is_metrics = compute_rollout_correction_weights(
-                ell, mask, config.rollout_is, config.is_spec, config.rollout_is_batch_normalize)
-            metrics.update(is_metrics)
-        keep = mask
-        if config.rs_specs:  # step 4
-            keep, rs_metrics = compute_rejection_mask(ell, mask, config.rs_specs)
-            metrics.update(rs_metrics)
-        if config.veto_tau is not None:  # step 5: after RS, AND-ed into the keep mask
-            veto_keep, veto_metrics = compute_veto_mask(ell, mask, config.veto_tau)
-            keep = keep & veto_keep
-            metrics.update(veto_metrics)
-        if with_metrics:
-            metrics.update(_offpolicy_metric_tensors(train, rollout, mask))  # step 6
-            metrics.update(_consistency_metric_tensors(train, rollout, mask))
-            metrics["tv_mismatch"] = estimate_tv_distance(ell, None, mask)
-        floats = _to_floats(metrics) if with_metrics else {}
-    out_mask = keep.to(response_mask.dtype, copy=True)
-    return weights, out_mask, {f"rollout_corr/{k}": v for k, v in floats.items()}  # step 7
-
-
-def compute_rollout_correction_and_rejection_mask(
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    config: RolloutCorrectionConfig,
-    *,
-    with_metrics: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-    """The correction entry point (semantics §5; seed 000 §3.1; seed 002 §"Metrics").
-
-    ``old_log_prob`` is log pi_train (pi_old in decoupled mode, sg(pi_theta) in bypass mode),
-    ``rollout_log_prob`` is log mu, ``response_mask`` is the original mask m, ``config`` a
-    :class:`RolloutCorrectionConfig` (validated when it was built, semantics §10), the same object
-    the bypass loss takes.  Steps: validate -> l = log pi_train - log mu -> IS weights + metrics
-    (then batch-normalise) -> RS keep mask + metrics -> veto -> off-policy, consistency and
-    ``tv_mismatch`` metrics on the original mask -> prefix ``rollout_corr/``.  IS and RS both read
-    the same l and m and never alter each other.
-
-    Returns ``(is_weights or None (detached, padding 0), m * k (dtype of response_mask),
-    metrics)``.  ``tv_mismatch`` = (1/2)<|1 - rho|> estimates alpha_1 in decoupled mode and beta
-    in bypass mode (semantics §12.7).  ``with_metrics=False`` skips the diagnostic metrics and their
-    host transfers (the weights and the keep mask are the same).
-    """
-    if not isinstance(config, RolloutCorrectionConfig):
-        raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
-    return _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics)
-
-
-# ============================================================================================
-# Losses (semantics §7.1-§7.4, §6.6)
-# ============================================================================================
-
-
-def ppo_clipped_token_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor,
-                           advantages: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
-                           clip_ratio_c: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token PPO loss with asymmetric and dual clip (semantics §7.1; seed 000 §1.2, §3.2.1;
-    seed 001 §"PPO Loss 计算"; Schulman et al. 2017; Ye et al. 2020; Yu et al. 2025 DAPO).
-
-    lambda_r = clip_S(log pi_theta - log pi_prox), r = exp(lambda_r)
-    L1 = -A r,  L2 = -A clip(r, 1 - eps_low, 1 + eps_high),  C1 = max(L1, L2)
-    L3 = -A c,  C2 = min(L3, C1),  phi = C2 if A < 0 else C1
-    Returns phi and the indicators {clipped: L2 > L1, clipped_lower: (C1 > L3) & (A < 0),
-    log_ratio: lambda_r} used by the actor metrics.
-    """
-    log_ratio = safety_clip(log_prob - prox_log_prob)
-    ratio = torch.exp(log_ratio)
-    loss_1 = -advantages * ratio
-    loss_2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clip_1 = torch.maximum(loss_1, loss_2)
-    loss_3 = -advantages * clip_ratio_c
-    clip_2 = torch.minimum(loss_3, clip_1)
-    negative = advantages < 0
-    phi = torch.where(negative, clip_2, clip_1)
-    info = {"clipped": loss_2 > loss_1, "clipped_lower": (clip_1 > loss_3) & negative,
-            "log_ratio": log_ratio}
-    return phi, info
-
-
-def reinforce_token_loss(log_prob: torch.Tensor, advantages: torch.Tensor,
-                         weights: torch.Tensor | None = None) -> torch.Tensor:
-    """phi_PG = -A * log pi_theta * sg(w), w = 1 if IS is off (semantics §7.4; seed 000 §3.2.2;
-    seed 001 §"REINFORCE Loss 计算"; Williams 1992).  The gradient is -A w grad log pi_theta; the
-    stop-gradient removes the spurious log pi grad w term (semantics §12.4)."""
-    loss = -advantages * log_prob
-    return loss if weights is None else loss * weights.detach()
-
-
-def _effective_mask(mask: torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
-    """m' = m * k; ``keep_mask`` may be the keep mask k or the effective mask itself."""
-    if keep_mask is None:
-        return mask
-    return mask & _check_mask_values(keep_mask, "keep_mask")
-
-
-def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
-    rollout_is_weights: torch.Tensor | None = None, *, keep_mask: torch.Tensor | None = None,
-    rollout_log_prob: torch.Tensor | None = None, global_token_count: Any = None,
-    global_seq_count: Any = None, loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped loss with IS weights multiplied *after* all clipping (semantics §7.1-§7.2).
-
-    Decoupled objective (Hilton et al. 2021; seed 000 §1.3; semantics §12.3):
-    L = agg( sg(w) * phi_PPO(r = pi_theta / pi_old) ) over m' = m * k, denominators from m (§7.5).
-    ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (semantics §6.6, over m',
-    not IS-weighted, 0.0 when no token is kept): actor/pg_loss, actor/pg_clipfrac (L2 > L1),
-    actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
-    actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
-    TRPO bound (semantics §12.6-§12.7; seed 004 Theorem 2; Wang & Zhang 2025).
-    """
-    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
-                        loss_scale_factor)
-    finite = {"old_log_prob": old_log_prob, "log_prob": log_prob, "advantages": advantages,
-              "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite,
-                            {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
-    effective = _effective_mask(mask, keep_mask)
-    old, adv = _zero_padding(old_log_prob.detach(), mask), _zero_padding(advantages.detach(), mask)
-    current = _zero_padding(log_prob, mask)
-    phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high,
-                                       clip_ratio_c)
-    if rollout_is_weights is not None:
-        phi = phi * _zero_padding(rollout_is_weights.detach(), mask, phi.dtype)
-    loss = agg_loss(phi, effective, loss_agg_mode, response_mask=mask,
-                    global_token_count=global_token_count, global_seq_count=global_seq_count,
-                    loss_scale_factor=loss_scale_factor)
-    with torch.no_grad():
-        dt = phi.dtype
-        metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/pg_clipfrac": masked_mean(info["clipped"].to(dt), effective),
-                   "actor/pg_clipfrac_lower": masked_mean(info["clipped_lower"].to(dt), effective),
-                   "actor/ppo_kl": masked_mean(-info["log_ratio"].detach(), effective)}
-        if rollout_log_prob is not None:
-            rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
-            metrics["actor/tv_update"] = estimate_tv_distance(
-                old - rollout, current.detach() - rollout, effective)
-    return loss, _to_floats(metrics)
-
-
-def compute_policy_loss_reinforce(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None, *, keep_mask: torch.Tensor | None = None,
-    global_token_count: Any = None, global_seq_count: Any = None,
-    loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass REINFORCE loss L = agg(-A * log pi_theta * sg(w)) over m' (semantics §7.4).
-
-    No ratio clipping; the update size is limited only by TIS/IcePop, RS and the veto.  With
-    sequence IS and ``seq-mean-token-sum`` the gradient is the trajectory-IS REINFORCE estimator
-    of seed 000 §1.1 with a truncated weight.  The loss *value* holds log pi_theta and is not
-    comparable with the PPO loss; only its gradient is meaningful.  Metrics: actor/pg_loss and
-    actor/ppo_kl = <log mu - log pi_theta>_{m'} (semantics §6.6).
-    """
-    check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
-    finite = {"log_prob": log_prob, "rollout_log_prob": rollout_log_prob, "advantages": advantages}
-    mask = _validate_inputs(response_mask, finite,
-                            {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
-    effective = _effective_mask(mask, keep_mask)
-    current = _zero_padding(log_prob, mask)
-    adv = _zero_padding(advantages.detach(), mask)
-    weights = None
-    if rollout_is_weights is not None:
-        weights = _zero_padding(rollout_is_weights.detach(), mask, current.dtype)
-    phi = reinforce_token_loss(current, adv, weights)
-    loss = agg_loss(phi, effective, loss_agg_mode, response_mask=mask,
-                    global_token_count=global_token_count, global_seq_count=global_seq_count,
-                    loss_scale_factor=loss_scale_factor)
-    with torch.no_grad():
-        rollout = _zero_padding(rollout_log_prob.detach(), mask, current.dtype)
-        metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/ppo_kl": masked_mean(rollout - current.detach(), effective)}
-    return loss, _to_floats(metrics)
-
-
-def compute_policy_loss_bypass_mode(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, config: RolloutCorrectionConfig,
-    loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0, *, global_token_count: Any = None, global_seq_count: Any = None,
-    loss_scale_factor: float | None = None, with_correction_metrics: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (semantics §5, §7.3-§7.4; seed 000
-    §3.1.2; seed 001 §"Bypass 模式：两策略框架").
-
-    The correction (IS/RS/veto + all ``rollout_corr/*`` metrics of this micro-batch) is computed
-    inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: PPO with
-    r = pi_theta / mu and *no* IS factor -- the ratio already is the IS ratio, multiplying would
-    apply it twice (semantics §7.3, §12.5); IS weights are metrics only, RS/veto act through the
-    keep mask.  ``loss_type="reinforce"``: -A log pi_theta sg(w) (semantics §7.4).  Returns the
-    loss and the union of ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not
-    reported here (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
-    ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a trainer that keeps
-    them only from the first optimizer step of a batch skips their cost on the others.
-    """
-    if not isinstance(config, RolloutCorrectionConfig):
-        raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
-    weights, effective, corr_metrics = _apply_correction(
-        log_prob.detach(), rollout_log_prob, response_mask, config, with_correction_metrics)
-    common = {"keep_mask": effective, "global_token_count": global_token_count,
-              "global_seq_count": global_seq_count, "loss_scale_factor": loss_scale_factor}
-    if config.loss_type == "ppo_clip":
-        loss, actor_metrics = compute_policy_loss_vanilla(
-            rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-            clip_ratio_low, clip_ratio_high, clip_ratio_c, None, **common)
-    else:
-        loss, actor_metrics = compute_policy_loss_reinforce(
-            log_prob, rollout_log_prob, advantages, response_mask, loss_agg_mode, weights,
-            **common)
-    return loss, {**actor_metrics, **corr_metrics}
-
-
-# ============================================================================================
-# Aggregation (semantics §7.5)
-# ============================================================================================
-
-
-def _count(value: Any, name: str, local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Resolve a global denominator (N_B or V_B); default: local count from the original mask."""
-    if value is None:
-        return local.to(dtype)
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not bool(value.detach() > 0):  # one scalar host read; 0 would give inf
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-        return value.detach().to(device=local.device, dtype=dtype).reshape(())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return torch.tensor(float(value), dtype=dtype, device=local.device)
-
-
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-             *, response_mask: torch.Tensor | None = None, global_token_count: Any = None,
-             global_seq_count: Any = None, loss_scale_factor: float | None = None
-             ) -> torch.Tensor:
-    """Aggregate a per-token loss over the optimizer-step batch B (semantics §7.5).
-
-    Rejected tokens are treated as weight-0 tokens; every loss denominator is computed from the
-    pre-rejection response mask of the whole optimizer-step batch, identically in decoupled and
-    bypass modes.  With numerator mask m' (``loss_mask``) and original mask m (``response_mask``,
-    default ``loss_mask``):
-
-    token-mean              sum m' L / N_B
-    token-sum               sum m' L
-    seq-mean-token-sum      sum m' L / V_B
-    seq-mean-token-mean     (1/V_B) sum_{i: n_i > 0} (1/n_i) sum_t m' L     (n_i from m)
-    seq-mean-token-sum-norm sum m' L / (V_B K)   (Dr.GRPO constant normaliser; Liu et al. 2025)
-
-    N_B = ``global_token_count`` and V_B = ``global_seq_count`` (all micro-batches, all ranks);
-    by default they are counted locally from m.  K = ``loss_scale_factor``; the trainer passes the
-    configured maximum response length, and when omitted K defaults to the tensor width T (then
-    the divisor depends on padding -- pass K explicitly, semantics §11 item 14).  Micro-batch
-    contributions add up to the batch loss; no kept token gives exactly 0.
-    """
-    check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
-    keep = _check_mask_values(loss_mask, "loss_mask")
-    mask = keep if response_mask is None else _check_mask_values(response_mask, "response_mask")
-    for name, t in (("loss_mat", loss_mat), ("loss_mask", loss_mask)):
-        if tuple(t.shape) != tuple(mask.shape) or mask.dim() != 2:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but response_mask has shape "
-                             f"{tuple(mask.shape)}; expected equal (B, T) shapes")
-    keep = keep & mask
-    total_per_row = masked_sum(loss_mat, keep, dim=-1)
-    if loss_agg_mode == "token-sum":
-        return total_per_row.sum()
-    dtype = total_per_row.dtype
-    needs_local = (global_token_count is None if loss_agg_mode == "token-mean"
-                   else global_seq_count is None)
-    if needs_local and not bool(mask.any()):
-        raise ValueError("response mask must contain at least one valid token")
-    if loss_agg_mode == "token-mean":
-        return total_per_row.sum() / _count(global_token_count, "global_token_count",
-                                            mask.sum(), dtype)
-    n_rows = _count(global_seq_count, "global_seq_count", _valid_rows(mask).sum(), dtype)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return total_per_row.sum() / n_rows
-    if loss_agg_mode == "seq-mean-token-mean":
-        lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)
-        return (total_per_row / lengths).sum() / n_rows
-    scale = float(loss_mat.shape[-1]) if loss_scale_factor is None else float(loss_scale_factor)
-    return total_per_row.sum() / (n_rows * scale)
-
-
-# ============================================================================================
-# Advantages (semantics §8; seed 001 §"关键代码位置" › "6. GRPO 优势估计";
-# Shao et al. 2024; Liu et al. 2025 Dr.GRPO)
-# ============================================================================================
-
-
-def _group_codes(index: Any, batch_size: int, device: torch.device) -> torch.Tensor:
-    """Map group ids (hashables or an integer tensor) to dense int64 codes, once."""
-    if isinstance(index, torch.Tensor):
-        if index.dim() != 1 or index.shape[0] != batch_size:
-            raise ValueError(f"index has shape {tuple(index.shape)} but the batch has "
-                             f"{batch_size} scores; expected ({batch_size},)")
-        # sort + "new value" flags + cumsum: the inverse of unique, without torch.unique's slow
-        # CPU return_inverse path
-        ordered, order = torch.sort(index.to(device), stable=True)
-        starts = torch.ones_like(ordered, dtype=torch.bool)
-        starts[1:] = ordered[1:] != ordered[:-1]
-        return torch.empty_like(order).scatter_(0, order, torch.cumsum(starts, 0) - 1)
-    ids = list(index)
-    if len(ids) != batch_size:
-        raise ValueError(f"index has length {len(ids)} but the batch has {batch_size} scores")
-    codes: dict[Hashable, int] = {key: i for i, key in enumerate(dict.fromkeys(ids))}
-    return torch.tensor(list(map(codes.__getitem__, ids)), dtype=torch.long, device=device)
-
-
-@torch.no_grad()
-def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashable] | torch.Tensor,
-                                   epsilon: float = 1e-6, norm_adv_by_std: bool = True,
-                                   response_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """GRPO outcome advantage (semantics §8), vectorised over groups.
-
-    R_i = sum_t r_it (scores (B, T) are summed over all positions; (B,) is used as is).
-    For a group g of size n_g >= 2: mu_g = mean, sigma_g = unbiased std (n_g - 1); for a
-    singleton mu_g = 0, sigma_g = 1 (raw score, no baseline).
-    A_i = (R_i - mu_g) / (sigma_g + eps) if ``norm_adv_by_std`` else R_i - mu_g (Dr.GRPO).
-    A group whose scores are all equal gets exactly A = 0.  With ``response_mask`` the result is
-    A_it = A_i m_it (B, T); otherwise (B,).  RS never changes the group statistics.
-    """
-    scores = torch.as_tensor(scores)
-    if scores.dim() not in (1, 2):
-        raise ValueError(f"scores must have shape (B,) or (B, T), got {tuple(scores.shape)}")
-    dtype = _work_dtype(scores)
-    returns = (scores.sum(dim=-1) if scores.dim() == 2 else scores).to(dtype)
-    size = returns.shape[0]
-    codes = _group_codes(index, size, returns.device)
-    n_groups = int(codes.max()) + 1 if size else 0
-    counts = torch.bincount(codes, minlength=n_groups).to(dtype)
-    mean = torch.zeros(n_groups, dtype=dtype, device=returns.device).index_add_(0, codes, returns)
-    mean = mean / counts
-    dev = returns - mean[codes]
-    sq = torch.zeros_like(mean).index_add_(0, codes, dev * dev)
-    std = torch.sqrt(sq / (counts - 1).clamp(min=1))
-    hi = torch.full_like(mean, -math.inf).scatter_reduce_(0, codes, returns, "amax")
-    lo = torch.full_like(mean, math.inf).scatter_reduce_(0, codes, returns, "amin")
-    single = counts < 2
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
-    flat = (hi == lo) & ~single  # all-equal groups of size >= 2 carry no signal
-    dev = torch.where(flat[codes], torch.zeros_like(returns), returns - mean[codes])
-    adv = dev / (std[codes] + epsilon) if norm_adv_by_std else dev
-    if response_mask is None:
-        return adv
-    if response_mask.dim() != 2 or response_mask.shape[0] != size:
-        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)} but the batch "
-                         f"has {size} scores; expected ({size}, T)")
-    mask = _check_mask_values(response_mask, "response_mask")
-    return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
-
-
-# ============================================================================================
-# KL penalty (semantics §7.6, §12.9; seed 000 §4.1; Schulman 2020)
-# ============================================================================================
-
-
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-               kl_estimator: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (semantics §7.6).
-
-    kl / k1: d;  abs: |d|;  mse / k2: d^2 / 2;
-    low_var_kl / k3: kappa = clip_S(log pi_ref - log pi_theta), clip(e^kappa - kappa - 1, -10, 10)
-    (the rho - log rho - 1 form of seed 000 §4.1).
-    "<name>+": straight-through -- the value of <name> with the gradient of k2:
-    v = d^2/2 - sg(d^2/2) + sg(base).  "full" and unknown names raise ValueError.
-    Not IS-weighted; aggregate it with :func:`agg_loss` like the policy loss.
-    """
-    if not isinstance(kl_estimator, str):
-        raise TypeError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    straight = kl_estimator.endswith("+")
-    base = kl_estimator[:-1] if straight else kl_estimator
-    if base == "full":
-        raise ValueError(f"kl_estimator={kl_estimator!r} needs full-vocabulary distributions and "
-                         f"is not supported; choose one of {KL_ESTIMATORS}")
-    if base not in _KL_BASE_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
-    if log_prob.shape != ref_log_prob.shape:
-        raise ValueError(f"log_prob has shape {tuple(log_prob.shape)} but ref_log_prob has shape "
-                         f"{tuple(ref_log_prob.shape)}")
-    d = log_prob - ref_log_prob
-    if base in ("kl", "k1"):
-        value = d
-    elif base == "abs":
-        value = d.abs()
-    elif base in ("mse", "k2"):
-        value = 0.5 * d * d
-    else:
-        kappa = safety_clip(ref_log_prob - log_prob)
-        value = torch.clamp(torch.exp(kappa) - kappa - 1.0, min=-10.0, max=10.0)
-    if not straight:
-        return value
-    k2 = 0.5 * d * d
-    return k2 - k2.detach() + value.detach()
-
-
-# ============================================================================================
-# Configuration and presets (semantics §9, §10)
-# ============================================================================================
-
-
-def check_loss_settings(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-                        loss_agg_mode: str, loss_scale_factor: float | None = None) -> None:
-    """Validate the loss fields (semantics §7.1 constraints, §10): 0 <= eps_low < 1,
-    eps_high >= 0, c > 1, a known ``loss_agg_mode``, and K > 0 when given.  Raises ValueError."""
-    def number(name: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        return float(value)
-
-    if not 0.0 <= number("clip_ratio_low", clip_ratio_low) < 1.0:
-        raise ValueError(f"clip_ratio_low={clip_ratio_low!r} must lie in [0, 1)")
-    if not number("clip_ratio_high", clip_ratio_high) >= 0.0:
-        raise ValueError(f"clip_ratio_high={clip_ratio_high!r} must be >= 0")
-    if not number("clip_ratio_c", clip_ratio_c) > 1.0:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c!r} must be > 1 (dual-clip bound)")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of "
-                         f"{', '.join(LOSS_AGG_MODES)}")
-    if loss_scale_factor is not None:
-        k = number("loss_scale_factor", loss_scale_factor)
-        if not (k > 0 and math.isfinite(k)):
-            raise ValueError(f"loss_scale_factor={loss_scale_factor!r} must be finite and > 0")
-
-
-class _DefaultLossType(str):
-    """Marks ``loss_type`` left at its default, so ``use_policy_gradient`` may set it."""
-
-
-_LOSS_TYPE_DEFAULT = _DefaultLossType("ppo_clip")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutCorrectionConfig:
-    """The correction configuration: single source of defaults (semantics §9.1), validated at
-    construction (semantics §10).  Parsed thresholds are stored in the non-init fields
-    ``is_spec`` (:class:`ISThreshold` or None), ``rs_specs`` (tuple of :class:`RSOption`, legacy
-    names already mapped) and ``veto_tau``.
-
-    ``loss_type=None`` means "not set": it becomes "ppo_clip", or what the legacy
-    ``use_policy_gradient`` implies; an explicit loss_type that contradicts it is an error.
-
-    Mode rules (semantics §9.4): decoupled + ppo_clip multiplies IS weights; bypass + ppo_clip
-    uses IS for metrics only (a warning is issued); bypass + reinforce multiplies -A log pi;
-    decoupled + reinforce is an error; RS and the veto act in every mode.
-    """
-
-    rollout_is: str | None = None
-    rollout_is_threshold: float | str | None = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | str | None = None
-    rollout_rs_threshold_lower: float | None = None
-    rollout_token_veto_threshold: float | None = None
-    bypass_mode: bool = False
-    loss_type: str | None = _LOSS_TYPE_DEFAULT
-    use_policy_gradient: bool | None = None
-    is_spec: ISThreshold | None = dataclasses.field(init=False, repr=False, compare=False,
-                                                    default=None)
-    rs_specs: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
-    veto_tau: float | None = dataclasses.field(init=False, repr=False, compare=False,
-                                               default=None)
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        if self.rollout_is is not None and not isinstance(self.rollout_is, str):
-            raise TypeError(f"rollout_is must be None or a string, got {self.rollout_is!r}")
-        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            hint = (" ('geometric' is a rejection option: use rollout_rs='seq_mean_k1')"
-                    if self.rollout_is == "geometric" else "")
-            raise ValueError(f"rollout_is={self.rollout_is!r} is not one of None, "
-                             f"{', '.join(map(repr, IS_LEVELS))}{hint}")
-        # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's threshold may
-        # stay behind when an override turns its correction off).
-        set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if self.rollout_is is not None else None)
-        if not isinstance(self.rollout_is_batch_normalize, bool):
-            raise TypeError(f"rollout_is_batch_normalize must be a bool, got "
-                            f"{self.rollout_is_batch_normalize!r}")
-        set_(self, "rs_specs", parse_rs_options(self.rollout_rs, self.rollout_rs_threshold,
-                                                self.rollout_rs_threshold_lower))
-        set_(self, "veto_tau", parse_veto_threshold(self.rollout_token_veto_threshold))
-        if not isinstance(self.bypass_mode, bool):
-            raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
-        set_(self, "loss_type", self._resolve_loss_type())
-        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
-            warnings.warn(f"rollout_is={self.rollout_is!r} with bypass_mode=True and "
-                          f"loss_type='ppo_clip' only adds IS metrics: the PPO ratio pi_theta/mu "
-                          f"already is the IS ratio, weights are never multiplied "
-                          f"(semantics §7.3)",
-                          UserWarning, stacklevel=3)
-
-    def _resolve_loss_type(self) -> str:
-        """Apply the legacy ``use_policy_gradient`` alias and check loss_type (semantics §9.1)."""
-        loss_type, upg = self.loss_type, self.use_policy_gradient
-        explicit = loss_type is not None and not isinstance(loss_type, _DefaultLossType)
-        if loss_type is None:  # unset (e.g. from a CLI): the default, or use_policy_gradient's
-            loss_type = _LOSS_TYPE_DEFAULT
-        if loss_type not in _LOSS_TYPES:
-            raise ValueError(f"loss_type={loss_type!r} must be one of {_LOSS_TYPES}")
-        if upg is not None:
-            if not isinstance(upg, bool):
-                raise TypeError(f"use_policy_gradient must be None or a bool, got {upg!r}")
-            implied = "reinforce" if upg else "ppo_clip"
-            if explicit and loss_type != implied:
-                raise ValueError(f"use_policy_gradient={upg!r} conflicts with "
-                                 f"loss_type={str(loss_type)!r}")
-            if upg and not self.bypass_mode:
-                raise ValueError(f"use_policy_gradient={upg!r} requires bypass_mode=True")
-            loss_type = implied
-        if loss_type == "reinforce" and not self.bypass_mode:
-            raise ValueError(f"loss_type={str(loss_type)!r} requires bypass_mode=True "
-                             f"(decoupled mode always uses ppo_clip)")
-        # A value the user did not set stays marked as such, so dataclasses.replace(config, use_policy_gradient=...)
-        # may still choose it, exactly as the constructor would.
-        return str(loss_type) if explicit else _DefaultLossType(loss_type)
-
-    @classmethod
-    def from_name(cls, name: str, **kwargs: Any) -> RolloutCorrectionConfig:
-        """Build a preset by name (semantics §9.2-§9.3); unknown names list the valid ones."""
-        if name not in PRESET_NAMES:
-            raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
-        return getattr(cls, name)(**kwargs)
-
-    # --- current presets (semantics §9.2; seed 002 §"Preset Configuration Guide") ----------
-
-    @classmethod
-    def decoupled_token_is(cls, threshold: float | str = 2.0):
-        """Token-TIS, decoupled PPO (Yao et al. 2025)."""
-        return cls(rollout_is="token", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold: float | str = 2.0):
-        """Seq-TIS, decoupled PPO (Liu, Li et al. 2025)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
-        """IcePop token weights zeroed outside [lower, upper] (Ring-1T arXiv 2510.18855)."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
-
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold: float | str = 2.0,
-                            rs_threshold: float | str = "0.5_2.0"):
-        """Seq-TIS + Seq-MIS (seq_sum_k1), decoupled PPO."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001",
-                         veto_threshold: float | None = None,
-                         rs_threshold_lower: float | None = None):
-        """Geo-RS (seq_mean_k1), decoupled PPO; optional veto and legacy lower bound (§9.3).
-
-        With ``rs_threshold_lower`` the legacy level ``geometric`` is used, so the threshold must
-        then be a single number U.
-        """
-        if rs_threshold_lower is not None:
-            return cls(rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                       rollout_rs_threshold_lower=rs_threshold_lower,
-                       rollout_token_veto_threshold=veto_threshold)
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   rollout_token_veto_threshold=veto_threshold)
-
-    @classmethod
-    def bypass_ppo_clip(cls):
-        """PPO-clip against mu (pi_old := mu), no IS weights."""
-        return cls(bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001"):
-        """PPO-clip against mu + Geo-RS."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float | str = 0.01):
-        """PPO-clip against mu + K3-RS (TRM average criterion, arXiv 2512.23075)."""
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_pg_is(cls, threshold: float | str = 2.0):
-        """REINFORCE + Seq-TIS (trajectory IS, seed 000 §1.1)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
-        """REINFORCE + IcePop token weights."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}",
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001"):
-        """REINFORCE + Geo-RS."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def decoupled_geo_rs_seq_tis(cls, is_threshold: float | str = 2.0,
-                                 rs_threshold: float | str = "0.999_1.001"):
-        """Geo-RS + Seq-TIS, decoupled PPO."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_token_tis(cls, is_threshold: float | str = 2.0,
-                                   rs_threshold: float | str = "0.999_1.001"):
-        """Geo-RS + Token-TIS, decoupled PPO."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float | str = 2.0,
-                                 rs_threshold: float | str = "0.999_1.001"):
-        """REINFORCE + Geo-RS + Seq-TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float | str = 2.0,
-                                   rs_threshold: float | str = "0.999_1.001"):
-        """REINFORCE + Geo-RS + Token-TIS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def decoupled_k3_rs(cls, rs_threshold: float | str = 0.01):
-        """K3-RS (TRM average criterion), decoupled PPO."""
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float | str = 2.0,
-                                rs_threshold: float | str = 0.01):
-        """K3-RS + Seq-TIS, decoupled PPO."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_token_tis(cls, is_threshold: float | str = 2.0,
-                                  rs_threshold: float | str = 0.01):
-        """K3-RS + Token-TIS, decoupled PPO."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def disabled(cls):
-        """No correction: metrics only = naive PPO against the recompute (seed 000 §3.8)."""
-        return cls()
-
-    # --- older names from the seeds (semantics §9.3; seed 000 §3.7, §5.1) -----------------
-
-    @classmethod
-    def naive(cls):
-        """Alias of :meth:`disabled`: the no-correction baseline arm."""
-        return cls.disabled()
-
-    @classmethod
-    def ppo_is_bypass(cls, threshold: float | str = 2.0):
-        """Bypass PPO-clip with token IS at ``threshold``, metrics only (intended: no warning)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return cls(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True,
-                       loss_type="ppo_clip")
-
-    @classmethod
-    def pg_is(cls, threshold: float | str = 2.0):
-        """Alias of :meth:`bypass_pg_is` (REINFORCE + sequence IS)."""
-        return cls.bypass_pg_is(threshold)
-
-    @classmethod
-    def pg_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: float | None = None,
-              veto_threshold: float | None = 1e-4):
-        """REINFORCE + legacy geometric RS (-> seq_mean_k1, [lower or 1/U, U]) + veto."""
-        return cls(rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                   rollout_rs_threshold_lower=rs_threshold_lower,
-                   rollout_token_veto_threshold=veto_threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_rs(cls):
-        """Alias of :meth:`bypass_pg_geo_rs` named in seed 002 §"Preset Configuration Guide"."""
-        return cls.bypass_pg_geo_rs()
-
-
-#: Every preset constructor usable with :meth:`RolloutCorrectionConfig.from_name`.
-PRESET_NAMES = (
-    "decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop", "decoupled_seq_is_rs",
-    "decoupled_geo_rs", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs",
-    "bypass_pg_is", "bypass_pg_token_icepop", "bypass_pg_geo_rs", "decoupled_geo_rs_seq_tis",
-    "decoupled_geo_rs_token_tis", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
-    "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis", "disabled",
-    # older names from the seeds (semantics §9.3) and the explicit baseline alias
-    "ppo_is_bypass", "pg_is", "pg_rs", "bypass_pg_rs", "naive",
-)
+# Public names (kept at the end so that the formulas come first).
+__all__ = [
+    "IS_LEVELS", "KL_ESTIMATORS", "LEGACY_RS_NAMES", "LOSS_AGG_MODES", "PRESETS",
+    "PRESET_ALIASES", "PRESET_NAMES", "RS_OPTIONS", "SAFETY_BOUND", "ISThreshold", "RSOption",
+    "RolloutCorrectionConfig", "agg_loss", "batch_normalize_is_weights", "check_loss_settings",
+    "chi2_divergence", "compute_consistency_metrics", "compute_grpo_outcome_advantage",
+    "compute_is_metrics", "compute_offpolicy_metrics", "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_reinforce", "compute_policy_loss_vanilla", "compute_rejection_mask",
+    "compute_rollout_correction_and_rejection_mask", "compute_rollout_correction_weights",
+    "compute_rs_option_metrics", "compute_veto_mask", "entropy_from_logits",
+    "estimate_tv_distance", "geometric_log_ratio", "icepop_is_weights", "k2_divergence",
+    "k3_divergence", "kl_penalty", "log_probs_from_logits", "masked_mean", "masked_sum",
+    "masked_var", "parse_is_threshold", "parse_rs_options", "parse_veto_threshold",
+    "ppo_clipped_token_loss", "raw_is_weights", "reinforce_token_loss", "rs_aggregate",
+    "rs_base_statistic", "rs_option_keep_mask", "safe_exp", "safety_clip", "sequence_log_ratio",
+    "token_log_ratio", "truncate_is_weights",
+]

@@ -1,4 +1,4 @@
-"""Tests of rc_core against the project spec ``shared/notes/correction-semantics.md``.
+"""Tests of rc_core against the project spec ``docs/corrections.md``.
 
 Expected values are derived by hand from the formulas of the spec (with ``math``), never copied
 from the code's output.  Section numbers ("§N") refer to the spec.
@@ -452,14 +452,14 @@ def test_rs_metrics_token_k1_by_hand():
     _, m2, met = corr(train, rollout, mask, rollout_rs="token_k1", rollout_rs_threshold=2.0)
     assert m2.tolist() == [[0, 1, 0], [1, 1, 0], [0, 0, 0]]
     q = [-math.log(0.4), 0.0, -math.log(2.5), 0.0, -math.log(0.8)]
-    a, b = -math.log(2.0), -math.log(0.5)
     p = "rollout_rs_token_k1_"
     assert met[p + "mean"] == approx(sum(q) / 5)
     assert met[p + "max"] == approx(-math.log(0.4))
     assert met[p + "min"] == approx(-math.log(2.5))
     assert met[p + "fraction_high"] == approx(1 / 5)  # rho 0.4 below L
     assert met[p + "fraction_low"] == approx(1 / 5)  # rho 2.5 above U
-    assert met[p + "std"] == approx(std_pop([min(max(v, a), b) for v in q]))
+    # q clipped to [a, b] = [-log 2, log 2]: -log 0.4 -> log 2 and -log 2.5 -> -log 2
+    assert met[p + "std"] == approx(std_pop([math.log(2), 0.0, -math.log(2), 0.0, -math.log(0.8)]))
     rows = [sum(q[:3]) / 3, sum(q[3:]) / 2]
     assert met[p + "seq_mean"] == approx(sum(rows) / 2)
     assert met[p + "seq_std"] == approx(std_unbiased(rows))
@@ -687,7 +687,6 @@ def test_metric_key_sets_match_spec_exactly(kwargs, expected):
     _, _, met = corr(*make([[1.1, 0.9, 1.0], [1.2, 0.95]]), **kwargs)
     assert set(met) == expected
     assert all(isinstance(v, float) for v in met.values())
-    assert len(rs_keys("seq_max_k2")) == 14 and len(rs_keys("token_k1")) == 15
 
 
 def test_rs_metric_fraction_low_is_zero_for_k2_k3():
@@ -833,23 +832,26 @@ def test_bypass_ppo_clip_ignores_is_weights_but_reports_them():
 
 
 def test_bypass_reinforce_uses_weights_from_current_policy():
-    gen = torch.Generator().manual_seed(4)
-    rollout = -torch.rand((3, 4), generator=gen, dtype=F64)
-    log_prob = (rollout + 0.3 * torch.randn((3, 4), generator=gen, dtype=F64)).requires_grad_()
-    adv = torch.randn((3, 1), generator=gen, dtype=F64).expand(3, 4)
+    # token ratios pi_theta / mu per row: products 1.1, 1.5 (over the cap 1.2) and 0.9
+    ratios = [[1.1, 1.0, 1.0, 1.0], [1.5, 1.0], [0.9]]
+    log_prob = torch.tensor([[-0.5, -1.0, -0.2, -2.0], [-0.3, -0.8, NAN, NAN], [-1.2, NAN, NAN, NAN]],
+                            dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=F64)
+    rollout = log_prob.detach().clone()
+    for i, row in enumerate(ratios):
+        for t, r in enumerate(row):
+            rollout[i, t] -= math.log(r)
+    adv = torch.tensor([[0.5], [-1.0], [2.0]], dtype=F64).expand(3, 4)
     cfg = rc.RolloutCorrectionConfig.bypass_pg_is(threshold=1.2)
     loss, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg,
                                                    "seq-mean-token-sum")
     loss.backward()
-    seq = [min(math.exp(sum((log_prob[i, t] - rollout[i, t]).item() for t in range(4)
-                            if mask[i, t])), 1.2) for i in range(3)]
-    want = torch.zeros((3, 4), dtype=F64)
-    for i in range(3):
-        for t in range(4):
-            if mask[i, t]:
-                want[i, t] = -adv[i, t].item() * seq[i] / 3  # V = 3 valid rows
-    torch.testing.assert_close(log_prob.grad, want, rtol=1e-10, atol=1e-12)
+    seq = [1.1, 1.2, 0.9]  # row 1 truncated at U = 1.2
+    want = torch.tensor([[-0.5 * 1.1] * 4, [1.0 * 1.2] * 2 + [0, 0], [-2.0 * 0.9, 0, 0, 0]], dtype=F64) / 3
+    torch.testing.assert_close(log_prob.grad, want, rtol=1e-10, atol=1e-12)  # V = 3 valid rows
+    lp = [[-0.5, -1.0, -0.2, -2.0], [-0.3, -0.8], [-1.2]]
+    a = [0.5, -1.0, 2.0]
+    assert loss.item() == approx(sum(-a[i] * seq[i] * sum(lp[i]) for i in range(3)) / 3)
     assert "rollout_corr/rollout_is_seq_mean" in met and "actor/ppo_kl" in met
 
 
@@ -946,30 +948,30 @@ def test_kl_penalty_rejects_unknown(name):
 
 C = rc.RolloutCorrectionConfig
 CONFIG_ERRORS = [
-    ({"rollout_is": 1}, TypeError, "1"),
+    ({"rollout_is": 1}, TypeError, "got 1"),
     ({"rollout_is": "geometric"}, ValueError, "seq_mean_k1"),
     ({"rollout_is": "seq"}, ValueError, "'seq'"),
-    ({"rollout_is": "token", "rollout_is_threshold": None}, ValueError, "None"),
+    ({"rollout_is": "token", "rollout_is_threshold": None}, ValueError, "rollout_is_threshold=None"),
     ({"rollout_is": "token", "rollout_is_threshold": True}, TypeError, "True"),
     ({"rollout_is": "token", "rollout_is_threshold": [2.0]}, TypeError, "[2.0]"),
     ({"rollout_is": "token", "rollout_is_threshold": ""}, ValueError, "''"),
     ({"rollout_is": "token", "rollout_is_threshold": "abc"}, ValueError, "'abc'"),
     ({"rollout_is": "token", "rollout_is_threshold": "0.5_1_2"}, ValueError, "'0.5_1_2'"),
     ({"rollout_is": "token", "rollout_is_threshold": "_2"}, ValueError, "'_2'"),
-    ({"rollout_is": "token", "rollout_is_threshold": math.nan}, ValueError, "nan"),
-    ({"rollout_is": "token", "rollout_is_threshold": math.inf}, ValueError, "inf"),
+    ({"rollout_is": "token", "rollout_is_threshold": math.nan}, ValueError, "value nan"),
+    ({"rollout_is": "token", "rollout_is_threshold": math.inf}, ValueError, "value inf"),
     ({"rollout_is": "token", "rollout_is_threshold": -1.5}, ValueError, "-1.5"),
-    ({"rollout_is": "token", "rollout_is_threshold": 0}, ValueError, "0"),
+    ({"rollout_is": "token", "rollout_is_threshold": 0}, ValueError, "value 0.0"),
     ({"rollout_is": "token", "rollout_is_threshold": "3_2"}, ValueError, "'3_2'"),
     ({"rollout_is_batch_normalize": "yes"}, TypeError, "'yes'"),
-    ({"rollout_rs": 5}, TypeError, "5"),
+    ({"rollout_rs": 5}, TypeError, "got 5"),
     ({"rollout_rs": " , ,"}, ValueError, "' , ,'"),
     ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 1}, ValueError, "'seq_max_k1'"),
     ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1}, ValueError, "'token_k4'"),
     ({"rollout_rs": "token_k1,token_k1", "rollout_rs_threshold": 2}, ValueError,
      "duplicate option 'token_k1'"),
     ({"rollout_rs": "token,token_k1", "rollout_rs_threshold": 2}, ValueError, "'token,token_k1'"),
-    ({"rollout_rs": "token_k1", "rollout_rs_threshold": None}, ValueError, "None"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": None}, ValueError, "(got None)"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": True}, TypeError, "True"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": [2]}, TypeError, "[2]"),
     ({"rollout_rs": "token_k1,token_k2,token_k3", "rollout_rs_threshold": "2,0.1"}, ValueError,
@@ -993,7 +995,7 @@ CONFIG_ERRORS = [
     ({"rollout_token_veto_threshold": "0.1"}, TypeError, "'0.1'"),
     ({"rollout_token_veto_threshold": 1.0}, ValueError, "1.0"),
     ({"rollout_token_veto_threshold": 0.0}, ValueError, "0.0"),
-    ({"rollout_token_veto_threshold": math.nan}, ValueError, "nan"),
+    ({"rollout_token_veto_threshold": math.nan}, ValueError, "=nan"),
     ({"bypass_mode": "yes"}, TypeError, "'yes'"),
     ({"loss_type": "ppo"}, ValueError, "'ppo'"),
     ({"loss_type": "reinforce"}, ValueError, "'reinforce'"),
@@ -1001,7 +1003,7 @@ CONFIG_ERRORS = [
      "False"),
     ({"bypass_mode": True, "loss_type": "ppo_clip", "use_policy_gradient": True}, ValueError,
      "'ppo_clip'"),
-    ({"use_policy_gradient": True}, ValueError, "True"),
+    ({"use_policy_gradient": True}, ValueError, "use_policy_gradient=True"),
     ({"use_policy_gradient": "yes", "bypass_mode": True}, TypeError, "'yes'"),
 ]
 
@@ -1040,7 +1042,7 @@ def test_config_accepts_valid_edge_cases():
 LOSS_SETTING_ERRORS = [
     ((1.0, 0.2, 3.0, "token-mean"), "1.0"), ((-0.1, 0.2, 3.0, "token-mean"), "-0.1"),
     ((0.2, -0.1, 3.0, "token-mean"), "-0.1"), ((0.2, 0.2, 1.0, "token-mean"), "1.0"),
-    ((0.2, 0.2, 3.0, "mean"), "'mean'"), ((0.2, 0.2, 3.0, "token-mean", 0), "0"),
+    ((0.2, 0.2, 3.0, "mean"), "'mean'"), ((0.2, 0.2, 3.0, "token-mean", 0), "loss_scale_factor=0 "),
     ((0.2, 0.2, 3.0, "seq-mean-token-sum-norm", -4.0), "-4.0"),
 ]
 
@@ -1090,6 +1092,8 @@ PRESET_TABLE = {
     "decoupled_seq_is": ("sequence", 2.0, None, None, False, "ppo_clip", None),
     "decoupled_token_icepop": ("token", "0.5_5.0", None, None, False, "ppo_clip", None),
     "decoupled_seq_is_rs": ("sequence", 2.0, "seq_sum_k1", "0.5_2.0", False, "ppo_clip", None),
+    "decoupled_seq_mis": ("sequence", 2.0, "seq_sum_k1", "_2.0", False, "ppo_clip", None),
+    "bypass_pg_seq_mis": ("sequence", 2.0, "seq_sum_k1", "_2.0", True, "reinforce", None),
     "decoupled_geo_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", False, "ppo_clip", None),
     "bypass_ppo_clip": (None, 2.0, None, None, True, "ppo_clip", None),
     "bypass_ppo_clip_geo_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", True, "ppo_clip", None),
@@ -1117,27 +1121,42 @@ PRESET_TABLE = {
 }
 
 
+FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode",
+          "loss_type", "rollout_token_veto_threshold")
+
+
 @pytest.mark.parametrize("name", list(PRESET_TABLE))
 def test_every_preset_matches_the_spec_table(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no preset warns (ppo_is_bypass is metrics-only on purpose)
         cfg = C.from_name(name)
-    fields = (cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold,
-              cfg.bypass_mode, cfg.loss_type, cfg.rollout_token_veto_threshold)
-    assert fields == PRESET_TABLE[name]
+        by_method = getattr(C, name)()
+    assert tuple(getattr(cfg, f) for f in FIELDS) == PRESET_TABLE[name]
     assert cfg.rollout_is_batch_normalize is False
-    assert cfg == getattr(C, name)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ppo_is_bypass built by hand warns, as it should
+        by_hand = C(**dict(zip(FIELDS, PRESET_TABLE[name])))
+    assert by_method == by_hand  # the classmethod form builds the table's config
 
 
 def test_preset_names_and_lookup():
-    assert len(rc.PRESET_NAMES) == 24 and set(rc.PRESET_NAMES) == set(PRESET_TABLE)
-    assert C.from_name("decoupled_seq_is", threshold=3.0).rollout_is_threshold == 3.0
+    assert len(rc.PRESET_NAMES) == 26 and set(rc.PRESET_NAMES) == set(PRESET_TABLE)
+    assert C.from_name("decoupled_seq_is", threshold=3.0) == C(rollout_is="sequence", rollout_is_threshold=3.0)
     assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25
                        ).is_spec == rc.ISThreshold("icepop", 0.25, 4.0)
+    assert C.bypass_pg_seq_mis(threshold=3.0).rs_specs == (rc.RSOption("seq_sum_k1", "k1", "seq_sum", None, 3.0),)
+    assert C.pg_is(threshold=1.5) == C(rollout_is="sequence", rollout_is_threshold=1.5, bypass_mode=True,
+                                       loss_type="reinforce")
     with pytest.raises(ValueError) as info:
         C.from_name("decoupled_k1_rs")
     assert "'decoupled_k1_rs'" in str(info.value) and "bypass_pg_geo_rs" in str(info.value)
-    assert C.naive() == C.disabled()
+    with pytest.raises(TypeError, match="is_threshold; its arguments are threshold$"):
+        C.decoupled_seq_is(is_threshold=3.0)  # a misspelt argument is refused, never ignored
+    # naive and disabled are the same no-correction arm: decoupled PPO, every correction off
+    off = C(rollout_is=None, rollout_rs=None, rollout_token_veto_threshold=None, bypass_mode=False,
+            loss_type="ppo_clip")
+    assert C.naive() == off and C.disabled() == off
+    assert C.naive().is_spec is None and C.naive().rs_specs == () and C.naive().veto_tau is None
 
 
 def test_preset_variants_with_veto_and_legacy_lower():
@@ -1359,9 +1378,9 @@ def test_k1_direction_with_asymmetric_bounds(batch, lower, upper):
     train, rollout, mask = batch
     _, m2, _ = corr(train, rollout, mask, rollout_rs="token_k1",
                     rollout_rs_threshold=f"{lower}_{upper}")
-    rho = torch.exp(torch.clamp(train - rollout, -20, 20))
-    expected = mask.bool() & (rho >= lower) & (rho <= upper)
-    assert torch.equal(m2.bool(), expected)
+    expected = [[bool(mask[i, t]) and lower <= math.exp(train[i, t].item() - rollout[i, t].item()) <= upper
+                 for t in range(mask.shape[1])] for i in range(mask.shape[0])]  # ratio space, |l| << 20
+    assert m2.bool().tolist() == expected
 
 
 @PROPS
@@ -1402,7 +1421,8 @@ def test_veto_on_unclipped_ratios(batch, tau):
     _, m2, met = corr(train, rollout, mask, rollout_token_veto_threshold=tau)
     for i in range(mask.shape[0]):
         valid = mask[i].bool()
-        vetoed = bool(((train[i] - rollout[i])[valid] < math.log(tau)).any())
+        ratios = [math.exp(train[i, t].item() - rollout[i, t].item()) for t in range(mask.shape[1]) if valid[t]]
+        vetoed = bool(ratios) and min(ratios) < tau  # min_t rho < tau, in Python floats
         assert torch.equal(m2[i].bool(), valid & (not vetoed))
     assert 0.0 <= met["rollout_is_veto_fraction"] <= 1.0
 
@@ -1447,3 +1467,168 @@ def test_thresholds_of_a_correction_that_is_off_are_not_parsed():
     assert rc.RolloutCorrectionConfig(rollout_rs=None, rollout_rs_threshold="not-a-number").rs_specs == ()
     with pytest.raises(ValueError):
         rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="not-a-number")
+
+
+# ---- One-sided Seq-MIS and k1 gates without a lower bound (§3.4, §4.2, §9.2) ------------------------------
+def test_seq_mis_preset_drops_rows_over_c_and_weights_the_rest_by_rho():
+    # sequence ratios: 1.8 (kept), 3.0 (> C = 2: dropped, not truncated), 0.05 (kept: no lower bound),
+    # 2.0 (kept: the bound is inclusive); the last row has one padded position
+    train, rollout, mask = make([[1.5, 1.2], [2.0, 1.5], [0.1, 0.5], [2.0]])
+    for cfg in (C.decoupled_seq_mis(), C.bypass_pg_seq_mis()):
+        w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, cfg)
+        assert m2.tolist() == [[1, 1], [0, 0], [1, 1], [1, 0]]
+        kept = (w * m2).tolist()  # the applied weight rho * 1[rho <= C]
+        assert kept == [[approx(1.8), approx(1.8)], [0.0, 0.0], [approx(0.05), approx(0.05)], [approx(2.0), 0.0]]
+        assert met["rollout_corr/rollout_rs_seq_sum_k1_seq_masked_fraction"] == approx(1 / 4)
+        assert met["rollout_corr/rollout_rs_seq_sum_k1_fraction_high"] == 0.0  # no ratio below a lower bound
+        assert met["rollout_corr/rollout_rs_seq_sum_k1_fraction_low"] == approx(1 / 4)  # ratio above C
+    # the two-sided Seq-MIS of decoupled_seq_is_rs ([0.5, 2]) would also drop the 0.05 row
+    _, m2, _ = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, C.decoupled_seq_is_rs())
+    assert m2.tolist() == [[1, 1], [0, 0], [0, 0], [1, 0]]
+
+
+def test_bypass_pg_seq_mis_loss_by_hand():
+    log_prob = torch.tensor([[-0.4, -1.0], [-0.2, -0.3], [-2.0, -0.5]], dtype=F64, requires_grad=True)
+    ratios = [[1.5, 1.2], [2.0, 1.5], [0.1, 0.5]]  # products 1.8, 3.0 (rejected), 0.05
+    rollout = log_prob.detach() - torch.log(torch.tensor(ratios, dtype=F64))
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [0.5, 0.5]], dtype=F64)
+    mask = torch.ones((3, 2), dtype=F64)
+    loss, _ = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, C.bypass_pg_seq_mis(),
+                                                 "seq-mean-token-sum")
+    # -(1/V) sum_i 1[rho_i <= 2] rho_i A_i sum_t log pi, V = 3 (the rejected row still counts)
+    assert loss.item() == approx(-(1.8 * 1.0 * -1.4 + 0.05 * 0.5 * -2.5) / 3)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0_2.0"}, "lower bound of '0' is"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": " 0.0 _1.5"}, "lower bound of '0.0' is"),
+    ({"rollout_rs": "seq_mean_k2,seq_mean_k1", "rollout_rs_threshold": "0.1,0e0_1.01"}, "lower bound of '0e0' is"),
+    ({"rollout_rs": "sequence", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0}, "lower bound of 0 is"),
+])
+def test_k1_lower_bound_of_zero_is_refused(kwargs, named):
+    with pytest.raises(ValueError, match="log\\(0\\) = -inf") as info:
+        C(**kwargs)
+    assert named in str(info.value)  # the bad value itself, as given
+    assert "'_2.0'" in str(info.value)  # and the one-sided form to use instead
+
+
+def test_k1_single_upper_bound_form():
+    spec = rc.parse_rs_options("token_k1", "_1.5")[0]
+    assert spec == rc.RSOption("token_k1", "k1", "token", None, 1.5)
+    assert spec.interval == (-math.log(1.5), math.inf)
+    assert rc.parse_rs_options("token_k1", 1.5)[0].lower == 1 / 1.5  # a plain number stays [1/u, u]
+    _, m2, _ = corr(*make([[1e-6, 0.5, 1.5, 1.6]]), rollout_rs="token_k1", rollout_rs_threshold="_1.5")
+    assert m2.tolist() == [[1, 1, 1, 0]]
+    for bad in ({"rollout_rs": "token_k2", "rollout_rs_threshold": "_0.5"},  # k2/k3: one upper bound only
+                {"rollout_is": "token", "rollout_is_threshold": "_2.0"}):  # IcePop needs both sides
+        with pytest.raises(ValueError, match="'_"):
+            C(**bad)
+
+
+# ---- The +/-20 safety clip in the k3 and chi2 metrics (§2, §6.4) -------------------------------------
+def test_k3_and_chi2_metrics_clip_log_ratios_beyond_twenty():
+    train, rollout, mask = logs([[25.0, 0.0], [-25.0]])
+    met = rc.compute_offpolicy_metrics(train, rollout, mask)
+    e = math.exp
+    k3 = [e(20.0) - 1 - 20.0, 0.0, e(-20.0) - 1 + 20.0]  # l = 25 and -25 enter as +/-20
+    assert met["k3_kl"] == pytest.approx(sum(k3) / 3, rel=1e-12)
+    assert met["chi2_token"] == pytest.approx((e(40.0) + 1 + e(-40.0)) / 3 - 1, rel=1e-12)
+    assert met["chi2_seq"] == pytest.approx((e(40.0) + e(-40.0)) / 2 - 1, rel=1e-12)  # s = 25, -25 clipped
+    assert met["kl"] == approx(0.0)  # the k1 metric is not clipped: (-25 - 0 + 25) / 3
+    assert met["chi2_token"] < e(45.0)  # unclipped it would be (e^50 + 1 + e^-50) / 3 - 1
+
+
+# ---- Bypass REINFORCE with RS, veto, IcePop and batch normalisation together (§7.4, §3.7) ---------------
+def test_bypass_reinforce_with_rs_veto_icepop_and_batch_norm_by_hand():
+    ratios = [[1.0, 3.0, 1.5], [0.4, 1.2], [1.1, 0.001], [0.8]]
+    log_prob = torch.tensor([[-1.0, -0.2, -0.7], [-1.5, -0.3, NAN], [-0.1, -3.0, NAN], [-0.9, NAN, NAN]],
+                            dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=F64)
+    rollout = log_prob.detach().clone()
+    for i, row in enumerate(ratios):
+        for t, r in enumerate(row):
+            rollout[i, t] -= math.log(r)
+    adv = torch.tensor([[1.0], [-0.5], [2.0], [1.5]], dtype=F64).expand(4, 3)
+    cfg = C(rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True,
+            rollout_rs="token_k1", rollout_rs_threshold="0.3_2.5", rollout_token_veto_threshold=0.01,
+            bypass_mode=True, loss_type="reinforce")
+    loss, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg)
+    # IcePop [0.5, 2] zeroes 3.0, 0.4, 0.001: applied [1, 0, 1.5 | 0, 1.2 | 1.1, 0 | 0.8], Z = 5.6 / 8 = 0.7
+    # RS token_k1 [0.3, 2.5] rejects 3.0 and 0.001; the veto (rho < 0.01) rejects all of row 2
+    # kept: (0,0) w 1, (0,2) w 1.5, (1,0) w 0, (1,1) w 1.2, (3,0) w 0.8; N = 8 (pre-rejection)
+    z, n = 0.7, 8
+    kept = {(0, 0): 1.0, (0, 2): 1.5, (1, 0): 0.0, (1, 1): 1.2, (3, 0): 0.8}
+    a = [1.0, -0.5, 2.0, 1.5]
+    lp = log_prob.detach()
+    assert loss.item() == approx(sum(-a[i] * lp[i, t].item() * w / z for (i, t), w in kept.items()) / n)
+    assert loss.item() == approx((1.0 + 1.05 - 0.18 + 1.08) / 0.7 / 8)  # the same sum written out
+    loss.backward()
+    want = torch.zeros((4, 3), dtype=F64)
+    for (i, t), w in kept.items():
+        want[i, t] = -a[i] * w / z / n
+    torch.testing.assert_close(log_prob.grad, want, rtol=1e-10, atol=1e-12)
+    assert met["rollout_corr/rollout_is_batch_norm_factor"] == approx(z)
+    assert met["rollout_corr/rollout_is_veto_fraction"] == approx(1 / 4)
+    assert met["rollout_corr/rollout_rs_masked_fraction"] == approx(2 / 8)
+    assert met["rollout_corr/rollout_is_oob_ratio"] == approx(3 / 8)
+
+
+# ---- Sequence IS over micro-batches with global denominators (§7.5) ------------------------------------
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_sequence_is_over_micro_batches_equals_the_whole_batch(mode):
+    gen = torch.Generator().manual_seed(7)
+    rollout = -torch.rand((6, 5), generator=gen, dtype=F64) * 2
+    theta = rollout + 0.2 * torch.randn((6, 5), generator=gen, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=F64)
+    adv = torch.randn((6, 1), generator=gen, dtype=F64).expand(6, 5)
+    cfg = C(rollout_is="sequence", rollout_is_threshold=1.3, rollout_rs="seq_mean_k3",
+            rollout_rs_threshold=0.014, bypass_mode=True, loss_type="reinforce")
+    w, keep, _ = rc.compute_rollout_correction_and_rejection_mask(theta, rollout, mask, cfg)
+    assert keep.sum(-1).tolist() == [0, 3, 1, 4, 2, 0] and w[5, 0].item() == 1.3  # RS and the cap both act
+    counts = {"global_token_count": mask.sum(), "global_seq_count": 6}
+    whole_in = theta.clone().requires_grad_()
+    whole, _ = rc.compute_policy_loss_bypass_mode(whole_in, rollout, adv, mask, cfg, mode, **counts)
+    whole.backward()
+    parts_in = theta.clone().requires_grad_()
+    total = sum(rc.compute_policy_loss_bypass_mode(parts_in[rows], rollout[rows], adv[rows], mask[rows], cfg,
+                                                   mode, **counts)[0] for rows in (slice(0, 2), slice(2, 6)))
+    total.backward()
+    assert total.item() == approx(whole.item(), rel=1e-12)
+    torch.testing.assert_close(parts_in.grad, whole_in.grad, rtol=1e-12, atol=1e-14)
+    assert whole_in.grad.abs().sum() > 0
+    # without the global count a micro-batch divides by its own tokens: the sum is then another number
+    local = sum(rc.compute_policy_loss_bypass_mode(theta[rows], rollout[rows], adv[rows], mask[rows], cfg,
+                                                   mode)[0] for rows in (slice(0, 2), slice(2, 6)))
+    assert local.item() != approx(whole.item(), rel=1e-6)
+
+
+# ---- bf16 log-probs (§1 work dtype) ---------------------------------------------------------------------
+def test_bf16_log_probs_match_float32_within_bf16_tolerance():
+    gen = torch.Generator().manual_seed(8)
+    rollout32 = -torch.rand((4, 6), generator=gen) * 2
+    train32 = rollout32 + 0.05 * torch.randn((4, 6), generator=gen)
+    mask = torch.ones((4, 6))
+    mask[1, 4:] = 0
+    cfg = C(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold=1.5)
+    train16, rollout16 = train32.bfloat16(), rollout32.bfloat16()
+    w16, m16, met16 = rc.compute_rollout_correction_and_rejection_mask(train16, rollout16, mask, cfg)
+    assert w16.dtype == torch.float32 and m16.dtype == mask.dtype
+    assert all(isinstance(v, float) and math.isfinite(v) for k, v in met16.items() if "pearson" not in k)
+    # the correction runs in fp32: bf16 inputs give exactly what fp32 copies of the same values give
+    w_same, m_same, met_same = rc.compute_rollout_correction_and_rejection_mask(train16.float(), rollout16.float(),
+                                                                                mask, cfg)
+    assert torch.equal(w16, w_same) and torch.equal(m16, m_same) and met16.keys() == met_same.keys()
+    # and the fp32 originals within bf16 rounding (|l| error ~ 2^-8 |log p| per token)
+    w32, _, met32 = rc.compute_rollout_correction_and_rejection_mask(train32, rollout32, mask, cfg)
+    torch.testing.assert_close(w16, w32, rtol=0.05, atol=1e-3)
+    assert met16["rollout_corr/rollout_ppl"] == pytest.approx(met32["rollout_corr/rollout_ppl"], rel=1e-2)
+    # losses: a bf16 log_prob gives an fp32 loss and a bf16 gradient
+    adv = torch.randn((4, 6), generator=gen)
+    for loss_cfg in (C.bypass_ppo_clip(), C.bypass_pg_is()):
+        lp16 = train16.clone().requires_grad_()
+        loss16, _ = rc.compute_policy_loss_bypass_mode(lp16, rollout16, adv.bfloat16(), mask, loss_cfg)
+        loss16.backward()
+        assert loss16.dtype == torch.float32 and lp16.grad.dtype == torch.bfloat16
+        loss32, _ = rc.compute_policy_loss_bypass_mode(train32, rollout32, adv, mask, loss_cfg)
+        assert loss16.item() == pytest.approx(loss32.item(), rel=0.05, abs=1e-3)

@@ -9,7 +9,7 @@ Each run is `rc_train.py --output-dir OUT --run-name PRESET__DIAL=LEVEL__sSEED -
 --DIAL LEVEL --num-steps STEPS EXTRA...` (OMP_NUM_THREADS=1), its output in OUT/RUN_NAME.log. A run whose
 metrics.jsonl already holds steps 0..STEPS-1 is skipped, so an interrupted sweep resumes; an incomplete run
 folder is re-run with --overwrite. The alpha plot shows the estimates of the three-policy TRPO bound
-(seed 004 Theorem 2): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`, alpha_1 = D_TV(mu, pi_old) ~
+(docs/corrections.md §12.6): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`, alpha_1 = D_TV(mu, pi_old) ~
 `rollout_corr/tv_mismatch` (in bypass presets the latter estimates beta = D_TV(mu, pi_theta) instead and
 tv_update is not logged; see rc_core.compute_rollout_correction_and_rejection_mask).
 """

@@ -62,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--worker", choices=("trl_vllm", "trl_generate"), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.steps = args.steps or (20 if args.quick else 50)
+    if args.steps is None:
+        args.steps = 20 if args.quick else 50
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
         p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")

@@ -701,7 +701,7 @@ if __name__ == "__main__":
                         kl = rc_core.kl_penalty(log_prob, mbt["ref_log_prob"], args.kl_estimator)
                         kl_loss = rc_core.agg_loss(kl, mbt["response_mask"], args.loss_agg_mode,
                                                    response_mask=mbt["response_mask"], **denominators)
-                        loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss)
+                        loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
                     with rc_infra.accumulating(accelerator, model, last_micro_batch=j == len(micro) - 1):
                         accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
                     step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, mbt, rc_config.bypass_mode,

@@ -417,6 +417,29 @@ def test_cpu_demo_config_spells_out_the_defaults():
     assert dataclasses.replace(spelled, config=None) == rc_train.Args()
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "3"], {"rollout_is_threshold": 3.0}),
+    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "0.5_5"], {"rollout_is_threshold": "0.5_5"}),
+    (["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs-threshold", "0.999_1.001"],
+     {"rollout_rs_threshold": "0.999_1.001"}),
+    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is", "none"], {"rollout_is": None}),
+    (["--rc.preset", "decoupled_seq_is_rs", "--rc.rollout-rs", "none"], {"rollout_rs": None}),
+    (["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml")], {"rollout_token_veto_threshold": 1e-4}),
+    (["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml"), "--rc.rollout-token-veto-threshold",
+      "none"], {"rollout_token_veto_threshold": None}),
+])
+def test_correction_flags_reach_the_config_with_their_types(monkeypatch, flags, expected):
+    import rc_infra
+    import rc_train
+
+    monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
+    config = rc_train.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+    for name, value in expected.items():
+        assert getattr(config, name) == value and type(getattr(config, name)) is type(value), (name, config)
+    if flags[-1] == "0.5_5":
+        assert (config.is_spec.mode, config.is_spec.lower, config.is_spec.upper) == ("icepop", 0.5, 5.0)
+
+
 def test_length_batching_gives_the_same_loss_and_gradients():
     # One optimizer step over a minibatch of mixed lengths: (a) the whole batch width, micro-batches in row order
     # (the trainer before length batching); (b) sorted by length, cut by a token budget, each micro-batch trimmed.

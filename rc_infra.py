@@ -1,19 +1,142 @@
-"""Infrastructure of rc_train.py, kept out of its reading path: processes and devices, the engine's memory on
-GPU, metric reduction across ranks, gradient norms, checkpoints and resume, run bookkeeping.
+"""Infrastructure of rc_train.py, kept out of its reading path: configuration (YAML defaults, the CLI, checks), the
+engine's scheduler limits, log files and memory on GPU, metric reduction across ranks, gradient norms, the run folder
+and its logs, checkpoints and resume, data-parallel checksums.
 
-Nothing here changes the algorithm; every piece is unit-tested on CPU (test_infra.py).
+Nothing here changes the algorithm; every piece is unit-tested on CPU (test_infra.py) or end to end (test_train.py).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
+import math
 import os
 import random
+import re
 import shutil
 import signal
+import sys
+import warnings
 
 import numpy as np
 import torch
+import yaml
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration: YAML defaults, the command line, checks (all before any engine starts)
+# ---------------------------------------------------------------------------------------------
+class _YamlLoader(yaml.SafeLoader):
+    """yaml.safe_load, with YAML 1.2 floats: '1e-4' is a number (YAML 1.1 reads it as a string) and '0.5_5' stays
+    the string it is meant to be (YAML 1.1 drops the underscore and reads 0.55), so an IcePop bound 'L_U' or a
+    multi-option RS threshold may be written unquoted, and every number reaches its field as a number."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"
+               r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+
+
+def load_yaml_defaults(cls, path: str, **extra):
+    """An instance of the dataclass `cls` whose values come from a YAML file: flat keys, plus one mapping per nested
+    dataclass field (e.g. `rc:`). Values are handed over as YAML typed them (numbers as numbers); unknown keys fail."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path!r}")
+    with open(path) as f:
+        raw = yaml.load(f, Loader=_YamlLoader) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    nested = {k: f.default_factory for k, f in fields.items() if dataclasses.is_dataclass(f.default_factory)}
+    bad = sorted(set(raw) - set(fields))
+    for key, sub in nested.items():
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ValueError(f"config {path!r}: {key!r} must be a mapping")
+        bad += [f"{key}.{k}" for k in sorted(set(raw.get(key) or {}) - {f.name for f in dataclasses.fields(sub)})]
+    if bad:
+        raise ValueError(f"config {path!r}: unknown keys {bad}")
+    values = {k: nested[k](**(v or {})) if k in nested else v for k, v in raw.items()}
+    return cls(**{**values, **extra})
+
+
+def parse_cli(cls, load_defaults, gpu_config: str | None = None):
+    """tyro over the dataclass `cls`; --config FILE (or, with a GPU and neither --config nor --model, `gpu_config`)
+    gives the defaults through load_defaults(path), and flags on the command line still win."""
+    import tyro
+
+    argv = sys.argv[1:]
+    config = None
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            config = argv[i + 1]
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+    if config is None and gpu_config and torch.cuda.is_available() and "--model" not in argv:
+        config = gpu_config
+    try:
+        default = load_defaults(config) if config else cls()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        sys.exit(f"rc_train.py: error: {e}")
+    return tyro.cli(cls, default=default, args=argv)
+
+
+def validate_args(args, world_size: int) -> None:
+    """Fail fast with a message naming the bad value (before tokenizer, data or engine)."""
+    import rc_core
+
+    def need(cond, msg):
+        if not cond:
+            raise ValueError(msg)
+    need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
+    need(args.num_samples_per_prompt >= 1, f"--num-samples-per-prompt must be >= 1, got {args.num_samples_per_prompt}")
+    need(args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
+         f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size ({world_size})")
+    batch = args.num_prompts_per_step // world_size * args.num_samples_per_prompt
+    need(args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+         f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})")
+    need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    need(args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
+         f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
+    need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
+    need(args.temperature > 0 and math.isfinite(args.temperature),
+         f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
+    need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    need(args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
+         f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}")
+    need(args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
+         f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
+    need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
+    need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
+    need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    need(args.format_bonus >= 0, f"--format-bonus must be >= 0, got {args.format_bonus}")
+    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
+    need(args.vllm_sleep_level == 1 or args.sync_every == 1,
+         f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
+         f"it needs --sync-every 1, got --sync-every {args.sync_every}")
+    need(args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
+         f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}")
+    tokens = args.vllm_max_num_batched_tokens
+    if tokens is not None and not torch.cuda.is_available():
+        # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
+        need(tokens >= args.max_model_len,
+             f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
+             f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len")
+    need(tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
+         f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}")
+    if args.kl_coef > 0:
+        rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
+    low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
+    high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+    rc_core.check_loss_settings(low, high, args.clip_ratio_c, args.loss_agg_mode, args.loss_scale_factor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +214,126 @@ class EngineMemory:
         if self.enabled and self.awake:
             self.llm.sleep(level=self.level)
             self.awake.clear()
+
+
+@contextlib.contextmanager
+def engine_awake(engine: EngineMemory, *tags: str, sleep_after: bool = False):
+    """Wake `tags` of the engine for the block; with sleep_after, put it all back to sleep at the end (only after a
+    rollout: the update comes next and gets the memory). A weight sync wakes the weights alone and leaves them
+    awake: the KV cache sleeps on until the next generation, and a level-2 sleep would discard the new weights."""
+    engine.wake(*tags)
+    yield
+    if sleep_after:
+        engine.sleep()
+
+
+def engine_limits(args, world: int, longest_prompt: int, on_gpu: bool) -> dict:
+    """Scheduler settings of the engine: one wave holds this rank's whole rollout batch.
+
+    CPU: chunked prefill is off, so no prefill is ever split across engine steps. vLLM rewinds the random
+    generator of a seeded request whose prompt was only partly prefilled (its sampled token is discarded),
+    and CPU generators cannot rewind: a split prefill crashed the first rollout ("CPU Generator does not use
+    offset") with GSM8K-length prompts. Without chunking, a prompt waits for the next step instead, which only
+    needs a step budget >= --max-model-len (checked in validate_args). GPU generators rewind fine: chunked
+    prefill stays on there and the budget is passed only when set."""
+    batch = args.num_prompts_per_step // world * args.num_samples_per_prompt
+    max_num_seqs = args.vllm_max_num_seqs or batch
+    tokens = args.vllm_max_num_batched_tokens
+    if tokens is None and not on_gpu:
+        tokens = min(max(batch * longest_prompt, args.max_model_len), max(65536, args.max_model_len))
+    limits = dict(max_num_seqs=max_num_seqs)
+    if tokens is not None:
+        limits["max_num_batched_tokens"] = max(tokens, max_num_seqs)
+    if not on_gpu:
+        limits["enable_chunked_prefill"] = False
+    return limits
+
+
+@contextlib.contextmanager
+def output_to(path: str):
+    """Send this process's stdout and stderr (file descriptors 1 and 2: C++ warnings and progress bars
+    included) to a file for the duration; exceptions still reach the console once restored."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+class _BenignReloadWarning(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" after each weight sync. Benign: vLLM's
+    layer-wise reload counts the rotary cos/sin cache as a loadable tensor, no checkpoint holds it (it is
+    computed from the config, not learnt), and the reload puts the existing cache back. The fp32 tests
+    check that the engine's log-probs still match the trainer's to ~1e-8 after every sync."""
+
+    def filter(self, record):
+        return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
+
+
+@contextlib.contextmanager
+def engine_output_to(log_path: str):
+    """Start the engine inside this block: vLLM's log lines go to log_path (the run's engine.log) from now on, and
+    so does everything its start-up prints, C++ warnings and progress bars included (the console stays quiet)."""
+    engine_log = logging.getLogger("vllm")
+    engine_log.setLevel(logging.INFO)
+    engine_log.propagate = False
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_BenignReloadWarning())
+    engine_log.addHandler(handler)
+    with output_to(log_path), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatch dials of the lab (README "What the lab shows"): the weights the engine receives
+# ---------------------------------------------------------------------------------------------
+def fake_quantise(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric per-output-channel round-to-nearest: W_q = s * clamp(round(W / s), -q, q), s = max|W_row| / q,
+    q = 2^(bits-1) - 1. The weight-only INT8/INT4 scheme whose rollout mismatch FlashRL (Yao et al. 2025)
+    measures; quantisation happens once per sync, like a calibration-free quantised engine."""
+    q = 2 ** (bits - 1) - 1
+    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / q
+    return (weight / scale).round().clamp(-q, q) * scale
+
+
+def has_weight_dial(args) -> bool:
+    """True when the engine is sent perturbed weights (--rollout-weight-quant or --rollout-weight-noise)."""
+    return args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
+
+
+def rollout_weights(state_dict: dict, args) -> dict:
+    """The weights the engine receives: the trainer's, or a perturbed copy when a weight dial is on.
+
+    Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept,
+    as weight-only quantisers do. The noise eps is drawn from a generator seeded by (--seed, tensor index),
+    so every sync sends the same perturbation pattern: a persistent error, like a quantiser's, not fresh noise.
+    """
+    if not has_weight_dial(args):
+        return state_dict
+    out = {}
+    for i, (name, w) in enumerate(state_dict.items()):
+        if w.dim() >= 2 and w.is_floating_point():
+            w = w.detach().float()
+            if args.rollout_weight_noise:
+                gen = torch.Generator(device="cpu").manual_seed(args.seed * 100_003 + i)
+                eps = torch.randn(w.shape, generator=gen).to(w.device)
+                w = w + args.rollout_weight_noise * w.pow(2).mean().sqrt() * eps
+            if args.rollout_weight_quant != "none":
+                w = fake_quantise(w, int(args.rollout_weight_quant[3:]))
+        out[name] = w
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,3 +530,120 @@ def weights_sha256(model) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids: list, model) -> None:
+    """Data-parallel sanity: every rank appends {step, world_size, SHA-256 of its sampled tokens and of its weights}
+    to ranks/rank{r}.jsonl: the weights must agree across ranks, the samples must not."""
+    rollout = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
+    os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
+    with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "rollout_sha256": rollout,
+                            "weights_sha256": weights_sha256(model)}) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder: creation, config.yaml, logs, resume, final weights
+# ---------------------------------------------------------------------------------------------
+def check_run_dir(run_dir: str, resume: bool, overwrite: bool) -> bool:
+    """Refuse to touch an existing run unless --resume or --overwrite (before anything is written); True when the
+    folder must be emptied first (--overwrite of an existing run)."""
+    exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
+    if resume and not checkpoint_dirs(run_dir):
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
+    if exists and not (resume or overwrite):
+        raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
+    return exists and overwrite and not resume
+
+
+def open_run_dir(run_dir: str, replace: bool, accelerator, args, rc_config, **facts) -> None:
+    """Create the run folder (emptied first when `replace`) and write config.yaml: the arguments, the processes,
+    the resolved correction config and `facts` (model path, training rows)."""
+    if replace and accelerator.is_main_process:
+        shutil.rmtree(run_dir)
+    accelerator.wait_for_everyone()
+    os.makedirs(run_dir, exist_ok=True)
+    if accelerator.is_main_process:
+        correction = {f.name: (str(v) if isinstance(v := getattr(rc_config, f.name), str) else v)  # str(): an unset
+                      for f in dataclasses.fields(rc_config) if f.init}  # loss_type is a str subclass
+        config = {"args": dataclasses.asdict(args), "world_size": accelerator.num_processes,
+                  "distributed_type": str(accelerator.distributed_type), "model_path": facts.pop("model_path"),
+                  "rollout_correction": correction, **facts}
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+
+
+def resume(run_dir: str, model, optimizer, scheduler, accelerator, counters: dict) -> tuple[str, int, int, dict]:
+    """Load the newest complete checkpoint; drop the log lines of the steps that will run again.
+    Returns (checkpoint path, first step to run, data position, counters). The RNG states are restored later, by
+    restore_rng, once the engine has started."""
+    ckpt = checkpoint_dirs(run_dir)[-1]
+    state = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
+    start_step = state["step"] + 1
+    if accelerator.is_main_process:
+        for name in ("metrics.jsonl", "eval_samples.jsonl"):
+            truncate_metrics(os.path.join(run_dir, name), start_step)
+    truncate_metrics(os.path.join(run_dir, "ranks", f"rank{accelerator.process_index}.jsonl"), start_step)
+    if accelerator.is_main_process:
+        print(f"resumed from {ckpt} at step {start_step}")
+    return ckpt, start_step, state["position"], {k: state[k] for k in counters}
+
+
+class RunLog:
+    """The run's logs, written by the main process only: metrics.jsonl (one line per step, keys sorted),
+    eval_samples.jsonl, and with --tensorboard / --track the event files and the W&B run."""
+
+    def __init__(self, run_dir: str, accelerator):
+        self.run_dir, self.main = run_dir, accelerator.is_main_process
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if self.main else None
+        self.writer = self.wandb = None
+
+    def start_trackers(self, args, run_name: str) -> None:
+        if self.main and args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.run_dir)
+        if self.main and args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
+                       name=run_name, dir=self.run_dir, id=wandb_run_id(self.run_dir, args.resume), resume="allow")
+            self.wandb = wandb
+
+    def log(self, step: int, metrics: dict, trackers: bool = True) -> None:
+        """One line of metrics.jsonl; with `trackers`, keys sorted and the same figures to tensorboard and W&B."""
+        if not self.main:
+            return
+        self.file.write(json.dumps({"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}) + "\n")
+        self.file.flush()
+        if trackers and self.writer:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+        if trackers and self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def eval_samples(self, step: int, samples: list[dict]) -> None:
+        if self.main:
+            with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
+
+    def close(self) -> None:
+        if self.main:
+            self.file.close()
+            if self.writer:
+                self.writer.close()
+
+
+def save_log_ratios(run_dir: str, step: int, chunks: list) -> None:
+    """log(pi_trainer/pi_rollout) of the valid tokens of one step, to log_ratio/step_N.npy (--dump-log-ratio-every)."""
+    os.makedirs(os.path.join(run_dir, "log_ratio"), exist_ok=True)
+    np.save(os.path.join(run_dir, "log_ratio", f"step_{step:06d}.npy"),
+            torch.cat(chunks).float().numpy() if chunks else np.zeros(0, np.float32))
+
+
+def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
+    """final/: the trained weights with save_pretrained (loadable by transformers and vLLM)."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+        tokenizer.save_pretrained(os.path.join(run_dir, "final"))

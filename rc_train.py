@@ -1,5 +1,6 @@
 # GRPO with rollout correction: vLLM rollouts, rc_core corrections, in-place weight sync.
-# Read alongside rc_core.py (the formulas) and README.md (commands, presets, metrics glossary).
+# Read alongside rc_core.py (the formulas), docs/corrections.md (their semantics, cited as §N) and README.md
+# (commands, presets, metrics glossary). Infrastructure (config files, checks, logs, checkpoints) is in rc_infra.py.
 """One CleanRL-style script: Args -> rollout (vLLM) -> reward -> GRPO advantage -> update -> sync.
 
     python rc_train.py                                  # CPU: miniature GSM8K, a 1M-parameter base built here
@@ -7,39 +8,34 @@
     torchrun --nproc_per_node 2 rc_train.py ...         # data parallel, one vLLM engine per rank
     python rc_train.py plot runs/A runs/B               # rollout-correction dashboard (rc_plot.py)
 
-Two update modes (seed 001 "Bypass 模式" / "Decoupled 模式"; seed 000 §3.1):
+Two update modes (docs/corrections.md §7.2 decoupled, §7.3/§7.4 bypass):
 * bypass:    pi_old := pi_rollout. No old-log-prob forward pass; corrections are computed inside
              the loss from sg(pi_theta) vs pi_rollout (rc_core.compute_policy_loss_bypass_mode).
 * decoupled: pi_old is recomputed once per rollout batch, before the first update; IS weights
              pi_old/pi_rollout and the rejection mask are computed once and frozen for all epochs.
+Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT TO MODIFY` marks the plumbing.
 """
 import dataclasses
-import contextlib
 import hashlib
-import json
-import logging
 import math
 import os
 import random
-import shutil
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 # vLLM must live in this process so that weights can be pushed into it in place (see README).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's CPU build otherwise reserves almost all RAM for its KV cache (README "CPU engine").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# The engine's log lines go to runs/{run_name}/engine.log (configured below), not to the console.
+# The engine's log lines go to runs/{run_name}/engine.log (rc_infra.engine_output_to), not to the console.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import torch
 import tyro
-import yaml
 
 import rc_core
 import rc_infra
@@ -47,32 +43,49 @@ import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = "tiny"
+OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
+
+
+def _number_or_text(text: str) -> float | str:
+    """'3' -> 3.0, '1e-4' -> 0.0001; 'L_U' bounds and option lists stay text ('0.5_5' is not the number 0.55)."""
+    try:
+        return text if "_" in text else float(text)
+    except ValueError:
+        return text
+
+
+# A threshold: a number, or the text forms rc_core parses ('L_U', one entry per RS option, 'none').
+Threshold = Annotated[float | str | None, tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="{FLOAT,L_U,...,none}", instance_from_str=lambda a: _number_or_text(a[0]),
+    is_instance=lambda x: x is None or isinstance(x, (int, float, str)), str_from_instance=lambda x: [str(x)])]
 
 
 @dataclass
 class CorrectionArgs:
-    """Rollout correction: a preset from rc_core, then optional per-field overrides."""
+    """Rollout correction: a preset from rc_core, then optional per-field overrides. Fields have the types of
+    rc_core.RolloutCorrectionConfig; None (the default) keeps the preset's value, and the literal 'none' (CLI or
+    YAML) switches an option off (it becomes None in the config)."""
 
     preset: str = "bypass_ppo_clip"
     """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled"""
     rollout_is: str | None = None
-    """override: IS level 'token' | 'sequence' | 'none'"""
-    rollout_is_threshold: str | None = None
-    """override: TIS cap (a number) or IcePop bounds 'L_U'"""
+    """override: IS level 'token' | 'sequence'; 'none' switches IS off"""
+    rollout_is_threshold: Threshold = None
+    """override: TIS cap (a number, e.g. 3) or IcePop bounds 'L_U' (e.g. 0.5_5, read as text, not as 0.55)"""
     rollout_is_batch_normalize: bool | None = None
-    """override: self-normalise IS weights over the batch (seed 000 §3.6)"""
+    """override: self-normalise IS weights over the batch (docs/corrections.md §3.7)"""
     rollout_rs: str | None = None
-    """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'), or 'none'"""
-    rollout_rs_threshold: str | None = None
-    """override: rejection thresholds, one entry or one per option ('0.999_1.001', '0.01')"""
+    """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'); 'none' switches RS off"""
+    rollout_rs_threshold: Threshold = None
+    """override: rejection thresholds, one entry or one per option (0.999_1.001, 0.01, '0.999_1.001,0.01')"""
     rollout_rs_threshold_lower: float | None = None
     """override: lower bound for the legacy RS names token/sequence/geometric"""
-    rollout_token_veto_threshold: str | None = None
-    """override: veto tau in (0,1): reject a sequence if any token ratio < tau; 'none' disables"""
+    rollout_token_veto_threshold: float | Literal["none"] | None = None
+    """override: veto tau in (0,1): reject a sequence if any token ratio < tau; 'none' switches the veto off"""
     bypass_mode: bool | None = None
     """override: True = bypass (pi_old := pi_rollout), False = decoupled"""
     loss_type: str | None = None
-    """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode)"""
+    """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode); 'none' = the preset's default"""
 
 
 @dataclass
@@ -224,115 +237,26 @@ class Args:
     """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
 
     rc: CorrectionArgs = field(default_factory=CorrectionArgs)
-    """rollout correction settings"""
+    """rollout correction settings: a preset, then overrides; an override left at None keeps the preset's value,
+    the literal 'none' switches the option off"""
 
 
 # ---------------------------------------------------------------------------------------------
-# Configuration: YAML defaults, validation (all before any engine starts)
+# Configuration (YAML loading, the CLI and the checks themselves live in rc_infra.py)
 # ---------------------------------------------------------------------------------------------
 def load_yaml_defaults(path: str) -> Args:
-    """Args whose defaults come from a YAML file (flat keys, plus a nested `rc:` mapping)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file not found: {path!r}")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(Args)}
-    nested = {"rc": CorrectionArgs, "mini": tasks.MiniGSMArgs}
-    bad = sorted(set(raw) - names)
-    for key, cls in nested.items():
-        if not isinstance(raw.get(key) or {}, dict):
-            raise ValueError(f"config {path!r}: {key!r} must be a mapping")
-        bad += [f"{key}.{k}" for k in sorted(set(raw.get(key) or {}) - {f.name for f in dataclasses.fields(cls)})]
-    if bad:
-        raise ValueError(f"config {path!r}: unknown keys {bad}")
-    rc = CorrectionArgs(**{k: _as_str(v) if k in _STR_FIELDS else v for k, v in (raw.pop("rc", None) or {}).items()})
-    mini = tasks.MiniGSMArgs(**(raw.pop("mini", None) or {}))
-    return Args(**{k: v for k, v in raw.items() if k != "config"}, config=path, rc=rc, mini=mini)
+    """Args whose defaults come from a YAML file (flat keys, plus nested `rc:` and `mini:` mappings)."""
+    return rc_infra.load_yaml_defaults(Args, path, config=path)
 
 
-_STR_FIELDS = {"rollout_is_threshold", "rollout_rs_threshold", "rollout_token_veto_threshold", "rollout_is", "rollout_rs"}
-
-
-def _as_str(v):
-    return None if v is None else str(v)
-
-
-def _override_value(text: str | None):
-    """CLI strings -> config values: 'none' -> None, numeric strings -> float, else the string."""
-    if text is None or text.strip().lower() in ("none", "null"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
+validate_args = rc_infra.validate_args  # validate_args(args, world_size): every check before the engine starts
 
 
 def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConfig:
-    """The preset, with every field the user set replaced (rc_core validates on construction)."""
-    config = rc_core.RolloutCorrectionConfig.from_name(rc.preset)
-    overrides = {}
-    for f in dataclasses.fields(rc):
-        value = getattr(rc, f.name)
-        if f.name == "preset" or value is None:
-            continue
-        if f.name in ("rollout_is", "rollout_rs", "loss_type"):
-            value = None if value.strip().lower() in ("none", "null") else value
-        elif f.name in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_token_veto_threshold"):
-            value = _override_value(value)
-        overrides[f.name] = value
-    return dataclasses.replace(config, **overrides) if overrides else config
-
-
-def validate_args(args: Args, world_size: int) -> None:
-    """Fail fast with a message naming the bad value (before tokenizer, data or engine)."""
-    def need(cond, msg):
-        if not cond:
-            raise ValueError(msg)
-    need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
-    need(args.num_samples_per_prompt >= 1, f"--num-samples-per-prompt must be >= 1, got {args.num_samples_per_prompt}")
-    need(args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
-         f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size ({world_size})")
-    batch = args.num_prompts_per_step // world_size * args.num_samples_per_prompt
-    need(args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
-         f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})")
-    need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    need(args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
-         f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
-    need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
-    need(args.temperature > 0 and math.isfinite(args.temperature),
-         f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
-    need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
-    need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
-    need(args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
-         f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}")
-    need(args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
-         f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
-    need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
-    need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
-    need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
-    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    need(args.format_bonus >= 0, f"--format-bonus must be >= 0, got {args.format_bonus}")
-    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
-    need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
-    need(args.vllm_sleep_level == 1 or args.sync_every == 1,
-         f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
-         f"it needs --sync-every 1, got --sync-every {args.sync_every}")
-    need(args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
-         f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}")
-    tokens = args.vllm_max_num_batched_tokens
-    if tokens is not None and not torch.cuda.is_available():
-        # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
-        need(tokens >= args.max_model_len,
-             f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
-             f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len")
-    need(tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
-         f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}")
-    if args.kl_coef > 0:
-        rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
-    rc_core.check_loss_settings(clip_low(args), clip_high(args), args.clip_ratio_c, args.loss_agg_mode,
-                                args.loss_scale_factor)
+    """The preset, with every field the user set replaced; OFF ('none') becomes None. rc_core validates."""
+    set_fields = {k: None if isinstance(v, str) and v.strip().lower() == OFF else v
+                  for k, v in dataclasses.asdict(rc).items() if k != "preset" and v is not None}
+    return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
 
 
 def clip_low(args: Args) -> float:
@@ -344,7 +268,7 @@ def clip_high(args: Args) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Prompts (the task itself lives in tasks.py: problems, prompt text, scores)
+# ALGO LOGIC: prompts and reward (the task itself lives in tasks.py: problems, prompt text, scores)
 # ---------------------------------------------------------------------------------------------
 def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[int]]:
     """Prompt token ids, through the chat template when the tokenizer has one; checks the context."""
@@ -371,71 +295,11 @@ def reward(args: Args, scores: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM engine: start, generate with processed log-probs, in-place weight sync
+# TRY NOT TO MODIFY: vLLM engine: start, generate with processed log-probs, in-place weight sync
 # ---------------------------------------------------------------------------------------------
-def engine_limits(args: Args, world: int, longest_prompt: int, on_gpu: bool) -> dict:
-    """Scheduler settings of the engine: one wave holds this rank's whole rollout batch.
-
-    CPU: chunked prefill is off, so no prefill is ever split across engine steps. vLLM rewinds the random
-    generator of a seeded request whose prompt was only partly prefilled (its sampled token is discarded),
-    and CPU generators cannot rewind: a split prefill crashed the first rollout ("CPU Generator does not use
-    offset") with GSM8K-length prompts. Without chunking, a prompt waits for the next step instead, which only
-    needs a step budget >= --max-model-len (checked in validate_args). GPU generators rewind fine: chunked
-    prefill stays on there and the budget is passed only when set."""
-    batch = args.num_prompts_per_step // world * args.num_samples_per_prompt
-    max_num_seqs = args.vllm_max_num_seqs or batch
-    tokens = args.vllm_max_num_batched_tokens
-    if tokens is None and not on_gpu:
-        tokens = min(max(batch * longest_prompt, args.max_model_len), max(65536, args.max_model_len))
-    limits = dict(max_num_seqs=max_num_seqs)
-    if tokens is not None:
-        limits["max_num_batched_tokens"] = max(tokens, max_num_seqs)
-    if not on_gpu:
-        limits["enable_chunked_prefill"] = False
-    return limits
-
-
-@contextlib.contextmanager
-def output_to(path: str):
-    """Send this process's stdout and stderr (file descriptors 1 and 2: C++ warnings and progress bars
-    included) to a file for the duration; exceptions still reach the console once restored."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(path, "a") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
-class _BenignReloadWarning(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" after each weight sync. Benign: vLLM's
-    layer-wise reload counts the rotary cos/sin cache as a loadable tensor, no checkpoint holds it (it is
-    computed from the config, not learnt), and the reload puts the existing cache back. The fp32 tests
-    check that the engine's log-probs still match the trainer's to ~1e-8 after every sync."""
-
-    def filter(self, record):
-        return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
-
-
 def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path: str, placement: dict):
     """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log).
-    placement: rc_infra.engine_placement's executor settings (each rank's engine on its own GPU)."""
-    engine_log = logging.getLogger("vllm")
-    engine_log.setLevel(logging.INFO)
-    engine_log.propagate = False
-    handler = logging.FileHandler(log_path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(_BenignReloadWarning())
-    engine_log.addHandler(handler)
+    limits: rc_infra.engine_limits; placement: rc_infra.engine_placement (each rank's engine on its own GPU)."""
     kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
                   # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
                   logprobs_mode=f"{args.rollout_logprobs}_logprobs",
@@ -445,8 +309,7 @@ def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path:
     else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
         kwargs.update(enforce_eager=True)
-    with output_to(log_path), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with rc_infra.engine_output_to(log_path):
         from vllm import LLM
 
         return LLM(**kwargs)
@@ -483,58 +346,20 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool
     return result
 
 
-def fake_quantise(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Symmetric per-output-channel round-to-nearest: W_q = s * clamp(round(W / s), -q, q), s = max|W_row| / q,
-    q = 2^(bits-1) - 1. The weight-only INT8/INT4 scheme whose rollout mismatch FlashRL (Yao et al. 2025)
-    measures; quantisation happens once per sync, like a calibration-free quantised engine."""
-    q = 2 ** (bits - 1) - 1
-    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / q
-    return (weight / scale).round().clamp(-q, q) * scale
-
-
-def has_weight_dial(args: Args) -> bool:
-    """True when the engine is sent perturbed weights (--rollout-weight-quant or --rollout-weight-noise)."""
-    return args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
-
-
-def rollout_weights(state_dict: dict, args: Args) -> dict:
-    """The weights the engine receives: the trainer's, or a perturbed copy when a weight dial is on.
-
-    Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept,
-    as weight-only quantisers do. The noise eps is drawn from a generator seeded by (--seed, tensor index),
-    so every sync sends the same perturbation pattern: a persistent error, like a quantiser's, not fresh noise.
-    """
-    if not has_weight_dial(args):
-        return state_dict
-    out = {}
-    for i, (name, w) in enumerate(state_dict.items()):
-        if w.dim() >= 2 and w.is_floating_point():
-            w = w.detach().float()
-            if args.rollout_weight_noise:
-                gen = torch.Generator(device="cpu").manual_seed(args.seed * 100_003 + i)
-                eps = torch.randn(w.shape, generator=gen).to(w.device)
-                w = w + args.rollout_weight_noise * w.pow(2).mean().sqrt() * eps
-            if args.rollout_weight_quant != "none":
-                w = fake_quantise(w, int(args.rollout_weight_quant[3:]))
-        out[name] = w
-    return out
-
-
-def engine_state_dict(accelerator, model) -> dict:
-    """The full weights, on every rank, for that rank's own engine (DDP and DeepSpeed ZeRO-1/2 replicate the
-    parameters; the sharded backends are refused at start by rc_infra.check_distributed)."""
-    return accelerator.get_state_dict(model)
-
-
-def sync_weights(llm, state_dict) -> None:
-    """Push every tensor (tied lm_head included: the CPU build keeps its own packed copy) and drop
-    the prefix cache, whose KV was computed with the old weights."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+def push_weights(llm, accelerator, model, args: Args, dials: bool = True) -> None:
+    """Push the trainer's full weights into the engine in place: every tensor (tied lm_head included: the CPU build
+    keeps its own packed copy); then drop the prefix cache, whose KV was computed with the old weights.
+    dials=True sends what the rollouts must use (rc_infra.rollout_weights: perturbed by a weight dial); evaluation
+    and resume send the trainer's own weights. DDP and DeepSpeed ZeRO-1/2 replicate the parameters, so every rank
+    has the full weights for its own engine (sharded backends are refused at start by rc_infra.check_distributed)."""
+    state_dict = accelerator.get_state_dict(model)
+    weights = rc_infra.rollout_weights(state_dict, args) if dials else state_dict
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
     llm.reset_prefix_cache()
 
 
 # ---------------------------------------------------------------------------------------------
-# Batch tensors and the trainer's log-probs
+# ALGO LOGIC: batch tensors, the trainer's log-probs, the loss
 # ---------------------------------------------------------------------------------------------
 def make_batch(prompt_ids, responses, pad_id):
     """Left-pad prompts and right-pad responses so every response starts at the same column P.
@@ -604,8 +429,44 @@ def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: fl
     return log_prob, entropy
 
 
+def policy_loss(args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denominators: dict,
+                correction_metrics: bool) -> tuple[torch.Tensor, dict]:
+    """ALGO LOGIC: the policy-gradient loss of one micro-batch, and its metrics (actor/*, bypass also rollout_corr/*).
+
+    bypass (docs/corrections.md §7.3/§7.4): PPO ratio pi_theta/pi_rollout; rc_core computes the correction inside,
+    from sg(pi_theta) vs pi_rollout. decoupled (§7.2): PPO ratio pi_theta/pi_old, times the IS weights and under the
+    rejection mask computed once per rollout batch. `mb` holds this micro-batch's rows of the step's tensors."""
+    mask = mb["response_mask"]
+    if mask.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
+        return (log_prob * 0).sum(), {}
+    common = dict(log_prob=log_prob, rollout_log_prob=mb["rollout_log_prob"], advantages=mb["advantages"],
+                  response_mask=mask, loss_agg_mode=args.loss_agg_mode, clip_ratio_low=clip_low(args),
+                  clip_ratio_high=clip_high(args), clip_ratio_c=args.clip_ratio_c, **denominators)
+    if rc_config.bypass_mode:
+        return rc_core.compute_policy_loss_bypass_mode(**common, config=rc_config,
+                                                       with_correction_metrics=correction_metrics)
+    return rc_core.compute_policy_loss_vanilla(**common, old_log_prob=mb["old_log_prob"], keep_mask=mb["keep_mask"],
+                                               rollout_is_weights=mb.get("rollout_is_weights"))
+
+
+def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, mb: dict, bypass: bool, first: bool,
+                        frozen: dict) -> dict:
+    """The loss metrics plus CleanRL's approx_kl (k3 of the PPO ratio, Schulman 2020) and the entropy, over this
+    micro-batch's valid tokens. rollout_corr/* are kept from the first minibatch only (first): in bypass mode
+    sg(pi_theta) equals pi_old only before the first optimizer step; later the comparison with pi_rollout adds the
+    update itself (policy drift, logged as actor/ppo_kl). Names in `frozen` (the decoupled correction) are dropped."""
+    mask = mb["response_mask"]
+    if mask.sum() == 0:
+        return {}
+    prox = mb["rollout_log_prob"] if bypass else mb["old_log_prob"]
+    with torch.no_grad():
+        k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
+        out = {**loss_metrics, "actor/ppo_kl_k3": float(k3[mask > 0].mean()), "actor/entropy": float(entropy[mask > 0].mean())}
+    return {k: v for k, v in out.items() if k not in frozen and (first or not k.startswith("rollout_corr/"))}
+
+
 # ---------------------------------------------------------------------------------------------
-# Data order (metric reduction, checkpoints and resume live in rc_infra.py)
+# Data order and evaluation (metric reduction, checkpoints and resume live in rc_infra.py)
 # ---------------------------------------------------------------------------------------------
 def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
     """Rows position .. position+count-1 of an endless stream of seeded epoch permutations.
@@ -618,24 +479,6 @@ def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[in
         perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
         out.extend(perm[offset:offset + count - len(out)].tolist())
     return out
-
-
-def parse_cli() -> Args:
-    """tyro over Args; --config FILE (or, with a GPU and no --config, the default GSM8K config) sets defaults."""
-    argv = sys.argv[1:]
-    config = None
-    for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv):
-            config = argv[i + 1]
-        elif a.startswith("--config="):
-            config = a.split("=", 1)[1]
-    if config is None and torch.cuda.is_available() and "--model" not in argv:
-        config = os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml")
-    try:
-        default = load_yaml_defaults(config) if config else Args()
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        sys.exit(f"rc_train.py: error: {e}")
-    return tyro.cli(Args, default=default, args=argv)
 
 
 def evaluate(args, task, llm, prompts, rows, rank, world):
@@ -666,19 +509,18 @@ if __name__ == "__main__":
         import rc_plot
 
         sys.exit(rc_plot.main(sys.argv[2:]))
-    args = parse_cli()
+    # TRY NOT TO MODIFY: setup -- CLI, every check before the engine starts, run folder, seeding
+    args = rc_infra.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
     from accelerate import Accelerator
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the console holds our progress bar only
-
     t_start = time.time()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # vLLM and torch share the cores
-
-    # ---- Setup: every check before the engine starts ----------------------------------------
     try:
         validate_args(args, world)
         per_rank = args.num_prompts_per_step // world * args.num_samples_per_prompt
@@ -687,11 +529,7 @@ if __name__ == "__main__":
         rc_config = build_correction_config(args.rc)
         run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
         run_dir = os.path.join(args.output_dir, run_name)
-        exists = os.path.isdir(run_dir) and os.listdir(run_dir)
-        if args.resume and not rc_infra.checkpoint_dirs(run_dir):
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
-        if exists and not (args.resume or args.overwrite):
-            raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
+        replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
@@ -703,25 +541,13 @@ if __name__ == "__main__":
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
-    if exists and args.overwrite and not args.resume and accelerator.is_main_process:
-        shutil.rmtree(run_dir)
-    accelerator.wait_for_everyone()
-    os.makedirs(run_dir, exist_ok=True)
-    if accelerator.is_main_process:
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump({"args": dataclasses.asdict(args), "world_size": world,
-                            "distributed_type": str(accelerator.distributed_type), "model_path": model_path,
-                            "rollout_correction": {  # str(): a loss_type left unset is a str subclass
-                                f.name: (str(v) if isinstance(v := getattr(rc_config, f.name), str) else v)
-                                for f in dataclasses.fields(rc_config) if f.init},
-                            "train_rows": len(train_rows), "train_rows_skipped": n_skipped}, f, sort_keys=False)
-
-    # TRY NOT TO MODIFY: seeding
+    rc_infra.open_run_dir(run_dir, replace_run, accelerator, args, rc_config, model_path=model_path,
+                          train_rows=len(train_rows), train_rows_skipped=n_skipped)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    # ---- Models, optimizer, engine ------------------------------------------------------------
+    # TRY NOT TO MODIFY: models, optimizer, resume, engine
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -732,68 +558,43 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
     start_step, position, counters = 0, 0, {"old_log_prob_passes": 0, "sync_count": 0}
     if args.resume:
-        ckpt = rc_infra.checkpoint_dirs(run_dir)[-1]
-        state = rc_infra.load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
-        start_step, position = state["step"] + 1, state["position"]
-        counters = {k: state[k] for k in counters}
-        if accelerator.is_main_process:
-            for name in ("metrics.jsonl", "eval_samples.jsonl"):
-                rc_infra.truncate_metrics(os.path.join(run_dir, name), start_step)
-        rc_infra.truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), start_step)
-        if accelerator.is_main_process:
-            print(f"resumed from {ckpt} at step {start_step}")
+        ckpt, start_step, position, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator,
+                                                               counters)
     on_gpu = torch.cuda.is_available()
-    limits = engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
+    limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
     placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
     llm = start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"),
                        placement)
     engine = rc_infra.EngineMemory(llm, enabled=on_gpu and args.vllm_sleep, level=args.vllm_sleep_level)
-    weight_dial = has_weight_dial(args)
+    weight_dial = rc_infra.has_weight_dial(args)
     if args.resume:  # the engine loaded the initial weights from disk; its start-up reseeded the global RNGs
-        sync_weights(llm, engine_state_dict(accelerator, model))
+        push_weights(llm, accelerator, model, args, dials=False)
         rc_infra.restore_rng(ckpt, rank)
-    writer = None
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if accelerator.is_main_process else None
+    log = rc_infra.RunLog(run_dir, accelerator)
 
     def run_eval(step: int) -> dict:
-        """Greedy eval of the trainer's current weights; every problem goes to eval_samples.jsonl."""
+        """Greedy eval of the weights in the engine; every problem goes to eval_samples.jsonl."""
         t0 = time.time()
-        engine.wake("weights", "kv_cache")
-        metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world)
-        if accelerator.is_main_process:
-            with open(os.path.join(run_dir, "eval_samples.jsonl"), "a") as f:
-                f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
+        with rc_infra.engine_awake(engine, "weights", "kv_cache"):
+            metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world)
+        log.eval_samples(step, samples)
         return {**metrics, "timing/eval_s": time.time() - t0}
 
     first_eval = last_eval = None
     if args.eval_before and not args.resume:  # the initial policy, before any update: logged at step -1
         first_eval = last_eval = run_eval(-1)
-        if accelerator.is_main_process:
-            metrics_file.write(json.dumps({"step": -1, **first_eval}) + "\n")
-            metrics_file.flush()
+        log.log(-1, first_eval, trackers=False)
     if weight_dial:  # from now on the engine samples with the perturbed weights
-        sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
-    engine_synced = True
-
-    if accelerator.is_main_process and args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(run_dir)
-    if accelerator.is_main_process and args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
-                   name=run_name, dir=run_dir, id=rc_infra.wandb_run_id(run_dir, args.resume), resume="allow")
-    from tqdm import tqdm
-
+        push_weights(llm, accelerator, model, args)
+    log.start_trackers(args, run_name)
     bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     prompts_per_rank = args.num_prompts_per_step // world
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    unwrapped = accelerator.unwrap_model(model)
 
     def forward_log_probs(net, batch, rows, with_grad, with_entropy=False):
         """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width."""
@@ -807,27 +608,25 @@ if __name__ == "__main__":
         return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
 
     def no_grad_pass(net, batch):
-        B = batch["response_mask"].shape[0]
         out = torch.zeros(batch["response_mask"].shape)
-        for rows in micro_batches(torch.arange(B), batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
+        for rows in micro_batches(torch.arange(out.shape[0]), batch, args.micro_batch_size,
+                                  args.max_tokens_per_micro_batch):
             out[rows] = forward_log_probs(net, batch, rows, False)[0].cpu()
         return out
 
     for step in bar:
-        t_step = time.time()
-        timing = {}
-        # ---- Rollout: vLLM samples n responses per prompt with their (processed) log-probs ----
+        t_step, timing = time.time(), {}
+        # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs
         t0 = time.time()
         indices = prompt_indices(len(train_prompts), args.seed, position, args.num_prompts_per_step)
         position += args.num_prompts_per_step
         indices = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-        engine.wake("weights", "kv_cache")
-        groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
-                          seed_keys=(args.seed, step, rank))
-        engine.sleep()  # the only sleep: the update comes next and gets the memory
+        with rc_infra.engine_awake(engine, "weights", "kv_cache", sleep_after=True):  # the update gets the memory
+            groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
+                              seed_keys=(args.seed, step, rank))
         timing["timing/rollout_s"] = time.time() - t0
 
-        # ---- Reward and GRPO advantage (group = the n responses of one prompt) ---------------
+        # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
         t0 = time.time()
         flat_prompts, flat_responses, group_ids, rewards, corrects = [], [], [], [], []
         for g, (i, group) in enumerate(zip(indices, groups)):
@@ -846,32 +645,35 @@ if __name__ == "__main__":
             mask[bad.any(-1)] = 0.0
             rollout_lp[~torch.isfinite(rollout_lp)] = 0.0
         scores = torch.tensor(rewards, dtype=torch.float32)
-        advantages = rc_core.compute_grpo_outcome_advantage(scores, torch.tensor(group_ids), norm_adv_by_std=args.norm_adv_by_std,
-                                                            response_mask=mask)
+        advantages = rc_core.compute_grpo_outcome_advantage(scores, torch.tensor(group_ids), response_mask=mask,
+                                                            norm_adv_by_std=args.norm_adv_by_std)
         timing["timing/reward_s"] = time.time() - t0
 
-        # ---- Old log-prob (decoupled mode only) and the correction, frozen for all epochs ------
+        # ALGO LOGIC: correction -- decoupled: pi_old once per rollout batch, IS weights and rejection mask frozen
+        # for all epochs (docs/corrections.md §5, §7.2). bypass: pi_old := pi_rollout, no forward pass at all.
         old_lp = is_weights = keep_mask = None
         metrics = {}
         padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
         t_train = time.time()
         dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
         log_ratios = []  # log(pi_trainer/pi_rollout) of valid tokens, kept only on dump steps
-        timing["timing/old_log_prob_s"] = 0.0  # bypass: pi_old := pi_rollout, no forward pass at all
+        timing["timing/old_log_prob_s"] = 0.0
         if not rc_config.bypass_mode:
             t0 = time.time()
             model.eval()
             old_lp = no_grad_pass(unwrapped, batch)
             counters["old_log_prob_passes"] += 1
-            is_weights, keep_mask, corr = rc_core.compute_rollout_correction_and_rejection_mask(
-                old_lp, rollout_lp, mask, rc_config)
-            metrics.update(corr)
+            is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
+                old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config)
             if dump_ratios:
                 log_ratios.append((old_lp - rollout_lp)[mask > 0])
             timing["timing/old_log_prob_s"] = time.time() - t0
         ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
+        step_tensors = {k: v for k, v in dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp,
+                                              old_log_prob=old_lp, rollout_is_weights=is_weights, keep_mask=keep_mask,
+                                              ref_log_prob=ref_lp).items() if v is not None}
 
-        # ---- Update: epochs x minibatches (one optimizer step each) x micro-batches -----------
+        # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (gradient accumulation)
         t0 = time.time()
         model.train()
         B = mask.shape[0]
@@ -883,8 +685,8 @@ if __name__ == "__main__":
         for epoch in range(args.ppo_epochs):
             perm = torch.randperm(B, generator=gen)
             for mb in range(args.num_minibatches):
-                rows = perm[mb * per_mb:(mb + 1) * per_mb]
-                # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (rc_core §7.5)
+                rows, first = perm[mb * per_mb:(mb + 1) * per_mb], not (epoch or mb)
+                # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (docs/corrections.md §7.5)
                 n_tok, n_seq = rc_infra.global_sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())], accelerator)
                 denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
                                     loss_scale_factor=K)
@@ -892,40 +694,20 @@ if __name__ == "__main__":
                 micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch)
                 for j, mrows in enumerate(micro):
                     log_prob, entropy = forward_log_probs(model, batch, mrows, True, with_entropy=True)
-                    m, a, rlp = mask[mrows].to(device), advantages[mrows].to(device), rollout_lp[mrows].to(device)
-                    if m.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
-                        loss, mm = (log_prob * 0).sum(), {}
-                    elif rc_config.bypass_mode:
-                        loss, mm = rc_core.compute_policy_loss_bypass_mode(
-                            log_prob, rlp, a, m, rc_config, args.loss_agg_mode, clip_low(args), clip_high(args),
-                            args.clip_ratio_c, **denominators, with_correction_metrics=not (epoch or mb))
-                    else:
-                        loss, mm = rc_core.compute_policy_loss_vanilla(
-                            old_lp[mrows].to(device), log_prob, a, m, args.loss_agg_mode, clip_low(args), clip_high(args),
-                            args.clip_ratio_c, None if is_weights is None else is_weights[mrows].to(device),
-                            keep_mask=keep_mask[mrows].to(device), rollout_log_prob=rlp, **denominators)
-                    prox = rlp if rc_config.bypass_mode else old_lp[mrows].to(device)
-                    if m.sum() > 0:
-                        with torch.no_grad():  # CleanRL's approx_kl: k3 of the PPO ratio (Schulman 2020)
-                            k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
-                            mm["actor/ppo_kl_k3"] = float(k3[m > 0].mean())
-                            mm["actor/entropy"] = float(entropy[m > 0].mean())
+                    mbt = {k: v[mrows].to(device) for k, v in step_tensors.items()}
+                    loss, loss_metrics = policy_loss(args, rc_config, log_prob, mbt, denominators, correction_metrics=first)
                     loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
-                    if ref_lp is not None:
-                        kl = rc_core.kl_penalty(log_prob, ref_lp[mrows].to(device), args.kl_estimator)
-                        kl_loss = rc_core.agg_loss(kl, m, args.loss_agg_mode, response_mask=m, **denominators)
-                        loss = loss + args.kl_coef * kl_loss
-                        kl_sum += float(kl_loss)
+                    if ref_lp is not None:  # KL penalty to the initial model
+                        kl = rc_core.kl_penalty(log_prob, mbt["ref_log_prob"], args.kl_estimator)
+                        kl_loss = rc_core.agg_loss(kl, mbt["response_mask"], args.loss_agg_mode,
+                                                   response_mask=mbt["response_mask"], **denominators)
+                        loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
                     with rc_infra.accumulating(accelerator, model, last_micro_batch=j == len(micro) - 1):
-                        # Each rank holds a partial numerator over global denominators; DDP averages, so x world.
-                        accelerator.backward(loss * world)
-                    if epoch or mb:  # bypass: sg(pi_theta) equals the trainer's pi_old only before the first
-                        # optimizer step; later the comparison with pi_rollout adds the update itself (policy
-                        # drift, logged as actor/ppo_kl). rollout_corr/* measure the mismatch alone.
-                        mm = {k: v for k, v in mm.items() if not k.startswith("rollout_corr/")}
-                    elif rc_config.bypass_mode and dump_ratios:
-                        log_ratios.append((log_prob.detach() - rlp)[m > 0].cpu())
-                    step_metrics.add({k: v for k, v in mm.items() if k not in metrics}, weight=float(m.sum()))
+                        accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
+                    step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, mbt, rc_config.bypass_mode,
+                                                         first, metrics), weight=float(mbt["response_mask"].sum()))
+                    if first and dump_ratios and rc_config.bypass_mode:
+                        log_ratios.append((log_prob.detach() - mbt["rollout_log_prob"])[mbt["response_mask"] > 0].cpu())
                 grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -935,38 +717,34 @@ if __name__ == "__main__":
         metrics["perf/padding_fraction"] = 1.0 - padding["tokens"] / max(1, padding["positions"])
         metrics["perf/train_tokens_per_s"] = padding["tokens"] / max(1e-9, time.time() - t_train)
         if dump_ratios:
-            os.makedirs(os.path.join(run_dir, "log_ratio"), exist_ok=True)
-            np.save(os.path.join(run_dir, "log_ratio", f"step_{step:06d}.npy"),
-                    torch.cat(log_ratios).float().numpy() if log_ratios else np.zeros(0, np.float32))
+            rc_infra.save_log_ratios(run_dir, step, log_ratios)
 
-        # ---- Weight sync: push the new weights into the engine in place ------------------------
+        # TRY NOT TO MODIFY: weight sync -- push the new weights into the engine in place
         t0 = time.time()
-        engine_synced = False
-        if args.sync_every and (step + 1) % args.sync_every == 0:
-            engine.wake("weights")  # the KV cache sleeps on until the next generation
-            sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+        engine_synced = bool(args.sync_every) and (step + 1) % args.sync_every == 0
+        if engine_synced:
+            with rc_infra.engine_awake(engine, "weights"):  # the KV cache sleeps on until the next generation
+                push_weights(llm, accelerator, model, args)
             counters["sync_count"] += 1
-            engine_synced = True
         timing["timing/sync_s"] = time.time() - t0
 
-        # ---- Evaluation (greedy pass@1); needs the engine to hold the trainer's weights ---------
+        # TRY NOT TO MODIFY: evaluation (greedy pass@1); the engine must hold the trainer's own weights
         last = step == args.num_steps - 1
         eval_metrics = {}
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            engine.wake("weights")
-            if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                sync_weights(llm, engine_state_dict(accelerator, model))
-                counters["sync_count"] += int(not engine_synced)
+            with rc_infra.engine_awake(engine, "weights"):
+                if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
+                    push_weights(llm, accelerator, model, args, dials=False)
+                    counters["sync_count"] += int(not engine_synced)
             eval_metrics = last_eval = run_eval(step)
             if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                sync_weights(llm, rollout_weights(engine_state_dict(accelerator, model), args))
+                push_weights(llm, accelerator, model, args)
             timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
 
-        # ---- Logging ------------------------------------------------------------------------
+        # TRY NOT TO MODIFY: logging. Token-weighted over micro-batches and ranks; the decoupled correction (this
+        # rank's batch) by its tokens, batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial
+        # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
         lengths = mask.sum(-1)
-        # Token-weighted over micro-batches and ranks; the decoupled correction (this rank's batch) by its tokens,
-        # batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial sums over global
-        # denominators on each rank, so x world turns their rank mean into the global loss.
         step_metrics.add(metrics, weight=float(mask.sum()))
         step_metrics.add({
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
@@ -983,42 +761,23 @@ if __name__ == "__main__":
         timing["timing/step_s"] = time.time() - t_step
         step_metrics.add(timing, weight=1.0)
         metrics = {**rc_infra.reduce_metrics(step_metrics, world), **eval_metrics}
-        if accelerator.is_main_process:
-            record = {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            if writer:
-                for k, v in metrics.items():
-                    writer.add_scalar(k, v, step)
-            if args.track:
-                wandb.log(metrics, step=step)
-            shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
-            if last_eval:
-                shown["eval"] = f"{last_eval['eval/accuracy_strict']:.3f}"
-            bar.set_postfix(**shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}")
-
+        log.log(step, metrics)
+        shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}",
+                 **({"eval": f"{last_eval['eval/accuracy_strict']:.3f}"} if last_eval else {})}
+        bar.set_postfix(**shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}")
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            rollout = hashlib.sha256(json.dumps([r[0] for r in flat_responses]).encode()).hexdigest()
-            os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
-            with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "rollout_sha256": rollout,
-                                    "weights_sha256": rc_infra.weights_sha256(unwrapped)}) + "\n")
+            rc_infra.log_rank_checksums(run_dir, step, rank, world, [r[0] for r in flat_responses], unwrapped)
 
-        # ---- Checkpoint ----------------------------------------------------------------------
+        # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             rc_infra.save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator,
                                      counters)
 
-    # ---- Final weights ------------------------------------------------------------------------
+    # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:
-        state_dict = accelerator.get_state_dict(model)
-        if accelerator.is_main_process:
-            unwrapped.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
-            tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+        rc_infra.save_final(run_dir, model, tokenizer, accelerator)
+    log.close()
     if accelerator.is_main_process:
-        metrics_file.close()
-        if writer:
-            writer.close()
         bar.close()
         acc = "eval accuracy (strict, greedy, {} problems): ".format(len(eval_rows))
         if first_eval and last_eval:

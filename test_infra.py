@@ -183,3 +183,40 @@ def test_micro_batches_accumulate_without_all_reduce_except_the_last():
     assert isinstance(rc_infra.accumulating(fake("MULTI_GPU", 2), "m", True), contextlib.nullcontext)
     assert isinstance(rc_infra.accumulating(fake("NO", 1), "m", False), contextlib.nullcontext)
     assert isinstance(rc_infra.accumulating(fake("DEEPSPEED", 2), "m", False), contextlib.nullcontext)
+
+
+def test_engine_awake_sleeps_only_after_a_rollout(monkeypatch):
+    log = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine = rc_infra.EngineMemory(FakeEngine(log), enabled=True, level=1)
+    with rc_infra.engine_awake(engine, "weights", "kv_cache", sleep_after=True):  # rollout, then the update
+        log.append("generate")
+    with rc_infra.engine_awake(engine, "weights"):  # weight sync: the KV cache sleeps on
+        log.append("sync")
+    assert log == ["generate", ("sleep", 1), ("wake", ("weights",)), "sync"]
+    assert engine.awake == {"weights"}
+
+
+# ---- Configuration files ---------------------------------------------------------------------------------------
+def test_yaml_numbers_are_numbers_and_bounds_stay_text(tmp_path):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Inner:
+        threshold: object = None
+        veto: object = None
+
+    @dataclasses.dataclass
+    class Outer:
+        rate: float = 1.0
+        steps: int = 1
+        inner: Inner = dataclasses.field(default_factory=Inner)
+
+    path = tmp_path / "c.yaml"
+    path.write_text("rate: 1e-4\nsteps: 3\ninner:\n  threshold: 0.5_5\n  veto: 1.0e-4\n")
+    assert rc_infra.load_yaml_defaults(Outer, str(path)) == Outer(1e-4, 3, Inner("0.5_5", 1e-4))
+    path.write_text("inner:\n  threshold: 2\n  veto: none\n")
+    assert rc_infra.load_yaml_defaults(Outer, str(path)) == Outer(inner=Inner(2, "none"))
+    path.write_text("rate: 1.0\ninner:\n  thresold: 2\n")
+    with pytest.raises(ValueError, match="inner.thresold"):
+        rc_infra.load_yaml_defaults(Outer, str(path))

@@ -371,22 +371,23 @@ def test_gsm8k_length_prompts_at_32x8_are_reproducible(tmp_path):
 
 
 def test_engine_limits_never_split_a_prefill_on_cpu():
+    import rc_infra
     import rc_train
 
     args = rc_train.Args(num_prompts_per_step=32, num_samples_per_prompt=8, max_model_len=1024)
-    cpu = rc_train.engine_limits(args, world=1, longest_prompt=140, on_gpu=False)
+    cpu = rc_infra.engine_limits(args, world=1, longest_prompt=140, on_gpu=False)
     assert cpu["enable_chunked_prefill"] is False and cpu["max_num_seqs"] == 256
     assert cpu["max_num_batched_tokens"] == 32 * 8 * 140  # the whole batch's prefill in one engine step
-    assert rc_train.engine_limits(args, world=2, longest_prompt=140, on_gpu=False)["max_num_seqs"] == 128
-    small = rc_train.engine_limits(rc_train.Args(num_prompts_per_step=1, num_samples_per_prompt=1, max_model_len=512),
+    assert rc_infra.engine_limits(args, world=2, longest_prompt=140, on_gpu=False)["max_num_seqs"] == 128
+    small = rc_infra.engine_limits(rc_train.Args(num_prompts_per_step=1, num_samples_per_prompt=1, max_model_len=512),
                                    world=1, longest_prompt=10, on_gpu=False)
     assert small["max_num_batched_tokens"] == 512  # never below the longest sequence
-    huge = rc_train.engine_limits(rc_train.Args(num_prompts_per_step=512, num_samples_per_prompt=64), 1, 500, False)
+    huge = rc_infra.engine_limits(rc_train.Args(num_prompts_per_step=512, num_samples_per_prompt=64), 1, 500, False)
     assert huge["max_num_batched_tokens"] == 65536
-    gpu = rc_train.engine_limits(args, world=1, longest_prompt=140, on_gpu=True)
+    gpu = rc_infra.engine_limits(args, world=1, longest_prompt=140, on_gpu=True)
     assert gpu == {"max_num_seqs": 256}  # GPU: vLLM's own token budget and chunked prefill
     custom = rc_train.Args(vllm_max_num_seqs=64, vllm_max_num_batched_tokens=4096)
-    assert rc_train.engine_limits(custom, 1, 140, False) == {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
+    assert rc_infra.engine_limits(custom, 1, 140, False) == {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
                                                              "enable_chunked_prefill": False}
 
 
@@ -414,6 +415,29 @@ def test_cpu_demo_config_spells_out_the_defaults():
 
     spelled = rc_train.load_yaml_defaults(os.path.join(HERE, "configs", "cpu_demo.yaml"))
     assert dataclasses.replace(spelled, config=None) == rc_train.Args()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "3"], {"rollout_is_threshold": 3.0}),
+    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "0.5_5"], {"rollout_is_threshold": "0.5_5"}),
+    (["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs-threshold", "0.999_1.001"],
+     {"rollout_rs_threshold": "0.999_1.001"}),
+    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is", "none"], {"rollout_is": None}),
+    (["--rc.preset", "decoupled_seq_is_rs", "--rc.rollout-rs", "none"], {"rollout_rs": None}),
+    (["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml")], {"rollout_token_veto_threshold": 1e-4}),
+    (["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml"), "--rc.rollout-token-veto-threshold",
+      "none"], {"rollout_token_veto_threshold": None}),
+])
+def test_correction_flags_reach_the_config_with_their_types(monkeypatch, flags, expected):
+    import rc_infra
+    import rc_train
+
+    monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
+    config = rc_train.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+    for name, value in expected.items():
+        assert getattr(config, name) == value and type(getattr(config, name)) is type(value), (name, config)
+    if flags[-1] == "0.5_5":
+        assert (config.is_spec.mode, config.is_spec.lower, config.is_spec.upper) == ("icepop", 0.5, 5.0)
 
 
 def test_length_batching_gives_the_same_loss_and_gradients():

@@ -201,6 +201,10 @@ class Args:
     """sequences per forward/backward (gradient accumulation inside a minibatch); sorted by length, each trimmed"""
     max_tokens_per_micro_batch: int | None = None
     """also cap a micro-batch at this many padded tokens (verl's dynamic batch size); None = by count only"""
+    share_prompt_prefix: bool = True
+    """forward each distinct prompt of a micro-batch once and let all its responses attend to that one KV cache
+    (the n samples of a GRPO group share their prompt): the same log-probs and gradients to float rounding, and
+    micro-batches are grouped by prompt. Off under --gradient-checkpointing, which cannot keep a cache"""
     clip_ratio: float = 0.2
     """PPO clip epsilon (both sides unless overridden)"""
     clip_ratio_low: float | None = None
@@ -361,10 +365,11 @@ def push_weights(llm, accelerator, model, args: Args, dials: bool = True) -> Non
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: batch tensors, the trainer's log-probs, the loss
 # ---------------------------------------------------------------------------------------------
-def make_batch(prompt_ids, responses, pad_id):
+def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     """Left-pad prompts and right-pad responses so every response starts at the same column P.
 
-    Returns input_ids/attention_mask (B, P+T), response ids, rollout log-probs and response mask (B, T).
+    Returns input_ids/attention_mask (B, P+T), response ids, rollout log-probs and response mask (B, T), and each
+    row's group (rows of one group share their prompt; default: every row its own).
     """
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r[0]) for r in responses))
@@ -382,17 +387,21 @@ def make_batch(prompt_ids, responses, pad_id):
             rollout_lp[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
             mask[i, :len(ids)] = 1.0
     return dict(input_ids=input_ids, attention_mask=attention, responses=input_ids[:, P:], rollout_log_prob=rollout_lp,
-                response_mask=mask, prompt_len=attention[:, :P].sum(-1), response_len=attention[:, P:].sum(-1))
+                response_mask=mask, prompt_len=attention[:, :P].sum(-1), response_len=attention[:, P:].sum(-1),
+                group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long))
 
 
-def micro_batches(rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None) -> list[torch.Tensor]:
+def micro_batches(rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None,
+                  by_group: bool = False) -> list[torch.Tensor]:
     """One minibatch's rows, sorted by length and cut into micro-batches of at most `size` sequences and, with a
     token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
     micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
     padding small, like verl's dynamic batch size. The loss has global denominators, so the grouping does not
     change it (test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
     p, t = batch["prompt_len"][rows], batch["response_len"][rows]
-    order = torch.argsort(p + t, stable=True)
+    # by_group (--share-prompt-prefix): a group's rows side by side, so a micro-batch holds few distinct prompts
+    key = batch["group"][rows] * (int(t.max()) + 1) + t if by_group else p + t
+    order = torch.argsort(key, stable=True)
     rows, p, t = rows[order], p[order], t[order]
     groups, start = [], 0
     while start < len(rows):
@@ -415,18 +424,49 @@ def trimmed_inputs(batch: dict, rows: torch.Tensor):
 
 
 def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: float, dtype: str,
-                       with_entropy: bool = False):
-    """log pi(y_t | y_<t) of the last T tokens at the rollout temperature (processed log-probs)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+                       with_entropy: bool = False, group: torch.Tensor | None = None):
+    """log pi(y_t | y_<t) of the last T tokens at the rollout temperature (processed log-probs).
+    With `group` (each row's prompt group), shared_prefix_logits computes each distinct prompt once."""
     autocast = torch.autocast(device_type=input_ids.device.type, dtype=getattr(torch, dtype),
                               enabled=dtype != "float32")
     with autocast:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]
+        if group is not None:
+            logits = shared_prefix_logits(model, input_ids, attention_mask, T, group)
+        else:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=T + 1, use_cache=False).logits[:, :-1]
     labels = input_ids[:, -T:]
     log_prob = rc_core.log_probs_from_logits(logits, labels, temperature=temperature)
     entropy = rc_core.entropy_from_logits(logits, temperature) if with_entropy else None  # chunked, no grad
     return log_prob, entropy
+
+
+def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
+    """The logits that predict the last T tokens, with each distinct prompt forwarded once.
+
+    Pass 1 runs the U distinct prompts (left-padded) and keeps their KV cache; each row then takes its prompt's
+    cache (an index, so gradients from all its responses add up in the prompt's activations) and pass 2 runs the
+    responses on top. The logit for response token 0 is the last prompt position's. Same positions, masks and
+    arithmetic as one pass over [prompt | response]: equal to float rounding (test_train.py). The prompt pass
+    calls the inner module, so DDP sees one forward per backward."""
+    P = input_ids.shape[1] - T
+    distinct, row_prompt = torch.unique(group, return_inverse=True)
+    first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
+    first[row_prompt.flip(0)] = torch.arange(len(group), device=group.device).flip(0)  # a row of each prompt
+    prompt_mask = attention_mask[first, :P]
+    out = getattr(model, "module", model)(
+        input_ids=input_ids[first, :P], attention_mask=prompt_mask, logits_to_keep=1, use_cache=True,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0))
+    cache = out.past_key_values
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[row_prompt], layer.values[row_prompt]
+    if T == 1:
+        return out.logits[row_prompt]
+    position_ids = prompt_mask.sum(-1)[row_prompt, None] + torch.arange(T - 1, device=input_ids.device)
+    logits = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids,
+                   past_key_values=cache, use_cache=True).logits
+    return torch.cat([out.logits[row_prompt], logits], 1)
 
 
 def policy_loss(args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denominators: dict,
@@ -596,21 +636,27 @@ if __name__ == "__main__":
     prompts_per_rank = args.num_prompts_per_step // world
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing
+
     def forward_log_probs(net, batch, rows, with_grad, with_entropy=False):
         """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width."""
         input_ids, attention, t = trimmed_inputs(batch, rows)
-        padding["positions"] += input_ids.numel()
-        padding["tokens"] += int(attention.sum())
+        group = batch["group"][rows] if share_prefix else None
+        p, once = input_ids.shape[1] - t, slice(None)  # positions computed: a shared prompt counts once
+        if group is not None:
+            once = torch.as_tensor(np.unique(group.numpy(), return_index=True)[1])
+        padding["positions"] += len(attention[once]) * p + input_ids.shape[0] * t
+        padding["tokens"] += int(attention[once, :p].sum() + attention[:, p:].sum())
         with torch.enable_grad() if with_grad else torch.no_grad():
             out = sequence_log_probs(net, input_ids.to(device), attention.to(device), t, args.temperature,
-                                     args.train_dtype, with_entropy)
+                                     args.train_dtype, with_entropy, None if group is None else group.to(device))
         width = batch["response_mask"].shape[1] - t
         return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
 
     def no_grad_pass(net, batch):
         out = torch.zeros(batch["response_mask"].shape)
         for rows in micro_batches(torch.arange(out.shape[0]), batch, args.micro_batch_size,
-                                  args.max_tokens_per_micro_batch):
+                                  args.max_tokens_per_micro_batch, share_prefix):
             out[rows] = forward_log_probs(net, batch, rows, False)[0].cpu()
         return out
 
@@ -637,7 +683,7 @@ if __name__ == "__main__":
                 group_ids.append(g)
                 rewards.append(reward(args, scores))
                 corrects.append(scores[args.reward_mode])
-        batch = make_batch(flat_prompts, flat_responses, pad_id)
+        batch = make_batch(flat_prompts, flat_responses, pad_id, group_ids)
         mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
         bad = ~torch.isfinite(rollout_lp) & (mask > 0)  # engine returned NaN/inf: drop those responses
         n_bad = int(bad.sum())
@@ -691,7 +737,7 @@ if __name__ == "__main__":
                 denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
                                     loss_scale_factor=K)
                 loss_sum = kl_sum = 0.0
-                micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch)
+                micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix)
                 for j, mrows in enumerate(micro):
                     log_prob, entropy = forward_log_probs(model, batch, mrows, True, with_entropy=True)
                     mbt = {k: v[mrows].to(device) for k, v in step_tensors.items()}

@@ -486,3 +486,63 @@ def test_length_batching_gives_the_same_loss_and_gradients():
     assert trimmed[0] == pytest.approx(plain[0], rel=1e-10, abs=1e-12)
     for name, grad in plain[1].items():
         torch.testing.assert_close(trimmed[1][name], grad, rtol=1e-9, atol=1e-12)
+
+
+def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
+    # GRPO's n responses of a prompt share it: --share-prompt-prefix forwards each distinct prompt of a micro-batch
+    # once and runs the responses on its KV cache. Against one pass over every full row: same log-probs, loss and
+    # gradients (float64), with micro-batches grouped by prompt, for the policy and for a no-grad pass.
+    import rc_train
+
+    model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
+    gen = torch.Generator().manual_seed(2)
+    n_prompts, n = 4, 3
+    prompts = [torch.randint(1, 50, (int(k),), generator=gen).tolist() for k in torch.randint(3, 12, (n_prompts,), generator=gen)]
+    flat_prompts, responses, group_ids = [], [], []
+    for g, prompt in enumerate(prompts):
+        for length in torch.randint(1, 9, (n,), generator=gen):
+            ids = torch.randint(1, 50, (int(length),), generator=gen).tolist()
+            flat_prompts.append(prompt)
+            responses.append((ids, (-torch.rand(int(length), generator=gen)).tolist(), ""))
+            group_ids.append(g)
+    batch = rc_train.make_batch(flat_prompts, responses, 0, group_ids)
+    mask, rollout = batch["response_mask"].double(), batch["rollout_log_prob"].double()
+    advantages = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    config = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
+    counts = dict(global_token_count=float(mask.sum()), global_seq_count=float(len(group_ids)), loss_scale_factor=8.0)
+
+    def one_step(micro, shared):
+        model.zero_grad()
+        total, log_probs = 0.0, torch.zeros(mask.shape, dtype=torch.float64)
+        for rows in micro:
+            ids, att, t = rc_train.trimmed_inputs(batch, rows)
+            lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32",
+                                                group=batch["group"][rows] if shared else None)
+            lp = torch.nn.functional.pad(lp, (0, mask.shape[1] - t))
+            loss, _ = rc_core.compute_policy_loss_bypass_mode(lp, rollout[rows], advantages[rows], mask[rows], config,
+                                                              **counts)
+            loss.backward()
+            total += float(loss.detach())
+            log_probs[rows] = lp.detach() * mask[rows]
+        return total, log_probs, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    rows = torch.arange(len(group_ids))
+    plain = one_step([rows[:5], rows[5:]], shared=False)
+    micro = rc_train.micro_batches(rows, batch, size=5, max_tokens=None, by_group=True)
+    assert sorted(torch.cat(micro).tolist()) == rows.tolist()
+    assert any(len(set(batch["group"][m].tolist())) < len(m) for m in micro)  # a prompt really is shared
+    shared = one_step(micro, shared=True)
+    torch.testing.assert_close(shared[1], plain[1], rtol=1e-10, atol=1e-12)
+    assert shared[0] == pytest.approx(plain[0], rel=1e-10, abs=1e-12)
+    # The forward is the same to float64 rounding. The gradients are the same sum in another order: a shared prompt
+    # gets its responses' gradients added before (not after) the backward of the attention softmax, which
+    # transformers computes in float32 even for a float64 model, so they agree to float32 rounding.
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(shared[2][name], grad, rtol=1e-5, atol=1e-9)
+    # one-token responses: the prompt pass alone gives every logit
+    one = rc_train.make_batch(flat_prompts[:3], [(r[0][:1], r[1][:1], "") for r in responses[:3]], 0, group_ids[:3])
+    ids, att, t = rc_train.trimmed_inputs(one, torch.arange(3))
+    with torch.no_grad():
+        a, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
+        b, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32", group=one["group"])
+    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

@@ -20,9 +20,27 @@ import signal
 import sys
 import warnings
 
+from typing import Annotated
+
 import numpy as np
 import torch
+import tyro
 import yaml
+
+
+def _number_or_text(text: str) -> float | str:
+    """'3' -> 3.0, '1e-4' -> 0.0001; 'L_U' bounds and option lists stay text ('0.5_5' is not the number 0.55)."""
+    try:
+        return text if "_" in text else float(text)
+    except ValueError:
+        return text
+
+
+# A threshold: a number, or the text forms rc_core parses ('L_U', one entry per RS option, 'none').
+Threshold = Annotated[float | str | None, tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="{FLOAT,L_U,...,none}", instance_from_str=lambda a: _number_or_text(a[0]),
+    is_instance=lambda x: x is None or isinstance(x, (int, float, str)), str_from_instance=lambda x: [str(x)])]
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +243,24 @@ def engine_awake(engine: EngineMemory, *tags: str, sleep_after: bool = False):
     yield
     if sleep_after:
         engine.sleep()
+
+
+def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, placement: dict):
+    """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log).
+    limits: engine_limits; placement: engine_placement (each rank's engine on its own GPU)."""
+    kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
+                  # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
+                  logprobs_mode=f"{args.rollout_logprobs}_logprobs",
+                  enable_prefix_caching=True, **limits, **placement)
+    if torch.cuda.is_available():
+        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+    else:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
+        kwargs.update(enforce_eager=True)
+    with engine_output_to(log_path):
+        from vllm import LLM
+
+        return LLM(**kwargs)
 
 
 def engine_limits(args, world: int, longest_prompt: int, on_gpu: bool) -> dict:

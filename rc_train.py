@@ -23,7 +23,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Literal
 
 # vLLM must live in this process so that weights can be pushed into it in place (see README).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -35,7 +35,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import torch
-import tyro
 
 import rc_core
 import rc_infra
@@ -44,20 +43,6 @@ import tasks
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = "tiny"
 OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
-
-
-def _number_or_text(text: str) -> float | str:
-    """'3' -> 3.0, '1e-4' -> 0.0001; 'L_U' bounds and option lists stay text ('0.5_5' is not the number 0.55)."""
-    try:
-        return text if "_" in text else float(text)
-    except ValueError:
-        return text
-
-
-# A threshold: a number, or the text forms rc_core parses ('L_U', one entry per RS option, 'none').
-Threshold = Annotated[float | str | None, tyro.constructors.PrimitiveConstructorSpec(
-    nargs=1, metavar="{FLOAT,L_U,...,none}", instance_from_str=lambda a: _number_or_text(a[0]),
-    is_instance=lambda x: x is None or isinstance(x, (int, float, str)), str_from_instance=lambda x: [str(x)])]
 
 
 @dataclass
@@ -70,13 +55,13 @@ class CorrectionArgs:
     """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled"""
     rollout_is: str | None = None
     """override: IS level 'token' | 'sequence'; 'none' switches IS off"""
-    rollout_is_threshold: Threshold = None
+    rollout_is_threshold: rc_infra.Threshold = None
     """override: TIS cap (a number, e.g. 3) or IcePop bounds 'L_U' (e.g. 0.5_5, read as text, not as 0.55)"""
     rollout_is_batch_normalize: bool | None = None
     """override: self-normalise IS weights over the batch (docs/corrections.md §3.7)"""
     rollout_rs: str | None = None
     """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'); 'none' switches RS off"""
-    rollout_rs_threshold: Threshold = None
+    rollout_rs_threshold: rc_infra.Threshold = None
     """override: rejection thresholds, one entry or one per option (0.999_1.001, 0.01, '0.999_1.001,0.01')"""
     rollout_rs_threshold_lower: float | None = None
     """override: lower bound for the legacy RS names token/sequence/geometric"""
@@ -202,9 +187,8 @@ class Args:
     max_tokens_per_micro_batch: int | None = None
     """also cap a micro-batch at this many padded tokens (verl's dynamic batch size); None = by count only"""
     share_prompt_prefix: bool = True
-    """forward each distinct prompt of a micro-batch once and let all its responses attend to that one KV cache
-    (the n samples of a GRPO group share their prompt): the same log-probs and gradients to float rounding, and
-    micro-batches are grouped by prompt. Off under --gradient-checkpointing, which cannot keep a cache"""
+    """forward each distinct prompt of a micro-batch once, its n responses on its KV cache (micro-batches grouped by
+    prompt; same log-probs and gradients to float rounding). Off under --gradient-checkpointing (no cache there)"""
     clip_ratio: float = 0.2
     """PPO clip epsilon (both sides unless overridden)"""
     clip_ratio_low: float | None = None
@@ -299,26 +283,8 @@ def reward(args: Args, scores: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: vLLM engine: start, generate with processed log-probs, in-place weight sync
+# TRY NOT TO MODIFY: vLLM engine (started by rc_infra.start_engine): generate with processed log-probs, weight sync
 # ---------------------------------------------------------------------------------------------
-def start_engine(args: Args, model_path: str, seed: int, limits: dict, log_path: str, placement: dict):
-    """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log).
-    limits: rc_infra.engine_limits; placement: rc_infra.engine_placement (each rank's engine on its own GPU)."""
-    kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
-                  # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
-                  logprobs_mode=f"{args.rollout_logprobs}_logprobs",
-                  enable_prefix_caching=True, **limits, **placement)
-    if torch.cuda.is_available():
-        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
-    else:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
-        kwargs.update(enforce_eager=True)
-    with rc_infra.engine_output_to(log_path):
-        from vllm import LLM
-
-        return LLM(**kwargs)
-
-
 def sampling_seed(*keys: int) -> int:
     """A 62-bit seed hashed from (run seed, step, rank, prompt). vLLM seeds the k-th of the n samples of a
     request with `seed + k`, so consecutive per-prompt seeds would make prompt i+1 replay prompt i's
@@ -443,13 +409,10 @@ def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: fl
 
 
 def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
-    """The logits that predict the last T tokens, with each distinct prompt forwarded once.
-
-    Pass 1 runs the U distinct prompts (left-padded) and keeps their KV cache; each row then takes its prompt's
-    cache (an index, so gradients from all its responses add up in the prompt's activations) and pass 2 runs the
-    responses on top. The logit for response token 0 is the last prompt position's. Same positions, masks and
-    arithmetic as one pass over [prompt | response]: equal to float rounding (test_train.py). The prompt pass
-    calls the inner module, so DDP sees one forward per backward."""
+    """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
+    prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
+    responses on it. Same positions and masks as one pass over [prompt | response] (test_train.py). Pass 1 calls the
+    inner module, so DDP sees one forward per backward."""
     P = input_ids.shape[1] - T
     distinct, row_prompt = torch.unique(group, return_inverse=True)
     first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
@@ -607,7 +570,7 @@ if __name__ == "__main__":
     limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
     placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
-    llm = start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"),
+    llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"),
                        placement)
     engine = rc_infra.EngineMemory(llm, enabled=on_gpu and args.vllm_sleep, level=args.vllm_sleep_level)
     weight_dial = rc_infra.has_weight_dial(args)

@@ -411,14 +411,14 @@ def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: fl
 def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
     """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
     prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
-    responses on it. Same positions and masks as one pass over [prompt | response] (test_train.py). Pass 1 calls the
-    inner module, so DDP sees one forward per backward."""
+    responses on it. Same positions and masks as one pass over [prompt | response] (test_train.py). DDP must see one
+    forward per backward: pass 1 calls the inner module when pass 2 follows."""
     P = input_ids.shape[1] - T
     distinct, row_prompt = torch.unique(group, return_inverse=True)
     first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
     first[row_prompt.flip(0)] = torch.arange(len(group), device=group.device).flip(0)  # a row of each prompt
     prompt_mask = attention_mask[first, :P]
-    out = getattr(model, "module", model)(
+    out = (getattr(model, "module", model) if T > 1 else model)(
         input_ids=input_ids[first, :P], attention_mask=prompt_mask, logits_to_keep=1, use_cache=True,
         position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0))
     cache = out.past_key_values

@@ -229,8 +229,9 @@ def test_two_processes_same_weights_different_samples(tmp_path, launcher):
     else:  # the shipped Accelerate config must start 2 processes here, like torchrun
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                   os.path.join(HERE, "configs", "accelerate", "multi_cpu.yaml")]
+    # responses of up to 3 tokens: shared prompts then take both passes, the prompt's through the inner module
     cmd = [*launch, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "ddp", *QUICK,
-           "--num-steps", "3", "--log-rank-checksums", "--rc.preset", "decoupled_token_is"]
+           "--num-steps", "3", "--log-rank-checksums", "--rc.preset", "decoupled_token_is", "--max-response-length", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [read_jsonl(tmp_path / "ddp" / "ranks" / f"rank{r}.jsonl") for r in (0, 1)]

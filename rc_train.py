@@ -416,7 +416,7 @@ def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.
     P = input_ids.shape[1] - T
     distinct, row_prompt = torch.unique(group, return_inverse=True)
     first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
-    first[row_prompt.flip(0)] = torch.arange(len(group), device=group.device).flip(0)  # a row of each prompt
+    first[row_prompt] = torch.arange(len(group), device=group.device)  # any row of each prompt: they are identical
     prompt_mask = attention_mask[first, :P]
     out = (getattr(model, "module", model) if T > 1 else model)(
         input_ids=input_ids[first, :P], attention_mask=prompt_mask, logits_to_keep=1, use_cache=True,

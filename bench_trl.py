@@ -103,7 +103,7 @@ def run_ours(args) -> dict:
     subprocess.run(cmd, check=True, cwd=HERE)
     wall = time.time() - t0
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    evals, train_s, first_step = [], 0.0, None
+    evals, train_s = [], 0.0
     for r in rows:
         if r["step"] >= 0:
             train_s += r["timing/step_s"] - r.get("timing/eval_s", 0.0)
@@ -141,7 +141,7 @@ def run_trl(args, variant: str, spec_path: str, python: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed (exit {proc.returncode}); see {log.name}")
     out = json.load(open(result))
-    return {**out, "wall_s": time.time() - t0, "command": f"{variant} worker (GRPOConfig in {result})"}
+    return {**out, "wall_s": time.time() - t0, "command": " ".join(cmd[1:])}  # GRPOConfig: result.json
 
 
 def trl_worker(args) -> None:

@@ -126,6 +126,8 @@ def validate_args(args, world_size: int) -> None:
          f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
     need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    need(0.0 <= args.rollout_corrupt_prob < 1.0,
+         f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}")
     need(args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
          f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}")
     need(args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
@@ -252,6 +254,8 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
                   # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
                   logprobs_mode=f"{args.rollout_logprobs}_logprobs",
                   enable_prefix_caching=True, **limits, **placement)
+    if args.rollout_corrupt_prob > 0:  # the veto lab's sampler dial (planted_tokens_processor)
+        kwargs["logits_processors"] = [planted_tokens_processor()]
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
     else:
@@ -370,6 +374,51 @@ def rollout_weights(state_dict: dict, args) -> dict:
                 w = fake_quantise(w, int(args.rollout_weight_quant[3:]))
         out[name] = w
     return out
+
+
+CORRUPT_KEY = "rc_corrupt_prob"  # SamplingParams.extra_args key that switches PlantedTokens on for a request
+
+
+def planted_tokens_processor():
+    """The vLLM logits processor behind --rollout-corrupt-prob (imported lazily: vLLM is heavy).
+
+    At each decoding step of a request that carries extra_args[CORRUPT_KEY] = p, with probability p the row's
+    distribution is replaced by a point mass on a token drawn uniformly from the vocabulary. The engine then
+    samples that token and, with processed log-probs, reports mu = 1 for it, while the trainer's pi gives it
+    roughly 1/vocab or far less: a planted catastrophic token, the failure the worst-token veto is built to catch
+    (docs/corrections.md §4.5). Requests without the key (greedy evaluation) are left alone."""
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class PlantedTokens(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.prob: dict[int, float] = {}  # persistent-batch row -> corruption probability
+            self.gen = torch.Generator(device="cpu").manual_seed(vllm_config.model_config.seed or 0)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            def prob(params, _prompt, _output):
+                p = (params.extra_args or {}).get(CORRUPT_KEY, 0.0)
+                return float(p) if p else None
+            process_dict_updates(self.prob, batch_update, prob)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.prob:
+                return logits
+            rows = torch.tensor(sorted(self.prob), dtype=torch.long)
+            chance = torch.tensor([self.prob[r] for r in rows.tolist()])
+            draw = torch.rand(len(rows), generator=self.gen)
+            token = torch.randint(logits.shape[-1], (len(rows),), generator=self.gen)
+            hit = draw < chance
+            if hit.any():
+                rows, token = rows[hit].to(logits.device), token[hit].to(logits.device)
+                logits[rows] = float("-inf")
+                logits[rows, token] = 0.0
+            return logits
+
+    return PlantedTokens
 
 
 # ---------------------------------------------------------------------------------------------

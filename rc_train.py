@@ -162,6 +162,9 @@ class Args:
     """engine gets fake-quantised weights (symmetric, per output channel, round to nearest; matrices only): models INT8/INT4 weight-only rollout (FlashRL)"""
     rollout_weight_noise: float = 0.0
     """engine gets weights + s*rms(W)*eps with a fixed seeded eps per matrix (s = this value): a synthetic, monotone dial for kernel/quantiser error"""
+    rollout_corrupt_prob: float = 0.0
+    """per sampled token, the chance that the engine samples from a corrupted distribution instead (a point mass on a
+    uniformly random token, reported with mu = 1): plants rare catastrophic tokens for the veto (rc_infra.planted_tokens_processor)"""
     rollout_temperature: float | None = None
     """engine samples at this temperature while the trainer scores at --temperature (a sampling-config mismatch); None = same"""
     rollout_logprobs: Literal["processed", "raw"] = "processed"
@@ -303,7 +306,9 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool
     params = [SamplingParams(n=n, max_tokens=args.max_response_length, logprobs=None if greedy else 0,
                              temperature=0.0 if greedy else (args.rollout_temperature or args.temperature),
                              top_p=1.0 if greedy else args.top_p,
-                             seed=None if greedy else sampling_seed(*seed_keys, i)) for i in range(len(prompt_ids))]
+                             seed=None if greedy else sampling_seed(*seed_keys, i),
+                             extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob}
+                             if args.rollout_corrupt_prob and not greedy else None) for i in range(len(prompt_ids))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     result = []
     for out in outputs:

@@ -141,6 +141,31 @@ def test_mismatch_dials_are_monotone(tmp_path, dial, levels):
     assert tv[0] < 1e-3 and tv[0] < tv[1] < tv[2], (dial, tv)
 
 
+def test_planted_tokens_are_caught_by_the_veto(tmp_path):
+    # --rollout-corrupt-prob p: each sampled token is, with chance p, a uniformly random token reported with mu = 1.
+    # The untrained tiny model gives any token pi ~ 1/160, so a veto threshold of 0.05 flags exactly the planted
+    # ones (an honest token has rho ~ 1): the catastrophic-token fraction estimates p, and a response is vetoed
+    # iff it holds one. Greedy evaluation is never corrupted.
+    p = 0.25
+    rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "3", "--eval-every", "1",
+                        "--eval-limit", "55", "--rollout-corrupt-prob", str(p), "--rc.preset", "decoupled_token_is",
+                        "--rc.rollout-token-veto-threshold", "0.05")
+    catastrophic = sum(r["rollout_corr/rollout_is_catastrophic_token_fraction"] for r in rows) / len(rows)
+    vetoed = sum(r["rollout_corr/rollout_is_veto_fraction"] for r in rows) / len(rows)
+    # 3 steps x 64 responses x 1 token: p +- 4 standard errors (0.031)
+    assert abs(catastrophic - p) < 0.13, catastrophic
+    assert abs(vetoed - catastrophic) < 1e-6, (vetoed, catastrophic)  # one-token answers: a response is its token
+    ref, _ = run_train(tmp_path, *QUICK, "--num-steps", "3", "--eval-every", "1",
+                       "--eval-limit", "55", "--rc.preset", "decoupled_token_is",
+                       "--rc.rollout-token-veto-threshold", "0.05", name="clean")
+    assert all(r["rollout_corr/rollout_is_veto_fraction"] == 0 for r in ref)
+    # the planted token's rho is tiny, so the token-level mismatch metrics jump; evaluation is greedy and uncorrupted
+    assert min(r["rollout_corr/k3_kl"] for r in rows) > 100 * max(r["rollout_corr/k3_kl"] for r in ref)
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    clean = [json.loads(x) for x in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+    assert evals[0]["eval/accuracy_strict"] == clean[0]["eval/accuracy_strict"]  # same weights, no planting
+
+
 def test_raw_engine_log_probs_show_the_temperature_pitfall(tmp_path):
     # T = 0.7: processed log-probs are those of the sampling distribution (ratio ~1); raw ones are the
     # untempered model's, so the "mismatch" is the trl#4159 bug the raw mode reproduces.
@@ -198,6 +223,7 @@ def test_every_preset_runs(tmp_path, preset):
     (["--loss-agg-mode", "seq-mean"], "seq-mean"),
     (["--rollout-weight-noise", "-0.5"], "-0.5"),
     (["--rollout-temperature", "0"], "--rollout-temperature"),
+    (["--rollout-corrupt-prob", "1.5"], "--rollout-corrupt-prob must be in [0, 1), got 1.5"),
 ])
 def test_bad_config_fails_before_engine(tmp_path, flags, needle):
     _, proc = run_train(tmp_path, *ADD, *flags, check=False, timeout=180)

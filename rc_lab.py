@@ -52,8 +52,49 @@ class LabError(Exception):
 # ---------------------------------------------------------------------------------------------
 # Sweep
 # ---------------------------------------------------------------------------------------------
+MISMATCH = "mismatch"  # pseudo-dial whose levels name their own flags: `none` or FIELD=VALUE[+FIELD=VALUE...]
+
+
 def run_name(preset: str, dial: str, level: str, seed: int) -> str:
-    return f"{preset}__{dial}={level}__s{seed}"
+    return f"{preset}__{level if dial == MISMATCH else dial + '=' + level}__s{seed}"
+
+
+def _field_flags(text: str, prefix: str, what: str, known: set | None) -> list[str]:
+    """`FIELD=VALUE[+FIELD=VALUE...]` -> ['--PREFIXfield-name', 'VALUE', ...] (rc_train.py flags)."""
+    flags = []
+    for part in text.split("+"):
+        field, sep, value = part.partition("=")
+        if not sep or not field.isidentifier() or not value:
+            raise LabError(f"{what}: {part!r} in {text!r} is not FIELD=VALUE")
+        if known is not None and field not in known:
+            raise LabError(f"{what}: {field!r} in {text!r} is not an rc_train.py {prefix or 'Args '}field")
+        flags += ["--" + prefix + field.replace("_", "-"), value]
+    return flags
+
+
+def _trainer_fields() -> tuple[set, set] | tuple[None, None]:
+    """(Args fields, CorrectionArgs fields) of the real trainer, or (None, None) when RC_LAB_TRAIN points elsewhere."""
+    if os.path.abspath(RC_TRAIN) != os.path.join(HERE, "rc_train.py"):
+        return None, None
+    import dataclasses
+
+    import rc_train
+    return {f.name for f in dataclasses.fields(rc_train.Args)}, {f.name for f in dataclasses.fields(rc_train.CorrectionArgs)}
+
+
+def preset_flags(preset: str, rc_fields: set | None = None) -> list[str]:
+    """A preset entry `NAME` or `NAME+FIELD=VALUE...` (correction fields on top of the preset, e.g.
+    `naive+rollout_token_veto_threshold=1e-4`) -> its rc_train.py flags."""
+    name, _, rest = preset.partition("+")
+    return ["--rc.preset", name] + (_field_flags(rest, "rc.", "--presets", rc_fields) if rest else [])
+
+
+def level_flags(dial: str, level: str, fields: set | None = None) -> list[str]:
+    """The rc_train.py flags of one dial level: `--DIAL LEVEL`, or for the mismatch pseudo-dial the level's own
+    FIELD=VALUE pairs (`none`: no flag, the zero-mismatch level)."""
+    if dial != MISMATCH:
+        return ["--" + dial.replace("_", "-"), level]
+    return [] if level == "none" else _field_flags(level, "", "--levels", fields)
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -71,14 +112,22 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
     import rc_core  # imports torch: only needed here
 
     presets = _split(args.presets, "presets")
-    bad = [p for p in presets if p not in rc_core.PRESET_NAMES]
+    bad = [p for p in presets if p.partition("+")[0] not in rc_core.PRESET_NAMES]
     if bad:
         raise LabError(f"unknown preset(s) {', '.join(bad)}; known: {', '.join(rc_core.PRESET_NAMES)}")
+    fields, rc_fields = _trainer_fields()
     dial_flag = "--" + args.dial.replace("_", "-")
-    if not args.dial.isidentifier() or dial_flag in RESERVED:
+    if not args.dial.isidentifier() or dial_flag in RESERVED or (
+            fields is not None and args.dial != MISMATCH and args.dial not in fields):
         raise LabError(f"--dial must be an rc_train.py Args field name like rollout_weight_noise (not one the "
-                       f"sweep sets itself), got {args.dial!r}")
+                       f"sweep sets itself) or `{MISMATCH}`, got {args.dial!r}")
     levels = _split(args.levels, "levels")
+    level_flags_of = {lv: level_flags(args.dial, lv, fields) for lv in levels}
+    preset_flags_of = {p: preset_flags(p, rc_fields) for p in presets}
+    swept = {f for fl in [*level_flags_of.values(), *preset_flags_of.values()] for f in fl[::2]}
+    clash = sorted(f for f in swept if f in RESERVED and f != "--rc.preset")
+    if clash:
+        raise LabError(f"--levels/--presets set {', '.join(clash)}, which the sweep sets itself")
     bad = [v for v in levels if "/" in v or os.sep in v or any(c.isspace() for c in v)]
     if bad:
         raise LabError(f"--levels: value(s) {', '.join(bad)} cannot be part of a run folder name")
@@ -90,7 +139,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         raise LabError(f"--jobs must be >= 1, got {args.jobs}")
     if args.steps < 1:
         raise LabError(f"--steps must be >= 1, got {args.steps}")
-    clash = [f for f in extra if f.split("=")[0] in RESERVED + (dial_flag,)]
+    clash = [f for f in extra if f.split("=")[0] in RESERVED + tuple(swept)]
     if clash:
         raise LabError(f"extra flag(s) {', '.join(clash)} are set by the sweep itself")
     out, runs = os.path.abspath(args.out), []
@@ -98,8 +147,8 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         for level in levels:
             for seed in seeds:
                 name = run_name(preset, args.dial, level, seed)
-                cmd = [sys.executable, RC_TRAIN, "--output-dir", out, "--run-name", name, "--rc.preset", preset,
-                       "--seed", str(seed), dial_flag, level, "--num-steps", str(args.steps), *extra]
+                cmd = [sys.executable, RC_TRAIN, "--output-dir", out, "--run-name", name, *preset_flags_of[preset],
+                       "--seed", str(seed), *level_flags_of[level], "--num-steps", str(args.steps), *extra]
                 runs.append({"name": name, "preset": preset, "level": level, "seed": seed, "cmd": cmd})
     return {"presets": presets, "dial": args.dial, "levels": levels, "seeds": seeds, "steps": args.steps,
             "extra": list(extra), "jobs": args.jobs, "trainer": RC_TRAIN, "runs": runs}
@@ -263,6 +312,37 @@ def steps_to_reach(records: list[dict], level: float) -> int | None:
     return int(steps[hit[0]]) if hit.size else None
 
 
+def reward_drop(records: list[dict], window: int = 3) -> float | None:
+    """Collapse signature: peak of the `window`-step moving average of `reward/mean` minus its last value
+    (0 for a run that ends at its best; large when reward falls after rising)."""
+    _, values = run_series(records, "reward/mean")
+    if values.size < window:
+        return None
+    smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+    return float(smooth.max() - smooth[-1])
+
+
+def planted_prob(dial: str, level: str) -> float | None:
+    """The --rollout-corrupt-prob of a dial level (None when the sweep does not set it)."""
+    if dial == "rollout_corrupt_prob":
+        return float(level)
+    if dial == MISMATCH:
+        for part in level.split("+"):
+            field, _, value = part.partition("=")
+            if field == "rollout_corrupt_prob":
+                return float(value)
+        return 0.0 if level == "none" else None
+    return None
+
+
+def expected_planted_rows(records: list[dict], p: float) -> float | None:
+    """Mean over steps of 1 - (1 - p)^T, T = that step's `response_length/mean`: the share of responses holding at
+    least one planted token, the veto's target. 1-(1-p)^T is concave in T, so with the mean length this is an
+    upper bound of the exact share (Jensen)."""
+    _, lengths = run_series(records, "response_length/mean")
+    return float(np.mean(1.0 - (1.0 - p) ** lengths)) if lengths.size else None
+
+
 def _mean_std(xs: list) -> tuple[float | None, float | None, int]:
     """(mean, sample std (ddof=1; None for one value), n) of the non-None values."""
     xs = [x for x in xs if x is not None]
@@ -308,9 +388,19 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                 "masked_fraction": float(np.mean([_fraction(x, "rollout_corr/rollout_rs_masked_fraction")
                                                   for x in recs])) if recs else None,
             })
+            alphas = {k: _mean_std([_series_stat(x, k, np.mean) for x in recs])[0]
+                      for k in ("actor/tv_update", "rollout_corr/tv_mismatch")}
+            rows[-1].update(alpha0=alphas["actor/tv_update"], alpha1=alphas["rollout_corr/tv_mismatch"],
+                            reward_drop=_mean_std([reward_drop(x) for x in recs])[0])
             if has_veto:
                 rows[-1]["veto_fraction"] = float(np.mean(
                     [_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs])) if recs else None
+                rows[-1]["catastrophic_fraction"] = float(np.mean(
+                    [_fraction(x, "rollout_corr/rollout_is_catastrophic_token_fraction") for x in recs])) \
+                    if recs else None
+                p = planted_prob(sweep["dial"], level)
+                if p is not None:
+                    rows[-1]["expected_veto"] = _mean_std([expected_planted_rows(x, p) for x in recs])[0]
     for row in rows:  # compare with the same preset at the first (zero-mismatch) level
         ref = next(r for r in rows if r["preset"] == row["preset"] and r["level"] == sweep["levels"][0])
         row["delta_eval_acc"], row["flag"] = None, DASH
@@ -338,8 +428,35 @@ COLUMNS = (  # (row key, csv header, markdown header, format)
     ("max_grad_norm", "max_grad_norm", "max grad norm", "{:.3g}"),
     ("masked_fraction", "rs_masked_fraction", "RS masked", "{:.4f}"),
     ("veto_fraction", "veto_fraction", "veto", "{:.4f}"),
+    ("expected_veto", "expected_veto", "planted rows", "{:.4f}"),
+    ("catastrophic_fraction", "catastrophic_token_fraction", "catastrophic tokens", "{:.5f}"),
+    ("reward_drop", "reward_drop", "reward drop", "{:.3f}"),
+    ("alpha0", "alpha0_mean", "α₀", "{:.2e}"), ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
     ("delta_eval_acc", "delta_eval_acc_vs_level0", "Δ vs level 0", "{:+.3f}"), ("flag", "flag", "flag", "{}"),
 )
+
+
+def is_naive(preset: str) -> bool:
+    """The uncorrected arm: `naive`/`disabled` with no correction field on top."""
+    return preset in ("naive", "disabled")
+
+
+def verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """One line per non-reference level, the reading rule applied: naive below, corrected presets held?"""
+    if not any(is_naive(p) for p in sweep["presets"]):
+        return []
+    lines = ["Verdicts (the rule above, applied):"]
+    for level in sweep["levels"][1:]:
+        at = [r for r in rows if r["level"] == level]
+        naive = [r for r in at if is_naive(r["preset"])]
+        held = [r["preset"] for r in at if not is_naive(r["preset"]) and r["flag"] == ""]
+        broke = any(r["flag"] == "below" for r in naive)
+        delta = ", ".join(_fmt(r["delta_eval_acc"], "{:+.3f}") for r in naive)
+        verdict = "reproduced" if broke and len(held) >= 2 else (
+            "not reproduced: naive holds" if not broke else "not reproduced: fewer than two corrected presets hold")
+        lines.append(f"- `{level}`: naive Δ {delta} ({'below' if broke else 'not below'}); corrected presets "
+                     f"holding: {', '.join(held) or 'none'} → **{verdict}**")
+    return lines
 
 
 def _fmt(value, fmt: str) -> str:
@@ -355,7 +472,14 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         w.writerow([c[1] for c in cols])
         w.writerows([[DASH if r.get(k) is None else r[k] for k, *_ in cols] for r in rows])
     md_cols = [c for c in cols if c[2] is not None]
+    rule = (f"**Reading rule (fixed before the runs).** Δ vs level 0: eval acc minus that of the same preset at the "
+            f"first level (`{sweep['dial']}={sweep['levels'][0]}`, `ref`). A row is marked `below` when its mean "
+            "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
+            "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2). A level reproduces "
+            "\"mismatch breaks naive, correction repairs it\" when the naive row is `below` and at least two corrected "
+            "presets are not.")
     lines = [f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps", "",
+             rule, "",
              "| " + " | ".join(c[2].format(lvl=reward_level) for c in md_cols) + " |",
              "|" + "---|" * len(md_cols)]
     for r in rows:
@@ -371,11 +495,14 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
                f"`reward/mean` ≥ {reward_level}, mean over the seeds that reached it (reached: seeds that did). "
                "max k3 KL, max grad norm: max over steps and seeds. RS masked / veto: mean over steps of the "
                f"logged fraction (0 when not logged), mean over seeds. {DASH}: not logged / not computable.")
-    rule = (f"Δ vs level 0: eval acc minus that of the same preset at the first level "
-            f"(`{sweep['dial']}={sweep['levels'][0]}`, `ref`). Flag rule: a row is marked `below` when its mean "
-            "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
-            "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2).")
-    lines += ["", columns, "", rule, ""]
+    columns += (" Reward drop: peak of the 3-step moving average of `reward/mean` minus its last value (collapse "
+                "signature), mean over seeds. α₀, α₁: mean over steps of `actor/tv_update` and "
+                "`rollout_corr/tv_mismatch` (docs/corrections.md §12.6), mean over seeds.")
+    if any("expected_veto" in r for r in rows):
+        columns += (" Planted rows: mean over steps of 1 − (1 − p)^T̄ (T̄ = mean response length, p = "
+                    "--rollout-corrupt-prob), the share of responses holding a planted token (an upper bound, "
+                    "Jensen); catastrophic tokens: `rollout_is_catastrophic_token_fraction`, to set against p.")
+    lines += ["", *verdicts(rows, sweep), "", columns, ""]
     with open(md_path, "w") as f:
         f.write("\n".join(lines))
     return csv_path, md_path
@@ -517,10 +644,227 @@ def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) ->
     written.append(plot_alpha(sweep, os.path.join(out, "alpha.png")))
     hist = plot_is_hist(sweep, out, os.path.join(out, "is_hist.png"), hist_step)
     written += [hist] if hist else []
+    lengths = length_rows(sweep, out)
+    if lengths:
+        written += [*write_length_summary(lengths, length_fits(lengths), sweep, out), *plot_length(lengths, out)]
     with open(written[1]) as f:
         print(f.read())
     print("rc_lab: wrote " + ", ".join(written))
     return written
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: length (from the log-ratio dumps of runs trained with --dump-log-ratio-every)
+# ---------------------------------------------------------------------------------------------
+# The two sequence gates of the length trap, at their presets' thresholds (docs/corrections.md §4.2): the
+# sequence-sum k1 gate of decoupled_seq_is_rs (rho_seq in [0.5, 2]) and Geo-RS of decoupled_geo_rs (geometric-mean
+# ratio in [0.999, 1.001]).
+GATES = {"seq_sum_k1": "0.5_2.0", "seq_mean_k1": "0.999_1.001"}
+LENGTH_BIN = 8  # response lengths are grouped in bins of this many tokens
+MIN_BIN_ROWS = 30  # a (run, bin) with fewer responses over its dumped steps is left out
+
+
+def load_dumps(run_dir: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(flat token log-ratios, row lengths) of every step that has both files (log_ratio/ and log_ratio/lengths/)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "log_ratio", "lengths", "step_*.npy"))):
+        flat_path = os.path.join(run_dir, "log_ratio", os.path.basename(path))
+        if os.path.isfile(flat_path):
+            flat, lengths = np.load(flat_path).astype(np.float64), np.load(path).astype(np.int64)
+            if lengths.sum() != flat.size:
+                raise LabError(f"{path}: lengths add up to {lengths.sum()}, but {flat_path} has {flat.size} tokens")
+            out.append((flat, lengths))
+    return out
+
+
+def padded(flat: np.ndarray, lengths: np.ndarray):
+    """(log-ratio (n, T_max) float64, mask (n, T_max) bool) of rows laid one after another in `flat`."""
+    import torch
+
+    n, width = len(lengths), max(1, int(lengths.max(initial=0)))
+    mask = torch.arange(width)[None, :] < torch.as_tensor(lengths)[:, None]
+    ell = torch.zeros((n, width), dtype=torch.float64)
+    ell[mask] = torch.as_tensor(flat)
+    return ell, mask
+
+
+def length_stats(flat: np.ndarray, lengths: np.ndarray) -> dict:
+    """The length-lab numbers of one set of responses, through rc_core's own formulas (docs/corrections.md §6.4,
+    §12.9, §12.10): chi2 per token and per sequence, the law's (1 + chi2_token)^T - 1 averaged over the rows, the
+    Kish ESS (fraction of n) of token- and of sequence-level weights, and the row rejection rates of GATES."""
+    import rc_core
+
+    ell, mask = padded(flat, lengths)
+    rows = mask.any(dim=-1)
+    chi2_token = float(rc_core.chi2_divergence(ell, mask))
+    seq = rc_core.sequence_log_ratio(ell, mask)
+    w_seq = torch_exp_clip(seq[rows])
+    w_tok = torch_exp_clip(ell[mask])
+    out = {"n_rows": int(rows.sum()), "T": float(lengths[lengths > 0].mean()), "chi2_token": chi2_token,
+           "chi2_seq": float(rc_core.chi2_divergence(seq, rows)),
+           "law": float(np.mean((1.0 + chi2_token) ** lengths[lengths > 0]) - 1.0),
+           "ess_seq": float(w_seq.sum() ** 2 / (len(w_seq) * (w_seq ** 2).sum())),
+           "ess_token": float(w_tok.sum() ** 2 / (len(w_tok) * (w_tok ** 2).sum()))}
+    for name, threshold in GATES.items():
+        keep, _ = rc_core.compute_rejection_mask(ell, mask, rc_core.parse_rs_options(name, threshold))
+        out["reject_" + name] = float((mask & ~keep).any(dim=-1)[rows].double().mean())
+    return out
+
+
+def torch_exp_clip(x):
+    """exp(clip_S(x)) as float64 numpy (the weights of the ESS)."""
+    import rc_core
+
+    return np.exp(rc_core.safety_clip(x).numpy())
+
+
+def length_rows(sweep: dict, out: str, bin_width: int = LENGTH_BIN) -> list[dict]:
+    """Per (preset, level, length bin): length_stats per seed (its dumped steps pooled), then mean and sample std
+    over seeds; plus per (preset, level) the pooled chi2_token. Empty if no run has dumps with lengths."""
+    result = []
+    for preset in sweep["presets"]:
+        for level in sweep["levels"]:
+            per_seed = {}
+            for run in sweep["runs"]:
+                if run["preset"] != preset or run["level"] != level:
+                    continue
+                dumps = load_dumps(os.path.join(out, run["name"]))
+                if not dumps:
+                    continue
+                flat = np.concatenate([d[0] for d in dumps])
+                lengths = np.concatenate([d[1] for d in dumps])
+                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                for b in sorted(set((lengths[lengths > 0] // bin_width).tolist())):
+                    sel = np.nonzero((lengths // bin_width == b) & (lengths > 0))[0]
+                    if len(sel) < MIN_BIN_ROWS:
+                        continue
+                    tokens = np.concatenate([flat[starts[i]:starts[i] + lengths[i]] for i in sel])
+                    per_seed.setdefault(b, []).append(length_stats(tokens, lengths[sel]))
+            for b, stats in sorted(per_seed.items()):
+                row = {"preset": preset, "level": level, "bin": f"{b * bin_width}–{(b + 1) * bin_width - 1}",
+                       "n_seeds": len(stats), "n_rows": sum(x["n_rows"] for x in stats)}
+                for key in ("T", "chi2_token", "chi2_seq", "law", "ess_seq", "ess_token",
+                            *("reject_" + g for g in GATES)):
+                    row[key], row[key + "_std"], _ = _mean_std([x[key] for x in stats])
+                result.append(row)
+    return result
+
+
+def length_fits(rows: list[dict]) -> list[dict]:
+    """Per (preset, level): least-squares slope b of log(1 + chi2_seq) = b T through the origin over the bins, the
+    law's slope b0 = log(1 + chi2_token) (chi2_token averaged over the bins, weighted by rows), their ratio, and the
+    change of each gate's rejection rate from the shortest to the longest bin with its noise (2 x pooled std)."""
+    fits = []
+    for key in dict.fromkeys((r["preset"], r["level"]) for r in rows):
+        cell = [r for r in rows if (r["preset"], r["level"]) == key]
+        T = np.array([r["T"] for r in cell])
+        y = np.log1p(np.maximum(np.array([r["chi2_seq"] for r in cell]), -1 + 1e-12))
+        n = np.array([r["n_rows"] for r in cell], dtype=float)
+        b = float((T * y).sum() / (T * T).sum())
+        b0 = float(np.log1p(np.average([r["chi2_token"] for r in cell], weights=n)))
+        fit = {"preset": key[0], "level": key[1], "bins": len(cell), "T_min": float(T.min()), "T_max": float(T.max()),
+               "slope": b, "law_slope": b0, "slope_ratio": b / b0 if b0 > 0 else None}
+        first, last = cell[0], cell[-1]
+        for g in GATES:
+            k = "reject_" + g
+            noise = 2 * math.sqrt(((first[k + "_std"] or 0) ** 2 + (last[k + "_std"] or 0) ** 2) / 2)
+            fit[k + "_change"], fit[k + "_noise"] = last[k] - first[k], noise
+        fits.append(fit)
+    return fits
+
+
+LENGTH_COLUMNS = (  # (key, csv header, markdown header, format); `key_std` is shown as ± when present
+    ("preset", "preset", "preset", "{}"), ("level", "level", "level", "{}"), ("bin", "length_bin", "T bin", "{}"),
+    ("n_rows", "n_rows", "responses", "{}"), ("T", "T_mean", "T̄", "{:.1f}"),
+    ("chi2_token", "chi2_token", "χ²_token", "{:.2e}"), ("chi2_seq", "chi2_seq", "χ²_seq", "{:.3g}"),
+    ("law", "law_(1+chi2_token)^T-1", "(1+χ²_tok)^T−1", "{:.3g}"),
+    ("ess_token", "ess_token", "ESS token", "{:.3f}"), ("ess_seq", "ess_seq", "ESS seq", "{:.3f}"),
+    ("reject_seq_sum_k1", "reject_seq_sum_k1", "rejected: seq_sum_k1", "{:.3f}"),
+    ("reject_seq_mean_k1", "reject_seq_mean_k1", "rejected: seq_mean_k1 (Geo-RS)", "{:.3f}"),
+)
+
+
+def write_length_summary(rows: list[dict], fits: list[dict], sweep: dict, out: str) -> tuple[str, str]:
+    """out/length.csv (every bin, full precision, with the stds) and out/length.md (rule, table, fits)."""
+    csv_path, md_path = os.path.join(out, "length.csv"), os.path.join(out, "length.md")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        keys = [c[0] for c in LENGTH_COLUMNS] + [c[0] + "_std" for c in LENGTH_COLUMNS if c[0] + "_std" in rows[0]]
+        w.writerow([c[1] for c in LENGTH_COLUMNS] + [k for k in keys[len(LENGTH_COLUMNS):]])
+        w.writerows([[DASH if r.get(k) is None else r[k] for k in keys] for r in rows])
+    gates = ", ".join(f"`{g}` at {t}" for g, t in GATES.items())
+    rule = ("**Reading rule (fixed before the runs).** *Length law*: if token ratios were independent, "
+            "χ²_seq = (1 + χ²_token)^T − 1, i.e. log(1 + χ²_seq) = b·T with b = log(1 + χ²_token). The law holds "
+            "for a cell when the least-squares slope b (through the origin, over the length bins) is within a factor "
+            "2 of b₀ = log(1 + χ²_token). *Length trap*: a gate's rejection rate rises with length when the change "
+            "from the shortest to the longest bin exceeds max(2 × pooled std over seeds, 0.05); it is flat when "
+            f"the change is within that. Gates: {gates} (ρ_seq resp. geometric-mean ratio bounds).")
+    cols = LENGTH_COLUMNS
+    lines = [f"# Length lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s)", "", rule, "",
+             "| " + " | ".join(c[2] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for key, _, _, fmt in cols:
+            cell = _fmt(r.get(key), fmt)
+            if r.get(key + "_std") is not None and key not in ("T",):
+                cell += " ± " + fmt.format(r[key + "_std"])
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", ("| preset | level | bins | T range | slope b | law b₀ | b/b₀ | law | Δ reject seq_sum_k1 | "
+              "Δ reject seq_mean_k1 |"), "|" + "---|" * 10]
+    for f in fits:
+        law = DASH if f["slope_ratio"] is None else ("holds" if 0.5 <= f["slope_ratio"] <= 2 else "fails")
+        trap = []
+        for g in GATES:
+            c, nz = f[f"reject_{g}_change"], f[f"reject_{g}_noise"]
+            trap.append(f"{c:+.3f} ({'rises' if c > max(nz, 0.05) else 'falls' if c < -max(nz, 0.05) else 'flat'})")
+        lines.append(f"| {f['preset']} | {f['level']} | {f['bins']} | {f['T_min']:.0f}–{f['T_max']:.0f} | "
+                     f"{f['slope']:.3e} | {f['law_slope']:.3e} | {_fmt(f['slope_ratio'], '{:.2f}')} | {law} | "
+                     + " | ".join(trap) + " |")
+    lines += ["", (f"Rows: responses of every dumped step (`log_ratio/step_N.npy` with `log_ratio/lengths/`), grouped by "
+              f"length T in bins of {LENGTH_BIN} tokens; a (run, bin) with fewer than {MIN_BIN_ROWS} responses is left "
+              "out. Each number is computed per seed with rc_core's formulas (χ² with the ±20 safety clip, "
+              "docs/corrections.md §6.4) and shown as mean ± sample std over seeds; the law column averages "
+              "(1 + χ²_token)^{T_i} − 1 over the bin's responses. ESS: Kish effective sample size as a fraction of n "
+              "(§12.10) of the token weights ρ_t and of the sequence weights ∏ρ_t. Rejected: share of the bin's "
+              "responses the gate would mask (computed offline, whatever the run's own preset)."), ""]
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines))
+    return csv_path, md_path
+
+
+def plot_length(rows: list[dict], out: str) -> list[str]:
+    """length_law.png (chi2_seq measured vs the law; ESS of token vs sequence weights) and length_trap.png
+    (rejection rate of each gate) against the mean length of each bin, one colour per (preset, level)."""
+    cells = list(dict.fromkeys((r["preset"], r["level"]) for r in rows))
+    law_fig, axes = _new_figure(2, sharey=False)
+    ax_chi, ax_ess = axes
+    trap_fig, trap_axes = _new_figure(1)
+    for i, cell in enumerate(cells):
+        c, label = f"C{i % 10}", cell[1] if len({p for p, _ in cells}) == 1 else f"{cell[0]} {cell[1]}"
+        sel = [r for r in rows if (r["preset"], r["level"]) == cell]
+        T = [r["T"] for r in sel]
+        ax_chi.errorbar(T, [r["chi2_seq"] for r in sel], yerr=[r["chi2_seq_std"] or 0 for r in sel], fmt="o",
+                        color=c, label=f"{label}: measured", capsize=2)
+        ax_chi.plot(T, [r["law"] for r in sel], "--", color=c, label=f"{label}: (1+χ²_tok)^T−1")
+        ax_ess.plot(T, [r["ess_seq"] for r in sel], "o-", color=c, label=f"{label}: sequence")
+        ax_ess.plot(T, [r["ess_token"] for r in sel], "s--", color=c, label=f"{label}: token")
+        for g, style in (("seq_sum_k1", "o-"), ("seq_mean_k1", "s--")):
+            trap_axes[0].errorbar(T, [r["reject_" + g] for r in sel], yerr=[r["reject_" + g + "_std"] or 0 for r in sel],
+                                  fmt=style, color=c, capsize=2, label=f"{label}: {g}")
+    ax_chi.set_yscale("log", nonpositive="mask")
+    ax_chi.set(xlabel="response length T (bin mean)", ylabel="χ²_seq (log)", title="length law")
+    ax_ess.set(xlabel="response length T (bin mean)", ylabel="ESS / n", title="effective sample size")
+    trap_axes[0].set(xlabel="response length T (bin mean)", ylabel="rejected share of responses",
+                     title=f"length trap: seq_sum_k1 {GATES['seq_sum_k1']} vs Geo-RS {GATES['seq_mean_k1']}")
+    for ax in (ax_chi, ax_ess, trap_axes[0]):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    law_fig.suptitle("mean over seeds (error bars: sample std)")
+    paths = [os.path.join(out, "length_law.png"), os.path.join(out, "length_trap.png")]
+    law_fig.savefig(paths[0], dpi=90)
+    trap_fig.savefig(paths[1], dpi=90)
+    return paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,8 +876,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="run presets x dial levels x seeds, then report",
                        epilog="flags after `--` are passed verbatim to rc_train.py")
     s.add_argument("--out", required=True, help="sweep folder (runs, logs, sweep.json, summary)")
-    s.add_argument("--presets", required=True, help="comma-separated rc_core.PRESET_NAMES, e.g. naive,decoupled_token_is")
-    s.add_argument("--dial", required=True, help="rc_train.py Args field, e.g. rollout_weight_noise, sync_every")
+    s.add_argument("--presets", required=True, help="comma-separated rc_core.PRESET_NAMES, e.g. naive,decoupled_token_is; "
+                   "NAME+FIELD=VALUE adds a correction field, e.g. naive+rollout_token_veto_threshold=1e-4")
+    s.add_argument("--dial", required=True, help="rc_train.py Args field, e.g. rollout_weight_noise, sync_every; or `mismatch`: "
+                   "each level is `none` or FIELD=VALUE[+FIELD=VALUE], e.g. rollout_dtype=bfloat16")
     s.add_argument("--levels", required=True, help="comma-separated dial values, the zero-mismatch one first")
     s.add_argument("--seeds", default="1,2,3", help="comma-separated integer seeds (default 1,2,3)")
     s.add_argument("--jobs", type=int, default=1, help="runs in parallel (default 1)")

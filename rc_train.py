@@ -670,7 +670,7 @@ if __name__ == "__main__":
         padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
         t_train = time.time()
         dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
-        log_ratios = []  # log(pi_trainer/pi_rollout) of valid tokens, kept only on dump steps
+        log_ratios = []  # (log(pi_trainer/pi_rollout) of valid tokens, row lengths), kept only on dump steps
         timing["timing/old_log_prob_s"] = 0.0
         if not rc_config.bypass_mode:
             t0 = time.time()
@@ -680,7 +680,7 @@ if __name__ == "__main__":
             is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config)
             if dump_ratios:
-                log_ratios.append((old_lp - rollout_lp)[mask > 0])
+                log_ratios.append(((old_lp - rollout_lp)[mask > 0], mask.sum(-1)))
             timing["timing/old_log_prob_s"] = time.time() - t0
         ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
         step_tensors = {k: v for k, v in dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp,
@@ -721,7 +721,8 @@ if __name__ == "__main__":
                     step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, mbt, rc_config.bypass_mode,
                                                          first, metrics), weight=float(mbt["response_mask"].sum()))
                     if first and dump_ratios and rc_config.bypass_mode:
-                        log_ratios.append((log_prob.detach() - mbt["rollout_log_prob"])[mbt["response_mask"] > 0].cpu())
+                        log_ratios.append(((log_prob.detach() - mbt["rollout_log_prob"])[mbt["response_mask"] > 0].cpu(),
+                                           mbt["response_mask"].sum(-1).cpu()))
                 grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -6,6 +6,7 @@ end to end against a tiny fake trainer (no vLLM, no torch training).
 import csv
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -379,3 +380,122 @@ def test_cli_sweep_subprocess(tmp_path):
     assert [r["cmd"][1] for r in spec["runs"]] == [str(fake)] * 2
     assert [r["status"] for r in spec["runs"]] == ["ok", "ok"]
     assert rc_lab.load_metrics(str(tmp_path / "lab" / f"naive__{DIAL}=0.1__s7"))[2]["reward/mean"] == pytest.approx(0.27)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mismatch pseudo-dial, preset fields, the length lab
+# ---------------------------------------------------------------------------------------------
+def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, capsys):
+    args = rc_lab._parser().parse_args([
+        "sweep", "--out", str(tmp_path / "lab"), "--presets", "naive,naive+rollout_token_veto_threshold=1e-4",
+        "--dial", "mismatch", "--levels", "none,rollout_dtype=bfloat16+rollout_weight_noise=0.5", "--seeds", "3"])
+    spec = rc_lab.build_spec(args, ["--eval-every", "5"])
+    cmds = {r["name"]: r["cmd"][2:] for r in spec["runs"]}
+    name = "naive+rollout_token_veto_threshold=1e-4__rollout_dtype=bfloat16+rollout_weight_noise=0.5__s3"
+    assert cmds[name] == ["--output-dir", str(tmp_path / "lab"), "--run-name", name, "--rc.preset", "naive",
+                          "--rc.rollout-token-veto-threshold", "1e-4", "--seed", "3", "--rollout-dtype", "bfloat16",
+                          "--rollout-weight-noise", "0.5", "--num-steps", "40", "--eval-every", "5"]
+    assert "--rollout-dtype" not in cmds["naive__none__s3"]
+    for flags, needle in ((["--levels", "none,rollout_dtyp=bfloat16"], "'rollout_dtyp'"),
+                          (["--levels", "none,seed=4"], "--seed"),
+                          (["--levels", "none,rollout_dtype"], "is not FIELD=VALUE"),
+                          (["--presets", "naive+veto=1"], "'veto'")):
+        argv = ["sweep", "--out", str(tmp_path / "bad"), "--presets", "naive", "--dial", "mismatch",
+                "--levels", "none", *flags]
+        assert rc_lab.main(argv) == 2
+        assert needle in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()
+    # the clash with a flag after `--` is caught too
+    assert rc_lab.main(["sweep", "--out", str(tmp_path / "bad"), "--presets", "naive", "--dial", "mismatch",
+                        "--levels", "none,rollout_dtype=bfloat16", "--", "--rollout-dtype", "float16"]) == 2
+    assert "--rollout-dtype" in capsys.readouterr().err
+
+
+def write_length_dumps(run_dir, sigma, rng, steps=3, rows=400):
+    """Dumps of i.i.d. token log-ratios N(-sigma^2/2, sigma^2) (so E_mu rho = 1), response lengths 4..59."""
+    (run_dir / "log_ratio" / "lengths").mkdir(parents=True)
+    for s in range(steps):
+        lengths = rng.integers(4, 60, size=rows)
+        flat = rng.normal(-sigma ** 2 / 2, sigma, size=lengths.sum())
+        np.save(run_dir / "log_ratio" / f"step_{s:06d}.npy", flat.astype(np.float32))
+        np.save(run_dir / "log_ratio" / "lengths" / f"step_{s:06d}.npy", lengths.astype(np.int32))
+
+
+def test_length_law_and_trap_on_independent_tokens(tmp_path):
+    # Independent lognormal token ratios obey the law exactly: chi2_seq = (1 + chi2_token)^T - 1 with
+    # chi2_token = e^{sigma^2} - 1, so the fitted slope is sigma^2; the sum gate's |s| grows like sqrt(T) sigma and
+    # rejects more long answers, while Geo-RS (mean in a +-0.001 band) rejects nearly all of them at every length.
+    rng = np.random.default_rng(0)
+    sigma = 0.1
+    runs = []
+    for lv, sg in (("none", 0.0), ("rollout_weight_noise=0.5", sigma)):
+        for sd in (1, 2, 3):
+            name = rc_lab.run_name("naive", "mismatch", lv, sd)
+            write_length_dumps(tmp_path / name, sg, rng)
+            runs.append({"name": name, "preset": "naive", "level": lv, "seed": sd, "records": []})
+    sweep = {"presets": ["naive"], "dial": "mismatch", "levels": ["none", "rollout_weight_noise=0.5"],
+             "seeds": [1, 2, 3], "runs": runs}
+    rows = rc_lab.length_rows(sweep, str(tmp_path))
+    fits = {f["level"]: f for f in rc_lab.length_fits(rows)}
+    noisy = [r for r in rows if r["level"] != "none"]
+    assert [r["bin"] for r in noisy] == ["0–7", "8–15", "16–23", "24–31", "32–39", "40–47", "48–55", "56–63"]
+    assert all(r["n_seeds"] == 3 for r in noisy)
+    assert all(abs(r["chi2_token"] - math.expm1(sigma ** 2)) < 0.5 * sigma ** 2 for r in noisy)
+    assert fits["rollout_weight_noise=0.5"]["slope"] == pytest.approx(sigma ** 2, rel=0.25)
+    assert 0.75 < fits["rollout_weight_noise=0.5"]["slope_ratio"] < 1.33
+    assert noisy[-1]["ess_seq"] < noisy[0]["ess_seq"] - 0.2 and min(r["ess_token"] for r in noisy) > 0.98
+    assert fits["rollout_weight_noise=0.5"]["reject_seq_sum_k1_change"] > 0.2
+    assert abs(fits["rollout_weight_noise=0.5"]["reject_seq_mean_k1_change"]) < 0.1
+    clean = [r for r in rows if r["level"] == "none"]
+    assert all(r["chi2_seq"] == 0 and r["reject_seq_sum_k1"] == 0 and r["ess_seq"] == 1 for r in clean)
+    assert fits["none"]["slope_ratio"] is None
+    csv_path, md_path = rc_lab.write_length_summary(rows, list(fits.values()), sweep, str(tmp_path))
+    md = Path(md_path).read_text()
+    assert md.index("Reading rule") < md.index("| preset | level | T bin")  # the rule comes before the table
+    assert "| holds | " in md and "(rises) | " in md
+    with open(csv_path) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    for path in rc_lab.plot_length(rows, str(tmp_path)):
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+
+
+def test_length_dump_whose_lengths_disagree_is_refused(tmp_path):
+    d = tmp_path / "run" / "log_ratio"
+    (d / "lengths").mkdir(parents=True)
+    np.save(d / "step_000000.npy", np.zeros(10, np.float32))
+    np.save(d / "lengths" / "step_000000.npy", np.array([3, 4], np.int32))
+    with pytest.raises(rc_lab.LabError, match="add up to 7"):
+        rc_lab.load_dumps(str(tmp_path / "run"))
+
+
+def test_two_cell_sweep_with_the_real_trainer(tmp_path):
+    """`rc_lab.py sweep` end to end with rc_train.py itself: naive at no mismatch and at a weight-noise level,
+    one seed, 2 steps of the tiny one-token-fixture model with 6-token answers (seconds per run)."""
+    out = tmp_path / "lab"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("RC_LAB_TRAIN", None)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "sweep", "--out", str(out), "--presets",
+                        "naive", "--dial", "mismatch", "--levels", "none,rollout_weight_noise=1.0", "--seeds", "1",
+                        "--steps", "2", "--", "--config", os.path.join(HERE, "configs", "cpu_add.yaml"),
+                        "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--max-response-length", "6",
+                        "--eval-limit", "10", "--no-save-final", "--dump-log-ratio-every", "1"],
+                       capture_output=True, text=True, env=env, cwd=HERE, timeout=600, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout
+    md = (out / "summary.md").read_text()
+    assert md.index("Reading rule") < md.index("| preset | level |")
+    assert "| naive | none | 1 |" in md and "| naive | rollout_weight_noise=1.0 | 1 |" in md
+    with open(out / "summary.csv") as f:
+        table = {t["level"]: t for t in csv.DictReader(f)}
+    assert table["none"]["flag"] == "ref" and float(table["rollout_weight_noise=1.0"]["alpha1_mean"]) > 1e-3
+    assert float(table["none"]["alpha1_mean"]) < 1e-4
+    # the length lab recomputes, from the dumps, exactly the chi2 the trainer logged for the whole batch
+    run = out / "naive__rollout_weight_noise=1.0__s1"
+    records = {r["step"]: r for r in rc_lab.load_metrics(str(run))}
+    for step, (flat, lengths) in enumerate(rc_lab.load_dumps(str(run))):
+        stats = rc_lab.length_stats(flat, lengths)
+        assert stats["chi2_token"] == pytest.approx(records[step]["rollout_corr/chi2_token"], rel=1e-4)
+        assert stats["chi2_seq"] == pytest.approx(records[step]["rollout_corr/chi2_seq"], rel=1e-4)
+        assert stats["n_rows"] == 64
+    assert (out / "length.md").exists() and (out / "length_law.png").exists() and (out / "length_trap.png").exists()

@@ -4,6 +4,13 @@
     python rc_lab.py sweep --out runs/lab --presets naive,decoupled_token_is,bypass_ppo_clip \\
         --dial rollout_weight_noise --levels 0,0.1,0.3 --seeds 1,2,3 --jobs 2 --steps 40 -- --eval-every 10
     python rc_lab.py report runs/lab --reward-level 0.5      # summary.md/.csv, reward/k3/alpha/is_hist PNGs
+    python rc_lab.py export runs/lab lab/my_sweep             # metrics, configs, dumps + report: committable
+
+`--dial mismatch` sweeps several dials at once: each level is `none` or FIELD=VALUE[+FIELD=VALUE] of rc_train.py
+(`--levels none,rollout_dtype=bfloat16,rollout_weight_quant=int4`); a preset entry may add correction fields
+(`naive+rollout_token_veto_threshold=1e-4`). Runs trained with --dump-log-ratio-every also get the length lab:
+length.md/.csv, length_law.png (chi2_seq against (1 + chi2_token)^T - 1, ESS of token vs sequence weights) and
+length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-length bin.
 
 Each run is `rc_train.py --output-dir OUT --run-name PRESET__DIAL=LEVEL__sSEED --rc.preset PRESET --seed SEED
 --DIAL LEVEL --num-steps STEPS EXTRA...` (OMP_NUM_THREADS=1), its output in OUT/RUN_NAME.log. A run whose
@@ -867,6 +874,33 @@ def plot_length(rows: list[dict], out: str) -> list[str]:
     return paths
 
 
+def export(out: str, dest: str) -> list[str]:
+    """Copy what `report` reads into dest (sweep.json; per run metrics.jsonl, config.yaml and log_ratio/; the run
+    logs' first line, the command), then report there: a sweep folder small enough to commit that regenerates its
+    own tables and plots (`python rc_lab.py report DEST`)."""
+    import shutil
+
+    sweep_path = os.path.join(out, SWEEP_FILE)
+    if not os.path.isfile(sweep_path):
+        raise LabError(f"no {SWEEP_FILE} in {out!r} (not a sweep folder)")
+    if os.path.abspath(dest) == os.path.abspath(out):
+        raise LabError("export: DEST must differ from the sweep folder")
+    os.makedirs(dest, exist_ok=True)
+    shutil.copy(sweep_path, os.path.join(dest, SWEEP_FILE))
+    with open(sweep_path) as f:
+        names = [r["name"] for r in json.load(f)["runs"]]
+    for name in names:
+        src, dst = os.path.join(out, name), os.path.join(dest, name)
+        for item in ("metrics.jsonl", "config.yaml", "log_ratio"):
+            path = os.path.join(src, item)
+            if os.path.isdir(path):
+                shutil.copytree(path, os.path.join(dst, item), dirs_exist_ok=True)
+            elif os.path.isfile(path):
+                os.makedirs(dst, exist_ok=True)
+                shutil.copy(path, os.path.join(dst, item))
+    return report(dest)
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
@@ -890,6 +924,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("out", metavar="SWEEP_DIR")
     r.add_argument("--reward-level", type=float, default=0.5, help="'steps to reach' level (default 0.5)")
     r.add_argument("--hist-step", type=int, default=None, help="step of the IS histogram (default: largest common)")
+    e = sub.add_parser("export", help="copy a sweep's metrics, configs and dumps to DEST and report there "
+                                      "(a committable folder that regenerates its own tables and plots)")
+    e.add_argument("out", metavar="SWEEP_DIR")
+    e.add_argument("dest", metavar="DEST")
     return p
 
 
@@ -903,10 +941,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:
+        if args.command in ("report", "export") and extra:
+            raise LabError(f"extra flags {extra} are only for `sweep`")
         if args.command == "report":
-            if extra:
-                raise LabError(f"extra flags {extra} are only for `sweep`")
             report(args.out, args.reward_level, args.hist_step)
+            return 0
+        if args.command == "export":
+            export(args.out, args.dest)
             return 0
         spec = build_spec(args, extra)
         failed = run_sweep(spec, args.out, args.overwrite)

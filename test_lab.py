@@ -499,3 +499,9 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
         assert stats["chi2_seq"] == pytest.approx(records[step]["rollout_corr/chi2_seq"], rel=1e-4)
         assert stats["n_rows"] == 64
     assert (out / "length.md").exists() and (out / "length_law.png").exists() and (out / "length_trap.png").exists()
+    # export: a small copy (no engine logs, no eval samples) that regenerates the same tables by itself
+    dest = tmp_path / "committed"
+    assert rc_lab.main(["export", str(out), str(dest)]) == 0
+    assert (dest / "summary.md").read_text() == md and (dest / "length.md").read_text() == (out / "length.md").read_text()
+    assert not list(dest.glob("*/engine.log")) and (dest / "naive__none__s1" / "config.yaml").exists()
+    assert rc_lab.main(["export", str(out), str(out)]) == 2

@@ -443,6 +443,11 @@ COLUMNS = (  # (row key, csv header, markdown header, format)
 )
 
 
+def level_title(sweep: dict, level: str) -> str:
+    """`dial=level`, or the level alone for the mismatch pseudo-dial (it names its own fields)."""
+    return level if sweep["dial"] == MISMATCH else f"{sweep['dial']}={level}"
+
+
 def is_naive(preset: str) -> bool:
     """The uncorrected arm: `naive`/`disabled` with no correction field on top."""
     return preset in ("naive", "disabled")
@@ -480,7 +485,7 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         w.writerows([[DASH if r.get(k) is None else r[k] for k, *_ in cols] for r in rows])
     md_cols = [c for c in cols if c[2] is not None]
     rule = (f"**Reading rule (fixed before the runs).** Δ vs level 0: eval acc minus that of the same preset at the "
-            f"first level (`{sweep['dial']}={sweep['levels'][0]}`, `ref`). A row is marked `below` when its mean "
+            f"first level (`{level_title(sweep, sweep['levels'][0])}`, `ref`). A row is marked `below` when its mean "
             "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
             "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2). A level reproduces "
             "\"mismatch breaks naive, correction repairs it\" when the naive row is `below` and at least two corrected "
@@ -565,7 +570,7 @@ def plot_curves(sweep: dict, key: str, path: str, ylabel: str, log: bool = False
         if log and not panel_positive:  # a log axis cannot show it: say so instead of an empty panel
             ax.text(0.5, 0.5, f"{key} = 0 at every step", transform=ax.transAxes, ha="center", fontsize=9)
         positive |= panel_positive
-        ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
+        ax.set_title(level_title(sweep, level), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     if log and positive:
@@ -586,7 +591,7 @@ def plot_alpha(sweep: dict, path: str) -> str:
                 steps, mean, _, _ = _seed_band(runs, key)
                 if steps.size:
                     ax.plot(steps, mean, color=color, linestyle=style, label=f"{preset} {sym}", linewidth=1.3)
-        ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
+        ax.set_title(level_title(sweep, level), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("total variation (mean over seeds)")
@@ -627,7 +632,7 @@ def plot_is_hist(sweep: dict, out: str, path: str, step: int | None = None) -> s
                         label=f"{preset} (n={ratio.size})")
             drawn = True
         ax.set_yscale("log")
-        ax.set_title(f"{sweep['dial']}={level}", fontsize=10)
+        ax.set_title(level_title(sweep, level), fontsize=10)
         ax.set_xlabel("token IS ratio π_trainer / π_rollout")
         if ratios:
             ax.legend(fontsize=7)

@@ -658,7 +658,8 @@ def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) ->
     written += [hist] if hist else []
     lengths = length_rows(sweep, out)
     if lengths:
-        written += [*write_length_summary(lengths, length_fits(lengths), sweep, out), *plot_length(lengths, out)]
+        fits = length_fits(lengths)
+        written += [*write_length_summary(lengths, fits, sweep, out), *plot_length(lengths, out, fits)]
     with open(written[1]) as f:
         print(f.read())
     print("rc_lab: wrote " + ", ".join(written))
@@ -845,9 +846,10 @@ def write_length_summary(rows: list[dict], fits: list[dict], sweep: dict, out: s
     return csv_path, md_path
 
 
-def plot_length(rows: list[dict], out: str) -> list[str]:
-    """length_law.png (chi2_seq measured vs the law; ESS of token vs sequence weights) and length_trap.png
-    (rejection rate of each gate) against the mean length of each bin, one colour per (preset, level)."""
+def plot_length(rows: list[dict], out: str, fits: list[dict] | None = None) -> list[str]:
+    """length_law.png (chi2_seq measured, the law (1 + chi2_token)^T - 1 with the cell's chi2_token and the fitted
+    e^(bT) - 1 from length_fits; ESS of token vs sequence weights) and length_trap.png (rejection rate of each
+    gate), against the mean length of each bin, one colour per (preset, level)."""
     cells = list(dict.fromkeys((r["preset"], r["level"]) for r in rows))
     law_fig, axes = _new_figure(2, sharey=False)
     ax_chi, ax_ess = axes
@@ -858,17 +860,21 @@ def plot_length(rows: list[dict], out: str) -> list[str]:
         T = [r["T"] for r in sel]
         ax_chi.errorbar(T, [r["chi2_seq"] for r in sel], yerr=[r["chi2_seq_std"] or 0 for r in sel], fmt="o",
                         color=c, label=f"{label}: measured", capsize=2)
-        ax_chi.plot(T, [r["law"] for r in sel], "--", color=c, label=f"{label}: (1+χ²_tok)^T−1")
+        fit = next((f for f in fits or [] if (f["preset"], f["level"]) == cell), None)
+        if fit is not None and fit["law_slope"] > 0:  # smooth curves over the cell's length range
+            grid = np.linspace(min(T), max(T), 50)
+            ax_chi.plot(grid, np.expm1(fit["law_slope"] * grid), "--", color=c, label=f"{label}: (1+χ²_tok)^T−1")
+            ax_chi.plot(grid, np.expm1(fit["slope"] * grid), ":", color=c, label=f"{label}: fit e^(bT)−1")
         ax_ess.plot(T, [r["ess_seq"] for r in sel], "o-", color=c, label=f"{label}: sequence")
         ax_ess.plot(T, [r["ess_token"] for r in sel], "s--", color=c, label=f"{label}: token")
         for g, style in (("seq_sum_k1", "o-"), ("seq_mean_k1", "s--")):
             trap_axes[0].errorbar(T, [r["reject_" + g] for r in sel], yerr=[r["reject_" + g + "_std"] or 0 for r in sel],
-                                  fmt=style, color=c, capsize=2, label=f"{label}: {g}")
+                                  fmt=style, color=c, capsize=2, label=f"{label}: {g} {GATES[g]}")
     ax_chi.set_yscale("log", nonpositive="mask")
     ax_chi.set(xlabel="response length T (bin mean)", ylabel="χ²_seq (log)", title="length law")
     ax_ess.set(xlabel="response length T (bin mean)", ylabel="ESS / n", title="effective sample size")
     trap_axes[0].set(xlabel="response length T (bin mean)", ylabel="rejected share of responses",
-                     title=f"length trap: seq_sum_k1 {GATES['seq_sum_k1']} vs Geo-RS {GATES['seq_mean_k1']}")
+                     title="length trap: sequence-sum gate vs Geo-RS")
     for ax in (ax_chi, ax_ess, trap_axes[0]):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)

@@ -711,24 +711,22 @@ def length_stats(flat: np.ndarray, lengths: np.ndarray) -> dict:
     rows = mask.any(dim=-1)
     chi2_token = float(rc_core.chi2_divergence(ell, mask))
     seq = rc_core.sequence_log_ratio(ell, mask)
-    w_seq = torch_exp_clip(seq[rows])
-    w_tok = torch_exp_clip(ell[mask])
     out = {"n_rows": int(rows.sum()), "T": float(lengths[lengths > 0].mean()), "chi2_token": chi2_token,
            "chi2_seq": float(rc_core.chi2_divergence(seq, rows)),
            "law": float(np.mean((1.0 + chi2_token) ** lengths[lengths > 0]) - 1.0),
-           "ess_seq": float(w_seq.sum() ** 2 / (len(w_seq) * (w_seq ** 2).sum())),
-           "ess_token": float(w_tok.sum() ** 2 / (len(w_tok) * (w_tok ** 2).sum()))}
+           "ess_seq": kish_ess(seq[rows]), "ess_token": kish_ess(ell[mask])}
     for name, threshold in GATES.items():
         keep, _ = rc_core.compute_rejection_mask(ell, mask, rc_core.parse_rs_options(name, threshold))
         out["reject_" + name] = float((mask & ~keep).any(dim=-1)[rows].double().mean())
     return out
 
 
-def torch_exp_clip(x):
-    """exp(clip_S(x)) as float64 numpy (the weights of the ESS)."""
+def kish_ess(log_weight) -> float:
+    """Kish ESS as a fraction of n, (sum w)^2 / (n sum w^2), of the weights w = exp(clip_S(log_weight)) (§12.10)."""
     import rc_core
 
-    return np.exp(rc_core.safety_clip(x).numpy())
+    w = np.exp(rc_core.safety_clip(log_weight).numpy())
+    return float(w.sum() ** 2 / (len(w) * (w ** 2).sum()))
 
 
 def length_rows(sweep: dict, out: str, bin_width: int = LENGTH_BIN) -> list[dict]:

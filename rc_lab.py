@@ -657,7 +657,7 @@ def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) ->
     hist = plot_is_hist(sweep, out, os.path.join(out, "is_hist.png"), hist_step)
     written += [hist] if hist else []
     lengths = length_rows(sweep, out)
-    if lengths:
+    if any(r["T"] > 1 for r in lengths):  # one-token answers have no length law to show
         fits = length_fits(lengths)
         written += [*write_length_summary(lengths, fits, sweep, out), *plot_length(lengths, out, fits)]
     with open(written[1]) as f:

@@ -883,10 +883,18 @@ def plot_length(rows: list[dict], out: str, fits: list[dict] | None = None) -> l
     return paths
 
 
+# The metrics `report` reads, plus the chi2 diagnostics and the step time: all that `export` keeps of metrics.jsonl.
+EXPORT_KEYS = ("step", "reward/mean", "eval/accuracy", "eval/accuracy_strict", "eval/accuracy_flexible",
+               "response_length/mean", "actor/grad_norm", "actor/tv_update", "rollout_corr/tv_mismatch",
+               "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
+               "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_veto_fraction",
+               "rollout_corr/rollout_is_catastrophic_token_fraction", "timing/step_s")
+
+
 def export(out: str, dest: str) -> list[str]:
-    """Copy what `report` reads into dest (sweep.json; per run metrics.jsonl, config.yaml and log_ratio/; the run
-    logs' first line, the command), then report there: a sweep folder small enough to commit that regenerates its
-    own tables and plots (`python rc_lab.py report DEST`)."""
+    """Copy what `report` reads into dest (sweep.json; per run config.yaml, log_ratio/ and metrics.jsonl cut down to
+    EXPORT_KEYS), then report there: a sweep folder small enough to commit that regenerates its own tables and
+    plots (`python rc_lab.py report DEST`)."""
     import shutil
 
     sweep_path = os.path.join(out, SWEEP_FILE)
@@ -900,13 +908,17 @@ def export(out: str, dest: str) -> list[str]:
         names = [r["name"] for r in json.load(f)["runs"]]
     for name in names:
         src, dst = os.path.join(out, name), os.path.join(dest, name)
-        for item in ("metrics.jsonl", "config.yaml", "log_ratio"):
-            path = os.path.join(src, item)
-            if os.path.isdir(path):
-                shutil.copytree(path, os.path.join(dst, item), dirs_exist_ok=True)
-            elif os.path.isfile(path):
-                os.makedirs(dst, exist_ok=True)
-                shutil.copy(path, os.path.join(dst, item))
+        if not os.path.isfile(os.path.join(src, "metrics.jsonl")):
+            continue  # a run that never logged: report leaves it out here as there
+        os.makedirs(dst, exist_ok=True)
+        with open(os.path.join(src, "metrics.jsonl")) as f, open(os.path.join(dst, "metrics.jsonl"), "w") as g:
+            for line in f:
+                record = json.loads(line)
+                g.write(json.dumps({k: record[k] for k in EXPORT_KEYS if k in record}) + "\n")
+        if os.path.isfile(os.path.join(src, "config.yaml")):
+            shutil.copy(os.path.join(src, "config.yaml"), os.path.join(dst, "config.yaml"))
+        if os.path.isdir(os.path.join(src, "log_ratio")):
+            shutil.copytree(os.path.join(src, "log_ratio"), os.path.join(dst, "log_ratio"), dirs_exist_ok=True)
     return report(dest)
 
 

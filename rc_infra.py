@@ -722,12 +722,11 @@ class RunLog:
 def save_log_ratios(run_dir: str, step: int, chunks: list) -> None:
     """--dump-log-ratio-every: log(pi_trainer/pi_rollout) of the valid tokens of one step, rows one after another,
     to log_ratio/step_N.npy, and each row's number of valid tokens to log_ratio/lengths/step_N.npy (so the flat
-    array splits back into responses: the lab's length law). chunks: (flat log-ratios, row lengths) pairs."""
+    array splits back into responses: the lab's length law). chunks: (log-ratio, response mask) pairs, (B, T) each."""
     folder = os.path.join(run_dir, "log_ratio")
     os.makedirs(os.path.join(folder, "lengths"), exist_ok=True)
-    flat = torch.cat([c[0] for c in chunks]).float().numpy() if chunks else np.zeros(0, np.float32)
-    lengths = torch.cat([c[1] for c in chunks]).to(torch.int32).numpy() if chunks else np.zeros(0, np.int32)
-    assert lengths.sum() == flat.size, (lengths.sum(), flat.size)
+    flat = torch.cat([ratio[m > 0].cpu() for ratio, m in chunks]).float().numpy() if chunks else np.zeros(0, np.float32)
+    lengths = torch.cat([m.sum(-1).cpu() for _, m in chunks]).to(torch.int32).numpy() if chunks else np.zeros(0, np.int32)
     np.save(os.path.join(folder, f"step_{step:06d}.npy"), flat)
     np.save(os.path.join(folder, "lengths", f"step_{step:06d}.npy"), lengths)
 

@@ -330,16 +330,11 @@ def reward_drop(records: list[dict], window: int = 3) -> float | None:
 
 
 def planted_prob(dial: str, level: str) -> float | None:
-    """The --rollout-corrupt-prob of a dial level (None when the sweep does not set it)."""
-    if dial == "rollout_corrupt_prob":
-        return float(level)
-    if dial == MISMATCH:
-        for part in level.split("+"):
-            field, _, value = part.partition("=")
-            if field == "rollout_corrupt_prob":
-                return float(value)
-        return 0.0 if level == "none" else None
-    return None
+    """The --rollout-corrupt-prob of a dial level (None when the sweep does not set it; 0 at the mismatch `none`)."""
+    flags = level_flags(dial, level)
+    if "--rollout-corrupt-prob" in flags:
+        return float(flags[flags.index("--rollout-corrupt-prob") + 1])
+    return 0.0 if dial == MISMATCH and level == "none" else None
 
 
 def expected_planted_rows(records: list[dict], p: float) -> float | None:

@@ -163,8 +163,7 @@ class Args:
     rollout_weight_noise: float = 0.0
     """engine gets weights + s*rms(W)*eps with a fixed seeded eps per matrix (s = this value): a synthetic, monotone dial for kernel/quantiser error"""
     rollout_corrupt_prob: float = 0.0
-    """per sampled token, the chance that the engine samples from a corrupted distribution instead (a point mass on a
-    uniformly random token, reported with mu = 1): plants rare catastrophic tokens for the veto (rc_infra.planted_tokens_processor)"""
+    """per sampled token, chance that the engine samples a uniformly random token instead, reported with mu = 1: planted catastrophic tokens for the veto (rc_infra.planted_tokens_processor)"""
     rollout_temperature: float | None = None
     """engine samples at this temperature while the trainer scores at --temperature (a sampling-config mismatch); None = same"""
     rollout_logprobs: Literal["processed", "raw"] = "processed"
@@ -303,12 +302,10 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool
     Prompt i is seeded with sampling_seed(*seed_keys, i), so a rollout is reproducible on CPU."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(n=n, max_tokens=args.max_response_length, logprobs=None if greedy else 0,
-                             temperature=0.0 if greedy else (args.rollout_temperature or args.temperature),
-                             top_p=1.0 if greedy else args.top_p,
-                             seed=None if greedy else sampling_seed(*seed_keys, i),
-                             extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob}
-                             if args.rollout_corrupt_prob and not greedy else None) for i in range(len(prompt_ids))]
+    sampling = dict(temperature=args.rollout_temperature or args.temperature, top_p=args.top_p, logprobs=0,
+                    extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob})  # greedy: the defaults at temperature 0
+    params = [SamplingParams(n=n, max_tokens=args.max_response_length, **({"temperature": 0.0} if greedy else
+                             {**sampling, "seed": sampling_seed(*seed_keys, i)})) for i in range(len(prompt_ids))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     result = []
     for out in outputs:
@@ -670,7 +667,7 @@ if __name__ == "__main__":
         padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
         t_train = time.time()
         dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
-        log_ratios = []  # (log(pi_trainer/pi_rollout) of valid tokens, row lengths), kept only on dump steps
+        log_ratios = []  # (log(pi_trainer/pi_rollout), response mask) pairs, kept only on dump steps
         timing["timing/old_log_prob_s"] = 0.0
         if not rc_config.bypass_mode:
             t0 = time.time()
@@ -680,7 +677,7 @@ if __name__ == "__main__":
             is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config)
             if dump_ratios:
-                log_ratios.append(((old_lp - rollout_lp)[mask > 0], mask.sum(-1)))
+                log_ratios.append((old_lp - rollout_lp, mask))
             timing["timing/old_log_prob_s"] = time.time() - t0
         ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
         step_tensors = {k: v for k, v in dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp,
@@ -721,8 +718,7 @@ if __name__ == "__main__":
                     step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, mbt, rc_config.bypass_mode,
                                                          first, metrics), weight=float(mbt["response_mask"].sum()))
                     if first and dump_ratios and rc_config.bypass_mode:
-                        log_ratios.append(((log_prob.detach() - mbt["rollout_log_prob"])[mbt["response_mask"] > 0].cpu(),
-                                           mbt["response_mask"].sum(-1).cpu()))
+                        log_ratios.append((log_prob.detach() - mbt["rollout_log_prob"], mbt["response_mask"]))
                 grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

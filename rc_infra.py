@@ -104,15 +104,138 @@ def parse_cli(cls, load_defaults, gpu_config: str | None = None):
     return tyro.cli(cls, default=default, args=argv)
 
 
+def _check_field_types(obj, prefix: str = "") -> None:
+    """Raise ValueError naming the first field of the dataclass `obj` whose value does not have its annotated type
+    (int, float, bool, str, None, Literal choices, a nested dataclass). tyro checks the command line, but YAML
+    values reach the fields as YAML typed them ('ten' steps, reward_mode 'strik'), so they are checked here."""
+    import types
+    import typing
+
+    def fits(value, hint) -> bool:
+        origin, parts = typing.get_origin(hint), typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType):
+            return any(fits(value, p) for p in parts)
+        if origin is typing.Literal:
+            return any(value == p and type(value) is type(p) for p in parts)
+        if hint is type(None):
+            return value is None
+        if hint is bool:
+            return isinstance(value, bool)
+        if hint is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if hint is float:  # an int is a number too; one too large for a float is not
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+                isinstance(value, int) and abs(value) > sys.float_info.max)
+        if hint is str:
+            return isinstance(value, str)
+        if origin is list:
+            return isinstance(value, list) and all(fits(v, parts[0]) for v in value)
+        if dataclasses.is_dataclass(hint):
+            return isinstance(value, hint)
+        return True  # any other annotation is checked where it is used
+
+    def describe(hint) -> str:
+        origin, parts = typing.get_origin(hint), typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType):
+            return " or ".join(describe(p) for p in parts)
+        if origin is typing.Literal:
+            return "one of " + ", ".join(map(repr, parts))
+        if origin is list:
+            return f"a list, each item {describe(parts[0])}"
+        return {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
+                str: "a string"}.get(hint, "a mapping")
+
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        value = getattr(obj, name)
+        if not fits(value, hint):
+            raise ValueError(f"--{prefix}{name.replace('_', '-')} must be {describe(hint)}, got {value!r}")
+
+
+def _local_path(model: str) -> bool:
+    """--model names a local folder (not a Hugging Face id such as Qwen/Qwen2.5-0.5B-Instruct): it starts with '/',
+    '.' or '~', has more than one '/', or exists."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.path.exists(model)
+
+
 def validate_args(args, world_size: int) -> None:
-    """Fail fast with a message naming the bad value (before tokenizer, data or engine)."""
+    """Fail fast with a message naming the bad value (before tokenizer, data or engine, and before anything is
+    written to the run folder). The correction settings (--rc.*) are checked by rc_core when the config is built,
+    the task settings (--mini.*) by tasks.make_task, the loss settings by rc_core.check_loss_settings below."""
     import rc_core
 
     def need(cond, msg):
         if not cond:
             raise ValueError(msg)
+
+    def finite(x) -> bool:
+        return math.isfinite(x)
+
+    # Types first (YAML values arrive unchecked), so every comparison below compares numbers.
+    _check_field_types(args)
+    _check_field_types(args.mini, prefix="mini.")
+
+    # Names, paths, trackers
+    need(args.exp_name.strip() != "" and not any(s in args.exp_name for s in ("/", os.sep, os.altsep) if s),
+         f"--exp-name must be a non-empty name without a path separator (it is part of the run folder's name), "
+         f"got {args.exp_name!r}")
+    if args.run_name is not None:
+        need(args.run_name.strip() not in ("", ".", "..")
+             and not any(s in args.run_name for s in ("/", os.sep, os.altsep) if s),
+             f"--run-name must be a folder name without a path separator (not '', '.' or '..'; the parent folder is "
+             f"--output-dir), got {args.run_name!r}")
+    need(not args.resume or args.run_name is not None,
+         "--resume needs --run-name (the run to continue; the default name holds the start time, so it is always new)")
+    need(not os.path.exists(args.output_dir) or os.path.isdir(args.output_dir),
+         f"--output-dir must be a folder, got {args.output_dir!r} (a file)")
+    if args.run_name is not None:
+        run_dir = os.path.join(args.output_dir, args.run_name)
+        need(not os.path.exists(run_dir) or os.path.isdir(run_dir),
+             f"--run-name {args.run_name!r}: {run_dir!r} exists and is not a folder")
+    existing = os.path.abspath(args.output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+         f"--output-dir {args.output_dir!r} cannot be created or written: {existing!r} is not a writable folder")
+    model = args.model
+    need(model.strip() != "", f"--model must be 'tiny', a local model folder or a Hugging Face model id, got {model!r}")
+    if _local_path(model) and not os.path.isdir(model):
+        home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
+        need(False, f"--model must be an existing local model folder or a Hugging Face model id, got {model!r} "
+                    + ("('~' is not expanded here: write the full path)" if home else
+                       "(a file, not a folder)" if os.path.exists(model) else "(no such folder)"))
+    trackers = getattr(args, "log_with", None) or []
+    if trackers:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+        installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+        for name in trackers:
+            need(name == "all" or name in LOGGER_TYPE_TO_CLASS,
+                 f"--log-with must name Accelerate trackers ({', '.join(LOGGER_TYPE_TO_CLASS)}) or all, got {name!r}")
+            need(name == "all" or name in installed,
+                 f"--log-with {name}: the {name} package is not installed (Accelerate would skip it silently): "
+                 f"pip install {name}, or drop it")
+        if "wandb" in trackers:
+            project = args.wandb_project_name
+            need(0 < len(project) <= 128 and not any(c in project for c in "/\\#?%:"),
+                 f"--wandb-project-name must be 1..128 characters, none of / \\ # ? % :, got {project!r}")
+    need(0 <= args.seed <= 2 ** 32 - world_size,
+         f"--seed must be in [0, {2 ** 32 - world_size}] (numpy and vLLM take 32-bit seeds; rank r's engine uses "
+         f"seed + r), got {args.seed}")
+
+    # Data and task
+    need(args.train_limit is None or args.train_limit >= 1,
+         f"--train-limit must be >= 1 (or None: every problem), got {args.train_limit}")
+    need(args.eval_limit is None or args.eval_limit >= 1,
+         f"--eval-limit must be >= 1 (or None: the whole split), got {args.eval_limit}")
+    need(args.format_bonus >= 0 and finite(args.format_bonus),
+         f"--format-bonus must be a finite number >= 0, got {args.format_bonus}")
+
+    # Rollout
     need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
-    need(args.num_samples_per_prompt >= 1, f"--num-samples-per-prompt must be >= 1, got {args.num_samples_per_prompt}")
+    need(args.num_samples_per_prompt >= 2,
+         f"--num-samples-per-prompt must be >= 2 (the GRPO group size: a group of one response has no group mean "
+         f"to compare with, so the advantage falls back to the raw reward, REINFORCE without a baseline), "
+         f"got {args.num_samples_per_prompt}")
     need(args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
          f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size ({world_size})")
     batch = args.num_prompts_per_step // world_size * args.num_samples_per_prompt
@@ -122,10 +245,21 @@ def validate_args(args, world_size: int) -> None:
     need(args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
          f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
     need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
+    need(args.max_model_len > args.max_response_length,
+         f"--max-model-len must be > --max-response-length ({args.max_response_length}): a prompt and its response "
+         f"must fit in the context, got {args.max_model_len}")
     need(args.temperature > 0 and math.isfinite(args.temperature),
          f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
     need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    need(args.train_dtype != "float16",
+         f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
+         f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32")
     need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    need(0 < args.vllm_gpu_memory_utilization <= 1,
+         f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
+         f"got {args.vllm_gpu_memory_utilization}")
+    need(args.vllm_kv_cache_gb > 0 and finite(args.vllm_kv_cache_gb),
+         f"--vllm-kv-cache-gb must be a finite number > 0, got {args.vllm_kv_cache_gb}")
     need(0.0 <= args.rollout_corrupt_prob < 1.0,
          f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}")
     need(args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
@@ -133,11 +267,22 @@ def validate_args(args, world_size: int) -> None:
     need(args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
          f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
     need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
-    need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
+
+    # Optimisation
+    need(args.learning_rate > 0 and finite(args.learning_rate),
+         f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
+    need(args.weight_decay >= 0 and finite(args.weight_decay),
+         f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
-    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    need(args.format_bonus >= 0, f"--format-bonus must be >= 0, got {args.format_bonus}")
-    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    need(args.kl_coef >= 0 and finite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}")
+    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
+
+    # Evaluation, checkpoints
+    need(args.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {args.eval_every}")
+    need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = never), got {args.checkpoint_every}")
+
+    # Engine
     need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
     need(args.vllm_sleep_level == 1 or args.sync_every == 1,
          f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
@@ -145,6 +290,7 @@ def validate_args(args, world_size: int) -> None:
     need(args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
          f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}")
     tokens = args.vllm_max_num_batched_tokens
+    need(tokens is None or tokens >= 1, f"--vllm-max-num-batched-tokens must be >= 1, got {tokens}")
     if tokens is not None and not torch.cuda.is_available():
         # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
         need(tokens >= args.max_model_len,
@@ -152,46 +298,121 @@ def validate_args(args, world_size: int) -> None:
              f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len")
     need(tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
          f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}")
+
+    # Loss (rc_core's own checks; the message says which flag gave a clip value that was not set itself)
     if args.kl_coef > 0:
         rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
     low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
-    rc_core.check_loss_settings(low, high, args.clip_ratio_c, args.loss_agg_mode, args.loss_scale_factor)
+    try:
+        rc_core.check_loss_settings(low, high, args.clip_ratio_c, args.loss_agg_mode, args.loss_scale_factor)
+    except ValueError as e:
+        side = next((s for s in ("low", "high") if str(e).startswith(f"clip_ratio_{s}")
+                     and getattr(args, f"clip_ratio_{s}") is None), None)
+        if side is None:
+            raise
+        raise ValueError(f"{e} (--clip-ratio-{side} is unset: it takes --clip-ratio {args.clip_ratio})") from None
 
 
 # ---------------------------------------------------------------------------------------------
 # Processes and devices
 # ---------------------------------------------------------------------------------------------
-def check_distributed(accelerator, micro_batches_per_step: int | None) -> None:
-    """Refuse the Accelerate backends whose weights are sharded: FSDP and DeepSpeed ZeRO-3.
+def launcher_settings(args, environ=os.environ) -> None:
+    """Read what `accelerate launch` asked for, before the Accelerator is built; refuse what cannot work.
 
-    Every rank pushes the FULL weights into its own colocated engine after each update, runs the decoupled pi_old
-    pass on the unwrapped module, and checkpoints from rank 0's copy. With sharded parameters each of these needs a
-    gather (streamed into the engine parameter by parameter) and a sharded optimizer checkpoint per rank, which this
-    trainer does not implement: it says so at start instead of half-working. DDP and DeepSpeed ZeRO-1/2 keep the
-    parameters replicated and are supported. DeepSpeed steps its optimizer inside the backward of the last micro-batch
-    of each accumulation window, so its gradient_accumulation_steps must equal the trainer's micro-batches per
-    optimizer step, or it would step at the wrong times."""
+    DeepSpeed is refused: through Accelerate >= 1.8 it steps its optimizer after every micro-batch unless the loop runs
+    inside accelerator.accumulate(), it divides the loss by its accumulation steps on top of the trainer's global
+    denominators, and its ZeRO partitions do not round-trip through a module checkpoint (docs/gpus.md). FSDP2 shards
+    the same state and is what this trainer supports. An Accelerate FSDP config (FSDP_VERSION 2) switches on --fsdp:
+    the trainer shards with torch's fully_shard itself, on every device, because Accelerate builds its FSDP2 plugin
+    only for GPU distributed types (on CPU it silently drops it and trains DDP). The variable is removed so that
+    Accelerate sets up plain data parallelism under the trainer's own sharding."""
+    def on(name):
+        return environ.get(name, "false").lower() in ("1", "true", "yes")
+    if on("ACCELERATE_USE_DEEPSPEED"):
+        raise ValueError("DeepSpeed is not supported (under Accelerate it steps the optimizer per micro-batch and "
+                         "scales the loss by 1/gradient_accumulation_steps); shard with FSDP2 instead: --fsdp, or "
+                         "accelerate launch --config_file configs/accelerate/fsdp2.yaml")
+    if on("ACCELERATE_USE_FSDP"):
+        version = environ.get("FSDP_VERSION", "1")
+        if version != "2":
+            raise ValueError(f"FSDP version {version} (FSDP1) is not supported: set fsdp_version: 2 in the Accelerate "
+                             f"config (configs/accelerate/fsdp2.yaml)")
+        if on("FSDP_OFFLOAD_PARAMS"):
+            raise ValueError("fsdp_offload_params: true is not supported: every weight sync streams the full "
+                             "parameters from the device into the colocated engine")
+        args.fsdp = True
+        environ.pop("ACCELERATE_USE_FSDP")
+
+
+def check_distributed(accelerator, args, micro_batches_per_step_fixed: bool) -> None:
+    """Refuse what the processes Accelerate started cannot run, before anything is built.
+
+    --fsdp needs several processes; every FSDP2 forward is a collective, so every rank must run the same number of
+    forwards: micro-batches by count only (a token budget gives each rank its own count). Accelerate's own sharded
+    backends (its FSDP plugin, DeepSpeed), when they arrive other than through the launcher, are refused as in
+    launcher_settings. On GPUs each rank's engine needs a GPU of its own."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP:
-        raise ValueError("FSDP is not supported (sharded parameters: the engine sync, the pi_old pass and checkpoints "
-                         "need full weights on every rank); use DDP (configs/accelerate/multi_gpu.yaml) or DeepSpeed "
-                         "ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml)")
     if kind == DistributedType.DEEPSPEED:
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin.zero_stage == 3:
-            raise ValueError("DeepSpeed ZeRO stage 3 is not supported (sharded parameters); use zero_stage 1 or 2 "
-                             "(configs/accelerate/deepspeed_zero2.yaml)")
-        steps = plugin.deepspeed_config.get("gradient_accumulation_steps")
-        if micro_batches_per_step is None:
-            raise ValueError("DeepSpeed needs the same number of micro-batches in every optimizer step: "
-                             "drop --max-tokens-per-micro-batch (its micro-batch count varies with the lengths)")
-        if steps != micro_batches_per_step:
-            raise ValueError(f"DeepSpeed gradient_accumulation_steps is {steps!r} but the trainer runs "
-                             f"{micro_batches_per_step} micro-batches per optimizer step (per-rank rollout batch / "
-                             f"--num-minibatches / --micro-batch-size, rounded up): set it to {micro_batches_per_step}")
+        raise ValueError("DeepSpeed is not supported; shard with FSDP2 instead (--fsdp, configs/accelerate/fsdp2.yaml)")
+    if kind == DistributedType.FSDP:
+        raise ValueError("Accelerate's FSDP plugin is not used: shard with --fsdp (torch's fully_shard), or launch "
+                         "with configs/accelerate/fsdp2.yaml")
+    if args.fsdp and accelerator.num_processes < 2:
+        raise ValueError("--fsdp shards over several processes, but this run has 1: launch it with torchrun "
+                         "--nproc_per_node N or accelerate launch --config_file configs/accelerate/fsdp2.yaml")
+    if args.fsdp and not micro_batches_per_step_fixed:
+        raise ValueError(f"--fsdp needs the same number of micro-batches on every rank: drop "
+                         f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch}")
+    if torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world > torch.cuda.device_count():
+            raise ValueError(f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs: each rank's "
+                             f"engine needs a GPU of its own (num_processes of the Accelerate config, or torchrun "
+                             f"--nproc_per_node)")
+
+
+class HostGroup:
+    """The trainer's own collectives (loss denominators, metric sums, evaluation samples): small host-side values, on
+    a gloo group of all ranks created at start. Accelerate and torchrun give GPU jobs an NCCL default group, which
+    serves only CUDA tensors ("No backend type associated with device type cpu" for a CPU tensor); a gloo side group
+    serves the CPU on every machine and spares a device round trip for a few floats. The model's own collectives
+    (DDP, FSDP2) stay on the default group. test_infra.py runs these under an NCCL-like group (gloo for cuda only)."""
+
+    def __init__(self, world: int):
+        import torch.distributed as dist
+
+        self.world = world
+        self.group = dist.new_group(backend="gloo") if world > 1 else None
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Elementwise sum over the ranks."""
+        if self.world == 1:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    def extreme(self, values: list[float], op: str) -> list[float]:
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 def engine_placement(on_gpu: bool, rank: int, local_rank: int, world: int) -> tuple[dict, dict]:
@@ -353,27 +574,59 @@ def has_weight_dial(args) -> bool:
     return args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
 
 
-def rollout_weights(state_dict: dict, args) -> dict:
-    """The weights the engine receives: the trainer's, or a perturbed copy when a weight dial is on.
+def rollout_weights(weights, args):
+    """The (name, tensor) pairs the engine receives: the trainer's, or perturbed copies when a weight dial is on.
 
-    Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept,
-    as weight-only quantisers do. The noise eps is drawn from a generator seeded by (--seed, tensor index),
-    so every sync sends the same perturbation pattern: a persistent error, like a quantiser's, not fresh noise.
-    """
+    Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept, as weight-only
+    quantisers do. The noise eps is drawn on the tensor's device from a generator seeded by (--seed, tensor index),
+    so every sync sends the same perturbation pattern (a persistent error, like a quantiser's, not fresh noise) and a
+    GPU draws it on the GPU. One tensor at a time: the pairs stream through (no second copy of the model)."""
     if not has_weight_dial(args):
-        return state_dict
-    out = {}
-    for i, (name, w) in enumerate(state_dict.items()):
+        yield from weights
+        return
+    for i, (name, w) in enumerate(weights):
         if w.dim() >= 2 and w.is_floating_point():
             w = w.detach().float()
             if args.rollout_weight_noise:
-                gen = torch.Generator(device="cpu").manual_seed(args.seed * 100_003 + i)
-                eps = torch.randn(w.shape, generator=gen).to(w.device)
+                gen = torch.Generator(device=w.device).manual_seed(args.seed * 100_003 + i)
+                eps = torch.randn(w.shape, generator=gen, device=w.device)
                 w = w + args.rollout_weight_noise * w.pow(2).mean().sqrt() * eps
             if args.rollout_weight_quant != "none":
                 w = fake_quantise(w, int(args.rollout_weight_quant[3:]))
-        out[name] = w
-    return out
+        yield name, w
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2: sharding, full weights one tensor at a time
+# ---------------------------------------------------------------------------------------------
+def shard_model(model, device_type: str):
+    """torch's FSDP2 on a Hugging Face model: fully_shard on every transformer block (the classes the model names in
+    _no_split_modules), then on the root (embeddings, final norm, lm_head; tied weights stay tied). Parameters stay
+    fp32 and sharded dim 0 over all ranks; the trainer's autocast computes in --train-dtype as without sharding."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"--fsdp: {type(model).__name__} names no transformer block class (_no_split_modules)")
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_weights(model):
+    """(name, full tensor) for every entry of the model's state dict (a tied lm_head too: vLLM's CPU build keeps its
+    own copy), one at a time. Under FSDP2 each is gathered from the shards when it is reached, a collective that
+    every rank runs in the same order, so no rank ever holds a full state dict; otherwise they are the live
+    parameters (no copy)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 CORRUPT_KEY = "rc_corrupt_prob"  # SamplingParams.extra_args key that switches PlantedTokens on for a request
@@ -454,62 +707,44 @@ class MetricSum:
         return {k: (s[0] / s[1] if metric_kind(k) == "mean" and s[1] else s[0]) for k, s in self.sums.items()}
 
 
-def reduce_metrics(acc: MetricSum, world: int) -> dict:
+def reduce_metrics(acc: MetricSum, host: HostGroup) -> dict:
     """Metrics of all ranks: weighted means (each rank's sum of weight x value over the sum of weights) and global
     max/min, over the union of the ranks' keys. A rank that lacks a key (e.g. every response of its micro-batch was
     dropped) contributes weight 0 to it; a key no rank has a weight for comes out NaN. No hang: every rank takes
     part in the same collectives with the same key list."""
-    if world == 1:
+    if host.world == 1:
         return acc.local()
-    import torch.distributed as dist
-
-    key_lists = [None] * world
-    dist.all_gather_object(key_lists, sorted(acc.sums))
-    keys = sorted(set().union(*key_lists))
+    keys = sorted(set().union(*host.gather(sorted(acc.sums))))
     means = [k for k in keys if metric_kind(k) == "mean"]
-    sums = torch.tensor([acc.sums.get(k, [0.0, 0.0]) for k in means], dtype=torch.float64).reshape(-1, 2)
-    dist.all_reduce(sums)
-    out = {k: float(s / w) if w > 0 else float("nan") for k, (s, w) in zip(means, sums.tolist())}
-    for kind, op, fill in (("max", dist.ReduceOp.MAX, -float("inf")), ("min", dist.ReduceOp.MIN, float("inf"))):
+    sums = host.sum([x for k in means for x in acc.sums.get(k, [0.0, 0.0])])
+    out = {k: s / w if w > 0 else float("nan") for k, s, w in zip(means, sums[0::2], sums[1::2])}
+    for kind, fill in (("max", -float("inf")), ("min", float("inf"))):
         names = [k for k in keys if metric_kind(k) == kind]
-        vals = torch.tensor([acc.sums[k][0] if k in acc.sums else fill for k in names], dtype=torch.float64)
-        dist.all_reduce(vals, op=op)
-        out.update(zip(names, vals.tolist()))
+        out.update(zip(names, host.extreme([acc.sums[k][0] if k in acc.sums else fill for k in names], kind)))
     return out
 
 
-def global_sum(values: list[float], accelerator) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        t = accelerator.reduce(t, reduction="sum")
-    return t.tolist()
-
-
-def accumulating(accelerator, model, last_micro_batch: bool):
-    """The context of one micro-batch's backward: DDP skips the gradient all-reduce on all but the last micro-batch
-    of an optimizer step (no_sync). DeepSpeed accumulates by itself (its no_sync refuses ZeRO-2)."""
-    import contextlib
-
-    from accelerate.utils import DistributedType
-
-    if last_micro_batch or accelerator.num_processes == 1 or accelerator.distributed_type == DistributedType.DEEPSPEED:
+def accumulating(accelerator, model, last_micro_batch: bool, fsdp: bool):
+    """The context of one micro-batch's backward: gradients are reduced across ranks only on the last micro-batch
+    of an optimizer step. DDP: no_sync on the others. FSDP2: no reduce-scatter until the last
+    (set_requires_gradient_sync); the unsharded gradients accumulate meanwhile."""
+    if fsdp:
+        model.set_requires_gradient_sync(last_micro_batch)
+        return contextlib.nullcontext()
+    if last_micro_batch or accelerator.num_processes == 1:
         return contextlib.nullcontext()
     return accelerator.no_sync(model)
 
 
 def clip_and_step(accelerator, model, optimizer, max_norm: float) -> float:
-    """Clip the gradients, take the optimizer step, and return the global gradient norm before clipping.
-
-    DDP: accelerator.clip_grad_norm_ clips and returns the norm. DeepSpeed clips inside its own step (the
-    `gradient_clipping` of its config) and clip_grad_norm_ returns None; its engine reports the norm after the
-    step (get_global_grad_norm)."""
-    from accelerate.utils import DistributedType
+    """Clip the gradients to a global L2 norm, take the optimizer step, and return the norm before clipping.
+    Under FSDP2 the norm is a DTensor over the sharded gradients, replicated on every rank: its full value is the
+    global norm (torch.nn.utils.clip_grad_norm_ computes it from the shards' partial sums)."""
+    from torch.distributed.tensor import DTensor
 
     norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
-    if norm is None and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        norm = model.get_global_grad_norm()
-    return float("nan") if norm is None else float(norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,51 +760,52 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
-def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator, counters):
-    """Write checkpoints/step_N.tmp (every rank its RNG state; rank 0 the rest), then rename it."""
+def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accelerator, counters):
+    """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
+    under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the scheduler, and
+    trainer_state.json. All of it goes into step_N.tmp, trainer_state.json last, then one rename: a process killed
+    during a save leaves a .tmp folder that --resume never loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     final = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
-    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "state"))
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                os.path.join(tmp, f"rng_rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
-        tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   os.path.join(tmp, "optim.pt"))
+        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
             os.kill(os.getpid(), signal.SIGKILL)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
-            json.dump({"step": step, "position": position, **counters}, f)
+            json.dump({"step": step, "position": position, "world_size": accelerator.num_processes, **counters}, f)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
 
 
 def load_checkpoint(path, model, optimizer, scheduler, accelerator) -> dict:
-    """Model, optimizer and scheduler state (onto this rank's device), and the trainer state. The RNG states are
-    restored separately, by restore_rng, once the engine has started: vLLM seeds the global generators when it
-    starts, which would overwrite them."""
-    from safetensors.torch import load_file
+    """Model and optimizer state (resharded onto this run's ranks by DCP), the scheduler, and the trainer state. The
+    RNG states are restored separately, by restore_rng, once the engine has started: vLLM seeds the global
+    generators when it starts, which would overwrite them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    weights = {}
-    for name in sorted(os.listdir(os.path.join(path, "model"))):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(path, "model", name)))
-    unwrapped = accelerator.unwrap_model(model)
-    missing, unexpected = unwrapped.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and unwrapped.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not match the model: missing {missing}, unexpected {unexpected}")
-    opt = torch.load(os.path.join(path, "optim.pt"), map_location=accelerator.device, weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
     with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+        state = json.load(f)
+    if state.get("world_size", 1) != accelerator.num_processes:
+        raise ValueError(f"checkpoint {path!r} was written by {state.get('world_size', 1)} processes, this run has "
+                         f"{accelerator.num_processes}: each rank's RNG and data shard are in it, resume with as many")
+    model_state, optim_state = get_state_dict(model, optimizer)  # the layout to load into (creates Adam's state)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(path, "state"))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+    return state
 
 
 def restore_rng(path: str, rank: int) -> None:
@@ -609,22 +845,29 @@ def wandb_run_id(run_dir: str, resume: bool) -> str:
     return run_id
 
 
-def weights_sha256(model) -> str:
-    """SHA-256 of a model's weights (names and bytes, in name order): the data-parallel consistency check."""
+def weights_sha256(weights) -> str:
+    """SHA-256 of (name, tensor) pairs in name order: names and a 64-bit fingerprint of each tensor's bits, computed
+    on its device (every word of the tensor times a position weight, summed in int64), so a GPU copies 8 bytes per
+    tensor to the host, not the weights. Any changed bit changes the fingerprint."""
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+    for name, t in sorted(weights, key=lambda kv: kv[0]):
+        t = t.detach().contiguous()
+        bits = t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16) if t.element_size() == 2 else t
+        bits = bits.flatten().to(torch.int64)
+        pos = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64) % 1_000_003 + 1
+        h.update(name.encode() + str(int((bits * pos).sum())).encode())
     return h.hexdigest()
 
 
-def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids: list, model) -> None:
-    """Data-parallel sanity: every rank appends {step, world_size, SHA-256 of its sampled tokens and of its weights}
-    to ranks/rank{r}.jsonl: the weights must agree across ranks, the samples must not."""
+def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids: list, weights) -> None:
+    """Data-parallel sanity: every rank appends {step, world_size, SHA-256 of its sampled tokens and of the full
+    weights it holds (under FSDP2: gathers the full weights, what its engine receives)} to ranks/rank{r}.jsonl: the
+    weights must agree across ranks, the samples must not."""
     rollout = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
     os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
     with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "rollout_sha256": rollout,
-                            "weights_sha256": weights_sha256(model)}) + "\n")
+                            "weights_sha256": weights_sha256(weights)}) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,36 +919,28 @@ def resume(run_dir: str, model, optimizer, scheduler, accelerator, counters: dic
 
 class RunLog:
     """The run's logs, written by the main process only: metrics.jsonl (one line per step, keys sorted),
-    eval_samples.jsonl, and with --tensorboard / --track the event files and the W&B run."""
+    eval_samples.jsonl, and the same figures to every tracker of --log-with through Accelerate (init_trackers /
+    accelerator.log, main process only). A W&B run keeps its id in wandb_id.txt, so --resume continues it."""
 
     def __init__(self, run_dir: str, accelerator):
-        self.run_dir, self.main = run_dir, accelerator.is_main_process
+        self.run_dir, self.accelerator, self.main = run_dir, accelerator, accelerator.is_main_process
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if self.main else None
-        self.writer = self.wandb = None
 
     def start_trackers(self, args, run_name: str) -> None:
-        if self.main and args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(self.run_dir)
-        if self.main and args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
-                       name=run_name, dir=self.run_dir, id=wandb_run_id(self.run_dir, args.resume), resume="allow")
-            self.wandb = wandb
+        if not args.log_with:
+            return
+        init = {"wandb": {"name": run_name, "entity": args.wandb_entity, "dir": self.run_dir, "resume": "allow",
+                          "id": wandb_run_id(self.run_dir, args.resume) if self.main else None}}
+        self.accelerator.init_trackers(args.wandb_project_name, config=flat_config(dataclasses.asdict(args)),
+                                       init_kwargs={k: v for k, v in init.items() if k in args.log_with})
 
     def log(self, step: int, metrics: dict, trackers: bool = True) -> None:
-        """One line of metrics.jsonl; with `trackers`, keys sorted and the same figures to tensorboard and W&B."""
-        if not self.main:
-            return
-        self.file.write(json.dumps({"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}) + "\n")
-        self.file.flush()
-        if trackers and self.writer:
-            for k, v in metrics.items():
-                self.writer.add_scalar(k, v, step)
-        if trackers and self.wandb:
-            self.wandb.log(metrics, step=step)
+        """One line of metrics.jsonl; with `trackers`, keys sorted and the same figures to the trackers."""
+        if trackers:
+            self.accelerator.log(metrics, step=step)
+        if self.main:
+            self.file.write(json.dumps({"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}) + "\n")
+            self.file.flush()
 
     def eval_samples(self, step: int, samples: list[dict]) -> None:
         if self.main:
@@ -713,10 +948,21 @@ class RunLog:
                 f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
 
     def close(self) -> None:
+        for tracker in self.accelerator.trackers:  # end_training() would also destroy the process group, which the
+            tracker.finish()                       # engine (and exit_cleanly) still need
         if self.main:
             self.file.close()
-            if self.writer:
-                self.writer.close()
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """Nested settings as one level of 'a.b' keys with scalar values (what TensorBoard's hparams accept)."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def save_log_ratios(run_dir: str, step: int, chunks: list) -> None:
@@ -732,8 +978,26 @@ def save_log_ratios(run_dir: str, step: int, chunks: list) -> None:
 
 
 def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
-    """final/: the trained weights with save_pretrained (loadable by transformers and vLLM)."""
-    state_dict = accelerator.get_state_dict(model)
+    """final/: the trained weights with save_pretrained (loadable by transformers and vLLM). Under FSDP2 the full
+    state dict is gathered onto the main process's CPU memory (torch's get_model_state_dict), the other ranks keep
+    none of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = get_model_state_dict(unwrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+        unwrapped.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
         tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+
+
+def exit_cleanly(world: int) -> None:
+    """End a multi-process run: destroy the process group, flush, and leave with os._exit(0). A plain interpreter
+    exit after gloo collectives or torch distributed checkpoint aborts some of the time on these machines
+    ("terminate called without an active exception", SIGABRT, though every file is written: docs/gpus.md)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

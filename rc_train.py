@@ -17,7 +17,6 @@ Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT T
 """
 import dataclasses
 import hashlib
-import math
 import os
 import random
 import sys
@@ -79,7 +78,8 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment (rollouts are seeded by a hash of seed, step, rank and prompt)"""
+    """seed of the experiment (rollouts are seeded by a hash of seed, step and the prompt's place in the step, so
+    they do not depend on the number of processes)"""
     config: str | None = None
     """YAML file whose keys become the defaults; flags on the command line still win"""
     output_dir: str = "runs"
@@ -90,14 +90,13 @@ class Args:
     """allow replacing an existing run folder (otherwise an existing run is never touched)"""
     resume: bool = False
     """continue the run in --run-name from its newest complete checkpoint"""
-    track: bool = False
-    """log to Weights & Biases"""
+    log_with: list[str] = field(default_factory=list)
+    """Accelerate trackers that get the metrics too (main process only): tensorboard (event files in the run
+    folder), wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio, or all (every installed one)"""
     wandb_project_name: str = "rollout-correction"
-    """the wandb project name"""
+    """the project name of the trackers (W&B project)"""
     wandb_entity: str | None = None
     """the wandb entity (team)"""
-    tensorboard: bool = False
-    """also write tensorboard event files into the run folder"""
 
     # Model and task
     model: str = TINY_MODEL
@@ -211,6 +210,10 @@ class Args:
     """KL penalty estimator: kl (k1), abs, mse (k2), low_var_kl (k3), optionally with '+'"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the trainer's forward"""
+    fsdp: bool = False
+    """shard parameters, gradients and optimizer state over the ranks with torch's FSDP2 (fully_shard on every
+    decoder layer, then the root); for models whose fp32 weights + AdamW (16 bytes/parameter) do not fit one device.
+    Launch with torchrun or configs/accelerate/fsdp2.yaml (docs/gpus.md)"""
 
     # Evaluation, checkpoints
     eval_before: bool = True
@@ -296,16 +299,17 @@ def sampling_seed(*keys: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool = False):
+def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
     """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
 
-    Prompt i is seeded with sampling_seed(*seed_keys, i), so a rollout is reproducible on CPU."""
+    Prompt i is seeded with sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU and a
+    prompt gets the same seed whichever rank samples it."""
     from vllm import SamplingParams
 
     sampling = dict(temperature=args.rollout_temperature or args.temperature, top_p=args.top_p, logprobs=0,
                     extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob})  # greedy: the defaults at temperature 0
     params = [SamplingParams(n=n, max_tokens=args.max_response_length, **({"temperature": 0.0} if greedy else
-                             {**sampling, "seed": sampling_seed(*seed_keys, i)})) for i in range(len(prompt_ids))]
+                             {**sampling, "seed": sampling_seed(*seed_keys, first_index + i)})) for i in range(len(prompt_ids))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     result = []
     for out in outputs:
@@ -318,15 +322,14 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), greedy: bool
     return result
 
 
-def push_weights(llm, accelerator, model, args: Args, dials: bool = True) -> None:
-    """Push the trainer's full weights into the engine in place: every tensor (tied lm_head included: the CPU build
-    keeps its own packed copy); then drop the prefix cache, whose KV was computed with the old weights.
-    dials=True sends what the rollouts must use (rc_infra.rollout_weights: perturbed by a weight dial); evaluation
-    and resume send the trainer's own weights. DDP and DeepSpeed ZeRO-1/2 replicate the parameters, so every rank
-    has the full weights for its own engine (sharded backends are refused at start by rc_infra.check_distributed)."""
-    state_dict = accelerator.get_state_dict(model)
-    weights = rc_infra.rollout_weights(state_dict, args) if dials else state_dict
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+def push_weights(llm, model, args: Args, dials: bool = True) -> None:
+    """Push the trainer's full weights into the engine in place, streamed one tensor at a time (under FSDP2 each is
+    gathered from the shards as the engine reaches it: rc_infra.full_weights); then drop the prefix cache, whose KV
+    was computed with the old weights. dials=True sends what the rollouts must use (rc_infra.rollout_weights:
+    perturbed by a weight dial); evaluation and resume send the trainer's own weights. `model`: the unwrapped one."""
+    weights = rc_infra.full_weights(model)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": rc_infra.rollout_weights(weights, args)
+                                                 if dials else weights})
     llm.reset_prefix_cache()
 
 
@@ -470,6 +473,90 @@ def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, mb: dict, bypass:
     return {k: v for k, v in out.items() if k not in frozen and (first or not k.startswith("rollout_corr/"))}
 
 
+def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, with_grad: bool,
+                      with_entropy: bool = False, padding: dict | None = None):
+    """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width.
+    `padding` counts the positions computed and the real tokens among them (perf/padding_fraction)."""
+    input_ids, attention, t = trimmed_inputs(batch, rows)
+    group = batch["group"][rows] if share_prefix else None
+    if padding is not None:
+        p, once = input_ids.shape[1] - t, slice(None)  # positions computed: a shared prompt counts once
+        if group is not None:
+            once = torch.as_tensor(np.unique(group.numpy(), return_index=True)[1])
+        padding["positions"] += len(attention[once]) * p + input_ids.shape[0] * t
+        padding["tokens"] += int(attention[once, :p].sum() + attention[:, p:].sum())
+    device = next(net.parameters()).device
+    with torch.enable_grad() if with_grad else torch.no_grad():
+        out = sequence_log_probs(net, input_ids.to(device), attention.to(device), t, args.temperature, args.train_dtype,
+                                 with_entropy, None if group is None else group.to(device))
+    width = batch["response_mask"].shape[1] - t
+    return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
+
+
+def no_grad_pass(net, batch: dict, args: Args, share_prefix: bool) -> torch.Tensor:
+    """Log-probs of every row of the batch, without gradients (the decoupled pi_old, the reference model)."""
+    out = torch.zeros(batch["response_mask"].shape)
+    for rows in micro_batches(torch.arange(out.shape[0]), batch, args.micro_batch_size,
+                              args.max_tokens_per_micro_batch, share_prefix):
+        out[rows] = forward_log_probs(net, batch, rows, args, share_prefix, False)[0].cpu()
+    return out
+
+
+def update_policy(args: Args, rc_config, accelerator, host, model, optimizer, scheduler, batch: dict, tensors: dict,
+                  gen: torch.Generator, share_prefix: bool, frozen: dict, padding: dict, log_ratios: list | None = None):
+    """ALGO LOGIC: the update on one rollout batch: epochs x minibatches (one optimizer step each) x micro-batches
+    (gradient accumulation). `tensors` holds the step's (B, T) tensors (response_mask, advantages, rollout_log_prob,
+    and old_log_prob, rollout_is_weights, keep_mask, ref_log_prob when they exist). Returns the micro-batch
+    metrics (token-weighted) and the step's actor/* figures. With `log_ratios` (a list), bypass mode appends the
+    first minibatch's (log pi_theta - log pi_rollout, mask) pairs."""
+    world = accelerator.num_processes
+    mask = tensors["response_mask"]
+    model.train()
+    B = mask.shape[0]
+    per_minibatch = B // args.num_minibatches
+    loss_sums, kl_sums, grad_norms = [], [], []
+    step_metrics = rc_infra.MetricSum()  # micro-batch metrics, weighted by their valid tokens
+    scale_k = args.loss_scale_factor or float(args.max_response_length)
+    for epoch in range(args.ppo_epochs):
+        perm = torch.randperm(B, generator=gen)
+        for minibatch in range(args.num_minibatches):
+            rows, first = perm[minibatch * per_minibatch:(minibatch + 1) * per_minibatch], not (epoch or minibatch)
+            # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (docs/corrections.md §7.5)
+            n_tok, n_seq = host.sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())])
+            denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
+                                loss_scale_factor=scale_k)
+            loss_sum = kl_sum = 0.0
+            micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix)
+            for j, micro_rows in enumerate(micro):
+                log_prob, entropy = forward_log_probs(model, batch, micro_rows, args, share_prefix, True, True, padding)
+                micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
+                loss, loss_metrics = policy_loss(args, rc_config, log_prob, micro_tensors, denominators,
+                                                 correction_metrics=first)
+                loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
+                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model
+                    kl = rc_core.kl_penalty(log_prob, micro_tensors["ref_log_prob"], args.kl_estimator)
+                    kl_loss = rc_core.agg_loss(kl, micro_tensors["response_mask"], args.loss_agg_mode,
+                                               response_mask=micro_tensors["response_mask"], **denominators)
+                    loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
+                with rc_infra.accumulating(accelerator, model, j == len(micro) - 1, args.fsdp):
+                    accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
+                step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, micro_tensors,
+                                                     rc_config.bypass_mode, first, frozen),
+                                 weight=float(micro_tensors["response_mask"].sum()))
+                if first and log_ratios is not None and rc_config.bypass_mode:
+                    log_ratios.append((log_prob.detach() - micro_tensors["rollout_log_prob"],
+                                       micro_tensors["response_mask"]))
+            grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_sums.append(loss_sum)
+            kl_sums.append(kl_sum)
+    actor = {"actor/pg_loss": float(np.mean(loss_sums)) * world, "actor/grad_norm": float(np.mean(grad_norms)),
+             "actor/lr": scheduler.get_last_lr()[0],
+             **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if "ref_log_prob" in tensors else {})}
+    return step_metrics, actor
+
+
 # ---------------------------------------------------------------------------------------------
 # Data order and evaluation (metric reduction, checkpoints and resume live in rc_infra.py)
 # ---------------------------------------------------------------------------------------------
@@ -486,11 +573,9 @@ def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[in
     return out
 
 
-def evaluate(args, task, llm, prompts, rows, rank, world):
+def evaluate(args, task, llm, prompts, rows, rank, world, host):
     """Greedy pass@1 on the eval set (each rank its shard): metrics, and every problem with its response and
     scores (gathered from all ranks, in problem order)."""
-    from accelerate.utils import gather_object
-
     shard = list(range(rank, len(prompts), world))
     outs = generate(llm, [prompts[i] for i in shard], 1, args, greedy=True) if shard else []
     samples = []
@@ -499,8 +584,7 @@ def evaluate(args, task, llm, prompts, rows, rank, world):
         scores = task.score(text, rows[i]["gold"])
         samples.append({"index": i, "question": rows[i]["question"], "gold": rows[i]["gold"], "response": text,
                         "strict": scores["strict"], "flexible": scores["flexible"], "tokens": len(ids)})
-    if world > 1:
-        samples = gather_object(samples)
+    samples = [s for part in host.gather(samples) for s in part]
     samples.sort(key=lambda r: r["index"])
     n = max(1, len(samples))
     metrics = {"eval/accuracy_strict": sum(r["strict"] for r in samples) / n,
@@ -523,17 +607,20 @@ if __name__ == "__main__":
 
     hf_logging.disable_progress_bar()  # the console holds our progress bar only
     t_start = time.time()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.output_dir, run_name)
+    try:
+        rc_infra.launcher_settings(args)  # DeepSpeed refused; an Accelerate FSDP2 config turns --fsdp on
+        accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.log_with or None,
+                                  project_dir=run_dir)
+    except (ValueError, ImportError) as e:
+        sys.exit(f"rc_train.py: error: {e}")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # vLLM and torch share the cores
     try:
         validate_args(args, world)
-        per_rank = args.num_prompts_per_step // world * args.num_samples_per_prompt
-        rc_infra.check_distributed(accelerator, None if args.max_tokens_per_micro_batch else
-                                   math.ceil(per_rank // args.num_minibatches / args.micro_batch_size))
+        rc_infra.check_distributed(accelerator, args, micro_batches_per_step_fixed=not args.max_tokens_per_micro_batch)
         rc_config = build_correction_config(args.rc)
-        run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
-        run_dir = os.path.join(args.output_dir, run_name)
         replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
         train_rows, n_skipped = task.problems("train", args.train_limit)
@@ -546,6 +633,7 @@ if __name__ == "__main__":
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
+    host = rc_infra.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
     rc_infra.open_run_dir(run_dir, replace_run, accelerator, args, rc_config, model_path=model_path,
                           train_rows=len(train_rows), train_rows_skipped=n_skipped)
     random.seed(args.seed)
@@ -560,24 +648,31 @@ if __name__ == "__main__":
     if args.kl_coef > 0:  # the policy's own precision (fp32 weights, --train-dtype autocast): KL is 0 at step 0
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
         ref_model.eval().requires_grad_(False)
+    if args.fsdp:  # FSDP2: shard first, then build the optimizer over the sharded parameters
+        model = rc_infra.shard_model(model, device.type)
+        ref_model = ref_model and rc_infra.shard_model(ref_model, device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not args.fsdp:
+        model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
     start_step, position, counters = 0, 0, {"old_log_prob_passes": 0, "sync_count": 0}
     if args.resume:
-        ckpt, start_step, position, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator,
-                                                               counters)
+        try:
+            ckpt, start_step, position, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator,
+                                                                   counters)
+        except ValueError as e:
+            sys.exit(f"rc_train.py: error: {e}")
     on_gpu = torch.cuda.is_available()
     limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
     placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
     llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"),
-                       placement)
+                                placement)
     engine = rc_infra.EngineMemory(llm, enabled=on_gpu and args.vllm_sleep, level=args.vllm_sleep_level)
     weight_dial = rc_infra.has_weight_dial(args)
     if args.resume:  # the engine loaded the initial weights from disk; its start-up reseeded the global RNGs
-        push_weights(llm, accelerator, model, args, dials=False)
+        push_weights(llm, unwrapped, args, dials=False)
         rc_infra.restore_rng(ckpt, rank)
     log = rc_infra.RunLog(run_dir, accelerator)
 
@@ -585,7 +680,7 @@ if __name__ == "__main__":
         """Greedy eval of the weights in the engine; every problem goes to eval_samples.jsonl."""
         t0 = time.time()
         with rc_infra.engine_awake(engine, "weights", "kv_cache"):
-            metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world)
+            metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world, host)
         log.eval_samples(step, samples)
         return {**metrics, "timing/eval_s": time.time() - t0}
 
@@ -594,36 +689,15 @@ if __name__ == "__main__":
         first_eval = last_eval = run_eval(-1)
         log.log(-1, first_eval, trackers=False)
     if weight_dial:  # from now on the engine samples with the perturbed weights
-        push_weights(llm, accelerator, model, args)
+        push_weights(llm, unwrapped, args)
     log.start_trackers(args, run_name)
     bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     prompts_per_rank = args.num_prompts_per_step // world
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing
-
-    def forward_log_probs(net, batch, rows, with_grad, with_entropy=False):
-        """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width."""
-        input_ids, attention, t = trimmed_inputs(batch, rows)
-        group = batch["group"][rows] if share_prefix else None
-        p, once = input_ids.shape[1] - t, slice(None)  # positions computed: a shared prompt counts once
-        if group is not None:
-            once = torch.as_tensor(np.unique(group.numpy(), return_index=True)[1])
-        padding["positions"] += len(attention[once]) * p + input_ids.shape[0] * t
-        padding["tokens"] += int(attention[once, :p].sum() + attention[:, p:].sum())
-        with torch.enable_grad() if with_grad else torch.no_grad():
-            out = sequence_log_probs(net, input_ids.to(device), attention.to(device), t, args.temperature,
-                                     args.train_dtype, with_entropy, None if group is None else group.to(device))
-        width = batch["response_mask"].shape[1] - t
-        return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
-
-    def no_grad_pass(net, batch):
-        out = torch.zeros(batch["response_mask"].shape)
-        for rows in micro_batches(torch.arange(out.shape[0]), batch, args.micro_batch_size,
-                                  args.max_tokens_per_micro_batch, share_prefix):
-            out[rows] = forward_log_probs(net, batch, rows, False)[0].cpu()
-        return out
+    # One forward per distinct prompt (not under gradient checkpointing: no KV cache; not under FSDP2: it runs one
+    # or two forwards depending on the lengths, and every FSDP2 forward is a collective all ranks must share)
+    share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
 
     for step in bar:
         t_step, timing = time.time(), {}
@@ -633,10 +707,10 @@ if __name__ == "__main__":
         position += args.num_prompts_per_step
         indices = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
         with rc_infra.engine_awake(engine, "weights", "kv_cache", sleep_after=True):  # the update gets the memory
+            # seeds by the prompt's place in the step (the 0 stands where the rank once did: one-process seeds kept)
             groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
-                              seed_keys=(args.seed, step, rank))
+                              seed_keys=(args.seed, step, 0), first_index=rank * prompts_per_rank)
         timing["timing/rollout_s"] = time.time() - t0
-
         # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
         t0 = time.time()
         flat_prompts, flat_responses, group_ids, rewards, corrects = [], [], [], [], []
@@ -667,63 +741,28 @@ if __name__ == "__main__":
         padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
         t_train = time.time()
         dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
-        log_ratios = []  # (log(pi_trainer/pi_rollout), response mask) pairs, kept only on dump steps
+        log_ratios = [] if dump_ratios else None  # (log(pi_trainer/pi_rollout), response mask) pairs
         timing["timing/old_log_prob_s"] = 0.0
         if not rc_config.bypass_mode:
             t0 = time.time()
             model.eval()
-            old_lp = no_grad_pass(unwrapped, batch)
+            old_lp = no_grad_pass(unwrapped, batch, args, share_prefix)
             counters["old_log_prob_passes"] += 1
             is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config)
             if dump_ratios:
                 log_ratios.append((old_lp - rollout_lp, mask))
             timing["timing/old_log_prob_s"] = time.time() - t0
-        ref_lp = no_grad_pass(ref_model, batch) if ref_model is not None else None
+        ref_lp = no_grad_pass(ref_model, batch, args, share_prefix) if ref_model is not None else None
         step_tensors = {k: v for k, v in dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp,
                                               old_log_prob=old_lp, rollout_is_weights=is_weights, keep_mask=keep_mask,
                                               ref_log_prob=ref_lp).items() if v is not None}
 
-        # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (gradient accumulation)
+        # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (update_policy)
         t0 = time.time()
-        model.train()
-        B = mask.shape[0]
-        per_mb = B // args.num_minibatches
         gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
-        loss_sums, kl_sums, grad_norms = [], [], []
-        step_metrics = rc_infra.MetricSum()  # micro-batch metrics, weighted by their valid tokens
-        K = args.loss_scale_factor or float(args.max_response_length)
-        for epoch in range(args.ppo_epochs):
-            perm = torch.randperm(B, generator=gen)
-            for mb in range(args.num_minibatches):
-                rows, first = perm[mb * per_mb:(mb + 1) * per_mb], not (epoch or mb)
-                # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (docs/corrections.md §7.5)
-                n_tok, n_seq = rc_infra.global_sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())], accelerator)
-                denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
-                                    loss_scale_factor=K)
-                loss_sum = kl_sum = 0.0
-                micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix)
-                for j, mrows in enumerate(micro):
-                    log_prob, entropy = forward_log_probs(model, batch, mrows, True, with_entropy=True)
-                    mbt = {k: v[mrows].to(device) for k, v in step_tensors.items()}
-                    loss, loss_metrics = policy_loss(args, rc_config, log_prob, mbt, denominators, correction_metrics=first)
-                    loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
-                    if ref_lp is not None:  # KL penalty to the initial model
-                        kl = rc_core.kl_penalty(log_prob, mbt["ref_log_prob"], args.kl_estimator)
-                        kl_loss = rc_core.agg_loss(kl, mbt["response_mask"], args.loss_agg_mode,
-                                                   response_mask=mbt["response_mask"], **denominators)
-                        loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
-                    with rc_infra.accumulating(accelerator, model, last_micro_batch=j == len(micro) - 1):
-                        accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
-                    step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, mbt, rc_config.bypass_mode,
-                                                         first, metrics), weight=float(mbt["response_mask"].sum()))
-                    if first and dump_ratios and rc_config.bypass_mode:
-                        log_ratios.append((log_prob.detach() - mbt["rollout_log_prob"], mbt["response_mask"]))
-                grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                loss_sums.append(loss_sum)
-                kl_sums.append(kl_sum)
+        step_metrics, actor_metrics = update_policy(args, rc_config, accelerator, host, model, optimizer, scheduler,
+                                                    batch, step_tensors, gen, share_prefix, metrics, padding, log_ratios)
         timing["timing/update_s"] = time.time() - t0
         metrics["perf/padding_fraction"] = 1.0 - padding["tokens"] / max(1, padding["positions"])
         metrics["perf/train_tokens_per_s"] = padding["tokens"] / max(1e-9, time.time() - t_train)
@@ -735,7 +774,7 @@ if __name__ == "__main__":
         engine_synced = bool(args.sync_every) and (step + 1) % args.sync_every == 0
         if engine_synced:
             with rc_infra.engine_awake(engine, "weights"):  # the KV cache sleeps on until the next generation
-                push_weights(llm, accelerator, model, args)
+                push_weights(llm, unwrapped, args)
             counters["sync_count"] += 1
         timing["timing/sync_s"] = time.time() - t0
 
@@ -745,11 +784,11 @@ if __name__ == "__main__":
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             with rc_infra.engine_awake(engine, "weights"):
                 if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                    push_weights(llm, accelerator, model, args, dials=False)
+                    push_weights(llm, unwrapped, args, dials=False)
                     counters["sync_count"] += int(not engine_synced)
             eval_metrics = last_eval = run_eval(step)
             if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                push_weights(llm, accelerator, model, args)
+                push_weights(llm, unwrapped, args)
             timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
 
         # TRY NOT TO MODIFY: logging. Token-weighted over micro-batches and ranks; the decoupled correction (this
@@ -762,27 +801,24 @@ if __name__ == "__main__":
             "reward/correct": float(np.mean(corrects)),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
-            "rollout/nonfinite_logprob_tokens": float(n_bad),
-            "actor/pg_loss": float(np.mean(loss_sums)) * world, "actor/grad_norm": float(np.mean(grad_norms)),
-            "actor/lr": scheduler.get_last_lr()[0],
+            "rollout/nonfinite_logprob_tokens": float(n_bad), **actor_metrics,
             "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
             "actor/sync_count": float(counters["sync_count"]),
-            **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if ref_lp is not None else {}),
         }, weight=float(len(lengths)))
         timing["timing/step_s"] = time.time() - t_step
         step_metrics.add(timing, weight=1.0)
-        metrics = {**rc_infra.reduce_metrics(step_metrics, world), **eval_metrics}
+        metrics = {**rc_infra.reduce_metrics(step_metrics, host), **eval_metrics}
         log.log(step, metrics)
         shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}",
                  **({"eval": f"{last_eval['eval/accuracy_strict']:.3f}"} if last_eval else {})}
         bar.set_postfix(**shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}")
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            rc_infra.log_rank_checksums(run_dir, step, rank, world, [r[0] for r in flat_responses], unwrapped)
+            rc_infra.log_rank_checksums(run_dir, step, rank, world, [r[0] for r in flat_responses],
+                                        rc_infra.full_weights(unwrapped))
 
         # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            rc_infra.save_checkpoint(run_dir, step, position, model, optimizer, scheduler, tokenizer, accelerator,
-                                     counters)
+            rc_infra.save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accelerator, counters)
 
     # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:
@@ -798,3 +834,4 @@ if __name__ == "__main__":
         print(f"{acc}\nwall time: {time.time() - t_start:.0f} s\nrun folder: {run_dir}\n"
               f"dashboard: python rc_train.py plot {run_dir}")
     accelerator.wait_for_everyone()
+    rc_infra.exit_cleanly(world)

@@ -1,22 +1,22 @@
-"""Training side of one GRPO optimizer step at the real GSM8K shape, without vLLM.
+"""Training side of one GRPO update at the real GSM8K shape, without vLLM: rc_train.py's own update path.
 
-Builds a randomly initialised Qwen2.5-0.5B (or -1.5B) from its published shape (nothing is
-downloaded) and a synthetic rollout batch shaped like the trainer's (num_prompts_per_step x
-num_samples_per_prompt sequences: left-padded prompts, right-padded responses, rollout log-probs,
-GRPO advantages from 0/1 rewards), then runs rc_train's update on the batch's first minibatch,
-the way rc_train.py runs it: micro-batches through rc_train.sequence_log_probs (autocast to
-train_dtype, float32 master weights), the bypass PPO-clip loss of rc_core over the minibatch's
-token and sequence counts, backward per micro-batch, gradient clipping, one AdamW step.  One
-warm-up step, then --repeats timed steps.  Prints peak memory, seconds per optimizer step,
-seconds per full update of the rollout batch and tokens per second.
+Builds a randomly initialised Qwen2.5 (0.5B, 1.5B or 7B) from its published shape (nothing is downloaded) and a
+synthetic rollout batch shaped like the trainer's (each rank's share of num_prompts_per_step x num_samples_per_prompt
+sequences: left-padded prompts, right-padded responses, rollout log-probs, GRPO advantages from 0/1 rewards), then
+runs what rc_train.py runs on it: for a decoupled preset the no-grad pi_old pass and the correction
+(rc_train.no_grad_pass, rc_core), then rc_train.update_policy (epochs x minibatches x micro-batches, the shared-prompt
+pass, global denominators, gradient accumulation, clipping, AdamW). One warm-up update, then --repeats timed
+updates. Prints peak memory, seconds per update and per optimizer step, and tokens per second.
 
-    python bench_gpu_step.py                     # GPU: Qwen2.5-0.5B, configs/gsm8k_qwen0.5b_bypass.yaml
-    python bench_gpu_step.py --config configs/gsm8k_qwen1.5b_bypass.yaml   # GPU: Qwen2.5-1.5B
+    python bench_gpu_step.py                     # one GPU: Qwen2.5-0.5B, configs/gsm8k_qwen0.5b_bypass.yaml
+    python bench_gpu_step.py --config configs/gsm8k_qwen1.5b_bypass.yaml
+    torchrun --nproc_per_node 8 bench_gpu_step.py                                         # DDP, 8 GPUs
+    torchrun --nproc_per_node 8 bench_gpu_step.py --config configs/gsm8k_qwen7b_fsdp2.yaml  # FSDP2, 8 GPUs
     python bench_gpu_step.py --tiny              # CPU: a 2-layer model, 8 short sequences, seconds
 
-The batch settings (prompts, samples, minibatches, micro-batch, gradient checkpointing, dtype,
-maximum response length, learning rate, loss settings) come from the trainer's YAML config and are
-checked as rc_train.py checks them.  The last line printed is one JSON object with the figures.
+The batch settings (prompts, samples, minibatches, micro-batch, gradient checkpointing, dtype, fsdp, maximum response
+length, learning rate, loss and correction settings) come from the trainer's YAML config and are checked as
+rc_train.py checks them. The last line printed is one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ MODEL_SHAPES = {
              "num_attention_heads": 14},
     "1.5b": {**_QWEN25, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
              "num_attention_heads": 12},
+    "7b": {**_QWEN25, "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
     "tiny": {**_QWEN25, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 2, "head_dim": 32, "num_key_value_heads": 1, "max_position_embeddings": 2048,
              "pad_token_id": 1023},
@@ -71,15 +73,12 @@ class Plan:
     repeats: int
     seed: int
     correction: rc_core.RolloutCorrectionConfig
-    note: str = ""  # said once in the report (e.g. which preset stands in for a decoupled one)
+    world: int = 1  # processes (torchrun); each takes its share of the prompts, as in rc_train.py
 
     @property
     def sequences(self) -> int:
-        return self.train.num_prompts_per_step * self.train.num_samples_per_prompt
-
-    @property
-    def minibatch(self) -> int:
-        return self.sequences // self.train.num_minibatches
+        """This rank's rollout batch."""
+        return self.train.num_prompts_per_step // self.world * self.train.num_samples_per_prompt
 
     def length_ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(min, max) prompt and response lengths: symmetric around the means, so the means hold."""
@@ -95,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help=f"trainer YAML config with the batch settings (default {DEFAULT_CONFIG}; "
                         "a relative path is tried from the current folder, then from this script's folder)")
-    p.add_argument("--model-size", choices=["0.5b", "1.5b"],
-                   help="Qwen2.5 shape to build (default: 1.5b when the config's model names Qwen2.5-1.5B, else 0.5b)")
+    p.add_argument("--model-size", choices=["0.5b", "1.5b", "7b"],
+                   help="Qwen2.5 shape to build (default: the size the config's model names, else 0.5b)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 as rc_train.py --fsdp does (torchrun, >= 2 "
+                                                        "processes); the config's fsdp: true does the same")
     p.add_argument("--prompt-len", type=int,
                    help=f"mean prompt length in tokens, chat template included (default {DEFAULT_PROMPT_LEN}; "
                         f"tiny {TINY_PROMPT_LEN}); lengths vary by +-25%%")
@@ -121,17 +122,19 @@ def resolve_config_path(path: str) -> str:
     return beside if os.path.isfile(beside) else path
 
 
-def make_plan(ns: argparse.Namespace) -> Plan:
+def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     """Read and check the config and the flags; raises ValueError / FileNotFoundError naming the bad value."""
     path = resolve_config_path(ns.config)
     train = rc_train.load_yaml_defaults(path)  # FileNotFoundError / ValueError (unknown keys) name the file
-    rc_train.validate_args(train, world_size=1)  # the trainer's own checks of the config
-    if train.train_dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"config {path!r}: train_dtype must be float32, bfloat16 or float16, "
-                         f"got {train.train_dtype!r}")
     if ns.tiny:
         train = dataclasses.replace(train, **TINY_ARGS)
-    size = "tiny" if ns.tiny else ns.model_size or ("1.5b" if "1.5b" in str(train.model).lower() else "0.5b")
+    train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
+    rc_train.validate_args(train, world_size=world)  # the trainer's own checks of the config
+    if train.fsdp and world < 2:
+        raise ValueError("--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun "
+                         "--nproc_per_node N")
+    named = next((k for k in ("7b", "1.5b", "0.5b") if k in str(rc_train.load_yaml_defaults(path).model).lower()), "0.5b")
+    size = "tiny" if ns.tiny else ns.model_size or named
     prompt_len = ns.prompt_len if ns.prompt_len is not None else (TINY_PROMPT_LEN if ns.tiny else DEFAULT_PROMPT_LEN)
     response_len = (ns.response_len if ns.response_len is not None
                     else TINY_RESPONSE_LEN if ns.tiny else DEFAULT_RESPONSE_LEN)
@@ -144,17 +147,8 @@ def make_plan(ns: argparse.Namespace) -> Plan:
     if response_len > train.max_response_length:
         raise ValueError(f"--response-len {response_len} is larger than max_response_length "
                          f"{train.max_response_length}{' (--tiny)' if ns.tiny else ''} of config {path!r}")
-    batch = train.num_prompts_per_step * train.num_samples_per_prompt
-    if batch % train.num_minibatches:  # validate_args checked the config; --tiny changed the batch
-        raise ValueError(f"num_minibatches {train.num_minibatches} of config {path!r} must divide the rollout "
-                         f"batch ({batch}{' with --tiny' if ns.tiny else ''})")
     correction = rc_train.build_correction_config(train.rc)
-    note = ""
-    if not correction.bypass_mode:  # decoupled: the same update plus one no-grad old-log-prob pass per rollout
-        note = (f"config preset {train.rc.preset!r} is decoupled; its update is timed as bypass_ppo_clip "
-                "(the extra no-grad old-log-prob pass over the rollout batch is not timed)")
-        correction = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
-    plan = Plan(path, train, size, prompt_len, response_len, ns.repeats, ns.seed, correction, note)
+    plan = Plan(path, train, size, prompt_len, response_len, ns.repeats, ns.seed, correction, world)
     (_, p_max), (_, r_max) = plan.length_ranges()
     if p_max + r_max > train.max_model_len:
         raise ValueError(f"the longest sequence ({p_max} prompt + {r_max} response tokens) exceeds max_model_len "
@@ -162,12 +156,12 @@ def make_plan(ns: argparse.Namespace) -> Plan:
     return plan
 
 
-def parse_plan(argv=None) -> Plan:
+def parse_plan(argv=None, world: int = 1) -> Plan:
     """Flags -> checked Plan; a bad value exits (status 2) with a message naming it, before any model exists."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        return make_plan(ns)
+        return make_plan(ns, world)
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
 
@@ -192,7 +186,7 @@ def build_model(plan: Plan, device: torch.device):
     return model
 
 
-def make_rollout(plan: Plan) -> dict:
+def make_rollout(plan: Plan, rank: int = 0) -> dict:
     """A synthetic rollout batch in the trainer's layout (rc_train.make_batch) plus GRPO advantages.
 
     Token ids are uniform below the pad id.  Rollout log-probs are uniform in log(1/V) +- 1, the range a
@@ -203,9 +197,9 @@ def make_rollout(plan: Plan) -> dict:
     """
     shape = MODEL_SHAPES[plan.model_size]
     vocab, pad_id = shape["vocab_size"], shape["pad_token_id"]
-    gen = torch.Generator().manual_seed(plan.seed)
+    gen = torch.Generator().manual_seed(plan.seed * 1000 + rank)  # each rank its own prompts
     (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
-    n_prompts, n_samples = plan.train.num_prompts_per_step, plan.train.num_samples_per_prompt
+    n_prompts, n_samples = plan.train.num_prompts_per_step // plan.world, plan.train.num_samples_per_prompt
     centre = -math.log(vocab)
 
     def randint(lo, hi, size=()):
@@ -225,72 +219,65 @@ def make_rollout(plan: Plan) -> dict:
             responses.append((ids, lps, ""))
             group_ids.append(g)
             rewards.append(float(wins[k]))
-    batch = rc_train.make_batch(prompts, responses, pad_id)
+    batch = rc_train.make_batch(prompts, responses, pad_id, group_ids)
     batch["advantages"] = rc_core.compute_grpo_outcome_advantage(
         torch.tensor(rewards), torch.tensor(group_ids), norm_adv_by_std=plan.train.norm_adv_by_std,
         response_mask=batch["response_mask"])
     return batch
 
 
-def optimizer_step(model, optimizer, batch: dict, rows: torch.Tensor, plan: Plan) -> dict:
-    """One optimizer step over `rows` of the rollout batch, as rc_train.py's update loop runs it (one rank).
-
-    Returns the policy-gradient loss, the gradient norm before clipping, the micro-batch count and the
-    non-padded tokens processed.
-    """
-    args, device = plan.train, next(model.parameters()).device
-    mask, rollout_lp, advantages = batch["response_mask"], batch["rollout_log_prob"], batch["advantages"]
-    T = mask.shape[1]
-    n_tok, n_seq = float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())
-    denominators = {"global_token_count": max(n_tok, 1.0), "global_seq_count": max(n_seq, 1.0),
-                    "loss_scale_factor": args.loss_scale_factor or float(args.max_response_length)}
-    model.train()
-    loss_sum = 0.0
-    micro = [rows[s:s + args.micro_batch_size] for s in range(0, len(rows), args.micro_batch_size)]
-    for mrows in micro:
-        with torch.enable_grad():
-            log_prob, entropy = rc_train.sequence_log_probs(
-                model, batch["input_ids"][mrows].to(device), batch["attention_mask"][mrows].to(device), T,
-                args.temperature, args.train_dtype, with_entropy=True)
-        m, a, rlp = mask[mrows].to(device), advantages[mrows].to(device), rollout_lp[mrows].to(device)
-        if m.sum() == 0:
-            loss = (log_prob * 0).sum()
-        else:
-            loss, _ = rc_core.compute_policy_loss_bypass_mode(
-                log_prob, rlp, a, m, plan.correction, args.loss_agg_mode, rc_train.clip_low(args),
-                rc_train.clip_high(args), args.clip_ratio_c, **denominators)
-            with torch.no_grad():  # the trainer's per-micro-batch metrics (they synchronise the device)
-                k3 = rc_core.kl_penalty(rlp, log_prob.detach(), "low_var_kl")
-                float(k3[m > 0].mean()), float(entropy[m > 0].mean())
-        loss_sum += float(loss.detach())
-        loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum, "grad_norm": float(grad_norm), "micro_batches": len(micro),
-            "tokens": int(batch["attention_mask"][rows].sum())}
-
-
 @dataclasses.dataclass
 class Bench:
     plan: Plan
-    device: torch.device
+    accelerator: object
+    host: object  # rc_infra.HostGroup
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    scheduler: object
     batch: dict
-    rows: torch.Tensor  # the first minibatch
+    share_prefix: bool
 
-    def step(self) -> dict:
-        return optimizer_step(self.model, self.optimizer, self.batch, self.rows, self.plan)
+    def update(self) -> dict:
+        """One update of the rollout batch, as rc_train.py's step runs it after the rollout: the decoupled pi_old
+        pass and correction (decoupled presets only), then rc_train.update_policy."""
+        args, batch, correction = self.plan.train, self.batch, self.plan.correction
+        tensors = {"response_mask": batch["response_mask"], "advantages": batch["advantages"],
+                   "rollout_log_prob": batch["rollout_log_prob"]}
+        frozen = {}
+        if not correction.bypass_mode:
+            self.model.eval()
+            old = rc_train.no_grad_pass(self.accelerator.unwrap_model(self.model), batch, args, self.share_prefix)
+            is_weights, keep_mask, frozen = rc_core.compute_rollout_correction_and_rejection_mask(
+                old_log_prob=old, rollout_log_prob=batch["rollout_log_prob"], response_mask=batch["response_mask"],
+                config=correction)
+            tensors.update(old_log_prob=old, keep_mask=keep_mask,
+                           **({"rollout_is_weights": is_weights} if is_weights is not None else {}))
+        padding = {"positions": 0, "tokens": 0}
+        _, actor = rc_train.update_policy(args, correction, self.accelerator, self.host, self.model, self.optimizer,
+                                          self.scheduler, batch, tensors, torch.Generator().manual_seed(self.plan.seed),
+                                          self.share_prefix, frozen, padding)
+        tokens = self.host.sum([float(padding["tokens"])])[0]
+        return {"loss": actor["actor/pg_loss"], "grad_norm": actor["actor/grad_norm"], "tokens": tokens}
 
 
-def setup(plan: Plan, device: torch.device | None = None) -> Bench:
-    """Model, optimizer (AdamW over the float32 weights, as the trainer) and synthetic batch."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batch = make_rollout(plan)
-    model = build_model(plan, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.train.learning_rate, weight_decay=plan.train.weight_decay)
-    return Bench(plan, device, model, optimizer, batch, torch.arange(plan.minibatch))
+def setup(plan: Plan, accelerator=None) -> Bench:
+    """Model (sharded with rc_infra.shard_model under FSDP2, else prepared by Accelerate: DDP on several processes),
+    optimizer and scheduler as rc_train.py builds them, and this rank's synthetic batch."""
+    import rc_infra
+    from accelerate import Accelerator
+
+    accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    args = plan.train
+    model = build_model(plan, accelerator.device)
+    if args.fsdp:
+        model = rc_infra.shard_model(model, accelerator.device.type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    if not args.fsdp:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp  # as rc_train.py
+    return Bench(plan, accelerator, rc_infra.HostGroup(accelerator.num_processes), model, optimizer, scheduler,
+                 make_rollout(plan, accelerator.process_index), share_prefix)
 
 
 def _sync(device: torch.device) -> None:
@@ -303,85 +290,82 @@ def _peak_rss_kib() -> int:
 
 
 def main(argv=None) -> int:
-    plan = parse_plan(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = parse_plan(argv, world=int(os.environ.get("WORLD_SIZE", "1")))
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    device, main_process = accelerator.device, accelerator.is_main_process
+    say = print if main_process else (lambda *a, **k: None)
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
         device_name = f"cpu ({torch.get_num_threads()} threads)"
-    print(f"bench_gpu_step: Qwen2.5-{plan.model_size} shape (random init) on {device_name}, config "
-          f"{plan.config_path}: one warm-up step, then {plan.repeats} timed", flush=True)
-    if plan.note:
-        print(f"note: {plan.note}")
+    args = plan.train
+    layout = f"{plan.world} process(es), {'FSDP2' if args.fsdp else 'DDP' if plan.world > 1 else 'unsharded'}"
+    say(f"bench_gpu_step: Qwen2.5-{plan.model_size} shape (random init) on {device_name}, {layout}, config "
+        f"{plan.config_path}: one warm-up update, then {plan.repeats} timed", flush=True)
     import transformers  # noqa: F401  (imported before the RSS baseline, so it is not counted)
 
     rss_before = _peak_rss_kib()
-    bench = setup(plan, device)
-    params = sum(p.numel() for p in bench.model.parameters())
-    args = plan.train
+    bench = setup(plan, accelerator)
+    params = sum(p.numel() for p in accelerator.unwrap_model(bench.model).parameters())  # a DTensor counts in full
     (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
     B, L = bench.batch["input_ids"].shape
 
-    first = bench.step()  # warm-up: kernels, allocator, AdamW state
+    bench.update()  # warm-up: kernels, allocator, AdamW state
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, stats = [], first
+    times = []
     for _ in range(plan.repeats):
         _sync(device)
         t0 = time.perf_counter()
-        stats = bench.step()
+        stats = bench.update()
         _sync(device)
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":
         peak_gib = torch.cuda.max_memory_allocated(device) / 2 ** 30
-        reserved_gib = torch.cuda.max_memory_reserved(device) / 2 ** 30
-        memory_kind = "cuda max_memory_allocated (timed steps)"
+        memory_kind = "cuda max_memory_allocated (timed updates), the largest rank's"
     else:
         peak_gib = max(0, _peak_rss_kib() - rss_before) / 2 ** 20
-        reserved_gib = math.nan
-        memory_kind = "peak RSS growth from just before the model was built, getrusage ru_maxrss"
-    step_s = statistics.median(times)
+        memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
+    peak_gib = bench.host.extreme([peak_gib], "max")[0] if plan.world > 1 else peak_gib
+    update_s = bench.host.extreme([statistics.median(times)], "max")[0] if plan.world > 1 else statistics.median(times)
     steps_per_update = args.num_minibatches * args.ppo_epochs
-    result = {"device": device_name, "params": params, "sequences": B, "minibatch_sequences": plan.minibatch,
-              "padded_length": L, "micro_batch_size": args.micro_batch_size, "dtype": args.train_dtype,
-              "gradient_checkpointing": args.gradient_checkpointing, "peak_memory_gib": round(peak_gib, 4),
+    result = {"device": device_name, "processes": plan.world, "fsdp": args.fsdp, "params": params,
+              "sequences": B * plan.world, "padded_length": L, "micro_batch_size": args.micro_batch_size,
+              "dtype": args.train_dtype, "gradient_checkpointing": args.gradient_checkpointing,
+              "shared_prompt_pass": bench.share_prefix, "preset": args.rc.preset,
+              "peak_memory_gib": round(peak_gib, 4),
               "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth",
-              "seconds_per_optimizer_step": step_s, "seconds_per_update": step_s * steps_per_update,
-              "tokens_per_second": stats["tokens"] / step_s}
-
-    batch_text = (f"{args.num_prompts_per_step} prompts x {args.num_samples_per_prompt} samples = {B} "
-                  f"sequences, padded to {L} tokens")
-    lengths_text = (f"prompts {p_lo}-{p_hi} (mean {plan.prompt_len}), responses {r_lo}-{r_hi} "
-                    f"(mean {plan.response_len}, max_response_length {args.max_response_length})")
-    step_text = (f"minibatch of {plan.minibatch} sequences ({stats['tokens']:,} non-padded tokens) = "
-                 f"{stats['micro_batches']} micro-batch(es) of {args.micro_batch_size}")
-    compute_text = (f"{args.train_dtype} autocast, gradient checkpointing "
-                    f"{'on' if args.gradient_checkpointing else 'off'}, AdamW lr {args.learning_rate:g}")
-    memory_text = f"{peak_gib:.3f} GiB: {memory_kind}"
-    if device.type == "cuda":
-        memory_text += f"; reserved {reserved_gib:.3f} GiB"
-    times_text = ", ".join(f"{t:.3f}" for t in times)
-    update_text = (f"{step_s * steps_per_update:.3f} ({steps_per_update} optimizer steps: "
-                   f"{args.num_minibatches} minibatches x {args.ppo_epochs} epoch(s))")
+              "seconds_per_update": update_s, "seconds_per_optimizer_step": update_s / steps_per_update,
+              "tokens_per_second": stats["tokens"] / update_s}
     rows = [
-        ("device", device_name),
+        ("device", f"{device_name}; {layout}"),
         ("model", f"Qwen2.5-{plan.model_size} shape, {params:,} parameters, float32 master weights"),
-        ("rollout batch", batch_text),
-        ("lengths", lengths_text),
-        ("optimizer step", step_text),
-        ("compute", compute_text),
-        ("peak memory", memory_text),
-        ("s / optimizer step", f"{step_s:.3f} (median of {plan.repeats}: {times_text})"),
-        ("s / update", update_text),
-        ("tokens / s", f"{result['tokens_per_second']:,.0f}"),
-        ("loss, grad norm", f"{stats['loss']:.4f}, {stats['grad_norm']:.4f} (last timed step)"),
+        ("rollout batch", f"{args.num_prompts_per_step} prompts x {args.num_samples_per_prompt} samples = "
+                          f"{B * plan.world} sequences ({B} per process), padded to {L} tokens"),
+        ("lengths", f"prompts {p_lo}-{p_hi} (mean {plan.prompt_len}), responses {r_lo}-{r_hi} "
+                    f"(mean {plan.response_len}, max_response_length {args.max_response_length})"),
+        ("update", f"preset {args.rc.preset}, {args.num_minibatches} minibatches x {args.ppo_epochs} epoch(s), "
+                   f"micro-batch {args.micro_batch_size}, shared-prompt pass {'on' if bench.share_prefix else 'off'}"),
+        ("compute", f"{args.train_dtype} autocast, gradient checkpointing "
+                    f"{'on' if args.gradient_checkpointing else 'off'}, AdamW lr {args.learning_rate:g}"),
+        ("peak memory", f"{peak_gib:.3f} GiB: {memory_kind}"),
+        ("s / update", f"{update_s:.3f} (median of {plan.repeats}, slowest rank: "
+                       f"{', '.join(f'{t:.3f}' for t in times)} on this one)"),
+        ("s / optimizer step", f"{update_s / steps_per_update:.3f}"),
+        ("tokens / s", f"{result['tokens_per_second']:,.0f} (tokens computed by all ranks; a shared prompt once)"),
+        ("loss, grad norm", f"{stats['loss']:.4f}, {stats['grad_norm']:.4f} (last timed update)"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    print(json.dumps(result))
+        say(f"  {key:<{width}}  {value}")
+    say(json.dumps(result))
+    import rc_infra
+
+    rc_infra.exit_cleanly(plan.world)
     return 0
 
 

@@ -198,7 +198,7 @@ def validate_args(args, world_size: int) -> None:
          f"--output-dir {args.output_dir!r} cannot be created or written: {existing!r} is not a writable folder")
     model = args.model
     need(model.strip() != "", f"--model must be 'tiny', a local model folder or a Hugging Face model id, got {model!r}")
-    if _local_path(model) and not os.path.isdir(model):
+    if model != "tiny" and _local_path(model) and not os.path.isdir(model):  # 'tiny': rc_train.TINY_MODEL, built here
         home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
         need(False, f"--model must be an existing local model folder or a Hugging Face model id, got {model!r} "
                     + ("('~' is not expanded here: write the full path)" if home else
@@ -479,6 +479,11 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
         kwargs["logits_processors"] = [planted_tokens_processor()]
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+        if args.rollout_corrupt_prob > 0:
+            # On CUDA, vLLM 0.32 defaults to its V2 model runner, whose logits-processor loader refuses V1
+            # LogitsProcessor subclasses (PlantedTokens is one): keep the V1 runner (vllm/envs.py,
+            # VllmConfig.use_v2_model_runner in vllm/config/vllm.py). Read at engine start, so set before LLM().
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
         kwargs.update(enforce_eager=True)
@@ -985,6 +990,9 @@ def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
 
     unwrapped = accelerator.unwrap_model(model)
     state_dict = get_model_state_dict(unwrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a tied lm_head comes back as a separate gathered copy: keep each parameter under its first name only
+    owned = {n for n, _ in unwrapped.named_parameters()} | {n for n, _ in unwrapped.named_buffers()}
+    state_dict = {k: v for k, v in state_dict.items() if k in owned}
     if accelerator.is_main_process:
         unwrapped.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
         tokenizer.save_pretrained(os.path.join(run_dir, "final"))

@@ -138,7 +138,10 @@ def check_mini_args(mini: MiniGSMArgs) -> None:
     need(0.0 <= mini.format_share <= 1.0, f"--mini.format-share must be in [0, 1], got {mini.format_share}")
     need(mini.sft_steps >= 0, f"--mini.sft-steps must be >= 0, got {mini.sft_steps}")
     need(mini.sft_batch_size >= 1, f"--mini.sft-batch-size must be >= 1, got {mini.sft_batch_size}")
-    need(mini.sft_learning_rate > 0, f"--mini.sft-learning-rate must be > 0, got {mini.sft_learning_rate}")
+    need(mini.sft_learning_rate > 0 and math.isfinite(mini.sft_learning_rate),
+         f"--mini.sft-learning-rate must be a finite number > 0, got {mini.sft_learning_rate}")
+    need(-2 ** 63 <= mini.model_seed < 2 ** 64,
+         f"--mini.model-seed must be in [-2**63, 2**64) (a torch seed), got {mini.model_seed}")
     # Distinct problems the generator can write: names x items x (start amounts) x (step choices)^steps.
     starts, per_step = mini.operand_max - 1, 2 * len(MORE) * mini.operand_max
     capacity = len(NAMES) * len(ITEMS) * starts * sum(per_step ** k for k in range(1, mini.max_steps + 1))

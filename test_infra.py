@@ -1,5 +1,6 @@
 """Unit tests of rc_infra.py on CPU: engine placement and sleep order, metric reduction across ranks (real gloo
-processes), gradient norms under DeepSpeed, the refusal of sharded backends, resume bookkeeping."""
+processes, and an NCCL-like group that serves only CUDA tensors), launcher settings (DeepSpeed and FSDP1 refused,
+FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
 import math
 import os
 import socket
@@ -74,7 +75,7 @@ def test_local_sums_are_token_weighted():
     acc.add({"actor/entropy": 1.0, "rollout_corr/rollout_is_max": 2.0}, weight=30)
     acc.add({"actor/entropy": 4.0, "rollout_corr/rollout_is_max": 1.5}, weight=10)
     acc.add({}, weight=50)  # a micro-batch whose responses were all dropped reports nothing
-    out = rc_infra.reduce_metrics(acc, world=1)
+    out = rc_infra.reduce_metrics(acc, rc_infra.HostGroup(1))
     assert out == {"actor/entropy": pytest.approx((30 * 1.0 + 10 * 4.0) / 40), "rollout_corr/rollout_is_max": 2.0}
 
 
@@ -84,66 +85,115 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _reduce_worker(rank, world, port, results):
+def _reduce_worker(rank, world, port, results, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    host = rc_infra.HostGroup(world)  # made at start, as rc_train.py makes it
+    if backend == "cuda:gloo":  # the emulation bites: the default group refuses a CPU tensor, as NCCL does
+        try:
+            dist.all_reduce(torch.zeros(1))
+            results[f"plain{rank}"] = "accepted"
+        except RuntimeError as e:
+            results[f"plain{rank}"] = str(e)
     acc = rc_infra.MetricSum()
     if rank == 0:  # 3 tokens with entropy 1, a maximum of 5, and a key only this rank has
         acc.add({"actor/entropy": 1.0, "x/is_max": 5.0, "only/rank0": 7.0}, weight=3)
     else:  # 1 token with entropy 5; a second micro-batch with every response dropped
         acc.add({"actor/entropy": 5.0, "x/is_max": 2.0, "x/d_min": -1.0}, weight=1)
         acc.add({}, weight=0)
-    results[rank] = rc_infra.reduce_metrics(acc, world)
+    results[rank] = rc_infra.reduce_metrics(acc, host)
+    results[f"sum{rank}"] = host.sum([1.0, float(rank)])  # the loss denominators' path
+    results[f"gather{rank}"] = host.gather({"rank": rank})  # the evaluation samples' path
     dist.destroy_process_group()
 
 
-def test_reduction_across_unequal_ranks_with_unequal_keys():
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
+def test_reduction_across_unequal_ranks_with_unequal_keys(backend):
+    """'cuda:gloo' emulates the NCCL default group of a GPU job on CPU: its only backend serves the cuda device type,
+    so a CPU tensor handed to a collective on it fails ("No backend type associated with device type cpu"). Every
+    collective of the trainer's own (metric reduction, loss denominators, evaluation samples) must pass there."""
     results = mp.Manager().dict()
-    mp.spawn(_reduce_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    mp.spawn(_reduce_worker, args=(2, _free_port(), results, backend), nprocs=2, join=True)
+    if backend == "cuda:gloo":
+        assert "No backend type associated with device type cpu" in results["plain0"]
     assert results[0] == results[1]  # every rank ends with the same metrics, no hang
+    assert results["sum0"] == results["sum1"] == [2.0, 1.0]
+    assert results["gather0"] == results["gather1"] == [{"rank": 0}, {"rank": 1}]
     out = results[0]
     assert out["actor/entropy"] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)  # token-weighted, not (1 + 5) / 2
     assert out["x/is_max"] == 5.0 and out["x/d_min"] == -1.0
     assert out["only/rank0"] == 7.0  # a key one rank lacks is the other ranks' weighted mean
 
 
-# ---- Gradient norms, sharded backends ------------------------------------------------------------------------
-def _accelerator(kind, norm, zero_stage=2):
+# ---- Launchers, sharding, gradient accumulation ----------------------------------------------------------------
+def _accelerator(kind, processes=2):
     from accelerate.utils import DistributedType
 
-    plugin = types.SimpleNamespace(zero_stage=zero_stage, deepspeed_config={"gradient_accumulation_steps": 2})
-    return types.SimpleNamespace(distributed_type=getattr(DistributedType, kind), clip_grad_norm_=lambda p, n: norm,
-                                 state=types.SimpleNamespace(deepspeed_plugin=plugin))
+    return types.SimpleNamespace(distributed_type=getattr(DistributedType, kind), num_processes=processes,
+                                 no_sync=lambda model: ("no_sync", model))
 
 
-def test_grad_norm_under_ddp_and_deepspeed():
-    steps = []
-    optimizer = types.SimpleNamespace(step=lambda: steps.append("step"))
-    model = types.SimpleNamespace(parameters=lambda: [], get_global_grad_norm=lambda: 0.75)
-    assert rc_infra.clip_and_step(_accelerator("MULTI_GPU", torch.tensor(1.5)), model, optimizer, 1.0) == 1.5
-    # DeepSpeed: clip_grad_norm_ returns None (its engine clips); the norm is read from the engine after its step
-    assert rc_infra.clip_and_step(_accelerator("DEEPSPEED", None), model, optimizer, 1.0) == 0.75
-    assert steps == ["step", "step"]
-    assert math.isnan(rc_infra.clip_and_step(_accelerator("NO", None), model, optimizer, 1.0))
+def _args(**kw):
+    return types.SimpleNamespace(**{"fsdp": False, "max_tokens_per_micro_batch": None, **kw})
 
 
-@pytest.mark.parametrize("kind, stage, refused", [("FSDP", 0, "FSDP"), ("DEEPSPEED", 3, "stage 3"),
-                                                  ("DEEPSPEED", 2, None), ("MULTI_GPU", 0, None), ("NO", 0, None)])
-def test_sharded_backends_are_refused(kind, stage, refused):
-    accelerator = _accelerator(kind, None, zero_stage=stage)
+@pytest.mark.parametrize("env, refused", [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed is not supported"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
+    ({"ACCELERATE_USE_FSDP": "true"}, "FSDP version 1"),  # Accelerate's default version is 1
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
+])
+def test_launcher_settings_refuse_what_cannot_work(env, refused):
+    with pytest.raises(ValueError, match=refused):
+        rc_infra.launcher_settings(_args(), dict(env))
+
+
+def test_an_accelerate_fsdp2_config_switches_on_the_trainers_own_sharding():
+    env, args = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "false"}, _args()
+    rc_infra.launcher_settings(args, env)
+    assert args.fsdp and "ACCELERATE_USE_FSDP" not in env  # Accelerate then sets up plain data parallelism
+    args = _args()
+    rc_infra.launcher_settings(args, {})
+    assert not args.fsdp
+
+
+@pytest.mark.parametrize("kind, processes, args, refused", [
+    ("DEEPSPEED", 2, _args(), "DeepSpeed"), ("FSDP", 2, _args(), "fully_shard"),
+    ("NO", 1, _args(fsdp=True), "has 1"), ("MULTI_CPU", 2, _args(fsdp=True, max_tokens_per_micro_batch=512), "512"),
+    ("MULTI_CPU", 2, _args(fsdp=True), None), ("MULTI_GPU", 2, _args(), None), ("NO", 1, _args(), None)])
+def test_check_distributed(kind, processes, args, refused):
+    fixed = not args.max_tokens_per_micro_batch
     if refused:
         with pytest.raises(ValueError, match=refused):
-            rc_infra.check_distributed(accelerator, 2)
+            rc_infra.check_distributed(_accelerator(kind, processes), args, fixed)
     else:
-        rc_infra.check_distributed(accelerator, 2)
+        rc_infra.check_distributed(_accelerator(kind, processes), args, fixed)
 
 
-def test_deepspeed_accumulation_must_match_the_micro_batches():
-    with pytest.raises(ValueError, match="gradient_accumulation_steps is 2 .* 4 micro-batches .* set it to 4"):
-        rc_infra.check_distributed(_accelerator("DEEPSPEED", None), 4)
-    with pytest.raises(ValueError, match="--max-tokens-per-micro-batch"):  # a count that varies step to step
-        rc_infra.check_distributed(_accelerator("DEEPSPEED", None), None)
-    rc_infra.check_distributed(_accelerator("MULTI_GPU", None), None)  # DDP takes any count
+def test_micro_batches_accumulate_without_all_reduce_except_the_last():
+    import contextlib
+
+    assert rc_infra.accumulating(_accelerator("MULTI_GPU"), "m", False, fsdp=False) == ("no_sync", "m")
+    assert isinstance(rc_infra.accumulating(_accelerator("MULTI_GPU"), "m", True, fsdp=False), contextlib.nullcontext)
+    assert isinstance(rc_infra.accumulating(_accelerator("NO", 1), "m", False, fsdp=False), contextlib.nullcontext)
+    calls = []
+    model = types.SimpleNamespace(set_requires_gradient_sync=calls.append)
+    for last in (False, False, True):  # FSDP2: no reduce-scatter until the last micro-batch
+        assert isinstance(rc_infra.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True),
+                          contextlib.nullcontext)
+    assert calls == [False, False, True]
+
+
+def test_weight_fingerprint_sees_every_bit():
+    weights = {"a": torch.randn(4, 3), "b": torch.randn(5).to(torch.bfloat16)}
+    base = rc_infra.weights_sha256(weights.items())
+    assert base == rc_infra.weights_sha256(reversed(list(weights.items())))  # name order, not iteration order
+    for name in weights:
+        flipped = dict(weights)
+        t = weights[name].clone()
+        t.view(torch.int16 if t.element_size() == 2 else torch.int32).view(-1)[-1] ^= 1  # the lowest bit of one word
+        flipped[name] = t
+        assert rc_infra.weights_sha256(flipped.items()) != base
 
 
 # ---- Resume bookkeeping ------------------------------------------------------------------------------------
@@ -168,21 +218,6 @@ def test_restore_rng_after_an_engine_reseeds(tmp_path):
     rc_infra.restore_rng(str(tmp_path), 0)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert np.random.rand() == expected[2]
-
-
-def test_micro_batches_accumulate_without_all_reduce_except_the_last():
-    import contextlib
-
-    def fake(kind, world):
-        acc = _accelerator(kind, None)
-        acc.num_processes = world
-        acc.no_sync = lambda model: ("no_sync", model)
-        return acc
-
-    assert rc_infra.accumulating(fake("MULTI_GPU", 2), "m", last_micro_batch=False) == ("no_sync", "m")
-    assert isinstance(rc_infra.accumulating(fake("MULTI_GPU", 2), "m", True), contextlib.nullcontext)
-    assert isinstance(rc_infra.accumulating(fake("NO", 1), "m", False), contextlib.nullcontext)
-    assert isinstance(rc_infra.accumulating(fake("DEEPSPEED", 2), "m", False), contextlib.nullcontext)
 
 
 def test_engine_awake_sleeps_only_after_a_rollout(monkeypatch):

@@ -1,0 +1,224 @@
+"""Every flag and YAML key of rc_train.py refuses a value that cannot work, with one line naming the flag and the
+value, before the engine starts (rc_infra.validate_args; the task settings in tasks.check_mini_args).
+
+Unit tests call validate_args on an Args with one bad value (milliseconds each); one subprocess test checks that
+the real script stops before its engine and writes nothing.
+"""
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+import rc_infra
+import rc_train
+import tasks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+INF, NAN = float("inf"), float("nan")
+
+
+def refused(args: rc_train.Args, world_size: int = 1) -> str:
+    with pytest.raises(ValueError) as info:
+        rc_infra.validate_args(args, world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def with_(**changes) -> rc_train.Args:
+    return dataclasses.replace(rc_train.Args(), **changes)
+
+
+# ---- one bad value each: the message names the flag and the value -------------------------------------------
+BAD = [
+    # (changes, flag, value as it appears in the message)
+    (dict(num_samples_per_prompt=1), "--num-samples-per-prompt", "got 1"),
+    (dict(num_samples_per_prompt=0), "--num-samples-per-prompt", "got 0"),
+    (dict(model="/path/that/does/not/exist"), "--model", "/path/that/does/not/exist"),
+    (dict(model="./no_such_model"), "--model", "./no_such_model"),
+    (dict(model="~/no_such_model_here"), "--model", "~/no_such_model_here"),
+    (dict(model="org/name/extra"), "--model", "org/name/extra"),
+    (dict(model=""), "--model", "''"),
+    (dict(train_dtype="float16"), "--train-dtype", "float16"),
+    (dict(eval_every=-1), "--eval-every", "got -1"),
+    (dict(checkpoint_every=-5), "--checkpoint-every", "got -5"),
+    (dict(warmup_steps=-1), "--warmup-steps", "got -1"),
+    (dict(weight_decay=-0.1), "--weight-decay", "got -0.1"),
+    (dict(weight_decay=NAN), "--weight-decay", "got nan"),
+    (dict(weight_decay=INF), "--weight-decay", "got inf"),
+    (dict(learning_rate=INF), "--learning-rate", "got inf"),
+    (dict(learning_rate=NAN), "--learning-rate", "got nan"),
+    (dict(kl_coef=INF), "--kl-coef", "got inf"),
+    (dict(format_bonus=INF), "--format-bonus", "got inf"),
+    (dict(vllm_gpu_memory_utilization=0.0), "--vllm-gpu-memory-utilization", "got 0.0"),
+    (dict(vllm_gpu_memory_utilization=1.5), "--vllm-gpu-memory-utilization", "got 1.5"),
+    (dict(vllm_gpu_memory_utilization=NAN), "--vllm-gpu-memory-utilization", "got nan"),
+    (dict(vllm_kv_cache_gb=0.0), "--vllm-kv-cache-gb", "got 0.0"),
+    (dict(vllm_kv_cache_gb=-1.0), "--vllm-kv-cache-gb", "got -1.0"),
+    (dict(vllm_kv_cache_gb=INF), "--vllm-kv-cache-gb", "got inf"),
+    (dict(vllm_max_num_batched_tokens=0), "--vllm-max-num-batched-tokens", "got 0"),
+    (dict(train_limit=0), "--train-limit", "got 0"),
+    (dict(train_limit=-3), "--train-limit", "got -3"),
+    (dict(eval_limit=0), "--eval-limit", "got 0"),
+    (dict(max_model_len=0), "--max-model-len", "got 0"),
+    (dict(max_model_len=64, max_response_length=64), "--max-model-len", "got 64"),
+    (dict(seed=-1), "--seed", "got -1"),
+    (dict(seed=2 ** 32), "--seed", f"got {2 ** 32}"),
+    (dict(exp_name=""), "--exp-name", "''"),
+    (dict(exp_name="a/b"), "--exp-name", "'a/b'"),
+    (dict(run_name=""), "--run-name", "''"),
+    (dict(run_name="sweep/seed1"), "--run-name", "'sweep/seed1'"),
+    (dict(run_name=".."), "--run-name", "'..'"),
+    (dict(resume=True), "--resume", "--run-name"),
+    (dict(log_with=["wandbb"]), "--log-with", "'wandbb'"),
+    (dict(clip_ratio=1.5), "--clip-ratio", "1.5"),  # rc_core's check; the message says where the value came from
+    # YAML values reach the fields untyped: the type is checked too
+    (dict(num_steps="ten"), "--num-steps", "'ten'"),
+    (dict(learning_rate="1e-4x"), "--learning-rate", "'1e-4x'"),
+    (dict(learning_rate=True), "--learning-rate", "True"),
+    (dict(reward_mode="strik"), "--reward-mode", "'strik'"),
+    (dict(rollout_dtype="float8"), "--rollout-dtype", "'float8'"),
+    (dict(rollout_weight_quant="int2"), "--rollout-weight-quant", "'int2'"),
+    (dict(overwrite="yes"), "--overwrite", "'yes'"),
+    (dict(eval_limit="all"), "--eval-limit", "'all'"),
+    (dict(model=5), "--model", "got 5"),
+    (dict(log_with="wandb"), "--log-with", "'wandb'"),
+    (dict(mini=tasks.MiniGSMArgs(max_steps="3")), "--mini.max-steps", "'3'"),
+    (dict(mini=tasks.MiniGSMArgs(sft_learning_rate="fast")), "--mini.sft-learning-rate", "'fast'"),
+]
+
+
+@pytest.mark.parametrize("changes, flag, value", BAD, ids=[f"{flag} {value}" for _, flag, value in BAD])
+def test_bad_value_is_refused_naming_flag_and_value(changes, flag, value):
+    message = refused(with_(**changes))
+    assert flag in message and value in message, message
+
+
+def test_group_of_one_says_why():
+    message = refused(with_(num_samples_per_prompt=1))
+    assert "GRPO group" in message and "baseline" in message
+
+
+def test_train_float16_suggests_bfloat16_or_float32():
+    message = refused(with_(train_dtype="float16"))
+    assert "use bfloat16 (no scaler needed) or float32" in message and "scaler" in message
+
+
+def test_paths_that_exist_but_cannot_work(tmp_path):
+    a_file = tmp_path / "weights.bin"
+    a_file.write_text("x")
+    assert "a file, not a folder" in refused(with_(model=str(a_file)))
+    assert "--output-dir" in refused(with_(output_dir=str(a_file)))
+    message = refused(with_(output_dir=str(a_file / "sub")))  # cannot be created under a file
+    assert "--output-dir" in message and str(a_file / "sub") in message
+    (tmp_path / "run").write_text("x")
+    message = refused(with_(output_dir=str(tmp_path), run_name="run"))
+    assert "--run-name" in message and "'run'" in message
+
+
+def test_seed_range_depends_on_world_size():
+    rc_infra.validate_args(with_(seed=2 ** 32 - 2, num_prompts_per_step=32), world_size=2)
+    assert "--seed" in refused(with_(seed=2 ** 32 - 1, num_prompts_per_step=32), world_size=2)
+
+
+def test_tracker_whose_package_is_missing_is_refused():
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+    missing = sorted(set(LOGGER_TYPE_TO_CLASS) - installed)
+    if not missing:
+        pytest.skip("every Accelerate tracker is installed here")
+    message = refused(with_(log_with=[missing[0]]))
+    assert f"--log-with {missing[0]}" in message and "not installed" in message
+
+
+def test_bad_yaml_values_name_the_key(tmp_path):
+    for text, flag, value in [("num_steps: ten\n", "--num-steps", "'ten'"),
+                              ("reward_mode: strik\n", "--reward-mode", "'strik'"),
+                              ("learning_rate: .inf\n", "--learning-rate", "inf"),
+                              ("eval_every: -1\n", "--eval-every", "-1"),
+                              ("num_samples_per_prompt: 1\n", "--num-samples-per-prompt", "1"),
+                              ("vllm_sleep_level: 1.0\n", "--vllm-sleep-level", "1.0"),
+                              ("mini:\n  max_steps: '3'\n", "--mini.max-steps", "'3'")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        message = refused(rc_train.load_yaml_defaults(str(path)))
+        assert flag in message and value in message, (text, message)
+
+
+@pytest.mark.parametrize("changes, flag", [
+    (dict(sft_learning_rate=INF), "--mini.sft-learning-rate"),
+    (dict(sft_learning_rate=NAN), "--mini.sft-learning-rate"),
+    (dict(model_seed=2 ** 64), "--mini.model-seed"),
+    (dict(model_seed=-2 ** 63 - 1), "--mini.model-seed"),
+])
+def test_bad_task_setting_is_refused(changes, flag):
+    mini = tasks.MiniGSMArgs(**changes)
+    with pytest.raises(ValueError) as info:
+        tasks.check_mini_args(mini)
+    value = str(next(iter(changes.values())))
+    assert flag in str(info.value) and value in str(info.value)
+
+
+# ---- values that work are accepted --------------------------------------------------------------------------
+GOOD = [
+    dict(),
+    dict(model="Qwen/Qwen2.5-0.5B-Instruct"),  # a Hugging Face id, not a local path
+    dict(model="gpt2"),
+    dict(rollout_dtype="float16"),
+    dict(train_dtype="bfloat16", rollout_dtype="bfloat16"),
+    dict(num_samples_per_prompt=2, num_minibatches=4),
+    dict(seed=0), dict(seed=2 ** 32 - 1),
+    dict(train_limit=1, eval_limit=None),
+    dict(eval_every=0, checkpoint_every=0, warmup_steps=0, weight_decay=0.0, kl_coef=0.0),
+    dict(max_grad_norm=INF),  # no clipping
+    dict(vllm_gpu_memory_utilization=1.0, vllm_kv_cache_gb=0.5),
+    dict(learning_rate=1),  # a YAML integer for a float field
+    dict(run_name="my_run.v2", resume=False, exp_name="exp.1"),
+    dict(log_with=[]), dict(log_with=["all"]),
+    dict(mini=tasks.MiniGSMArgs(model_seed=-1)),
+]
+
+
+@pytest.mark.parametrize("changes", GOOD)
+def test_good_values_pass(changes):
+    rc_infra.validate_args(with_(**changes), world_size=1)
+
+
+def test_local_model_folder_passes(tmp_path):
+    rc_infra.validate_args(with_(model=str(tmp_path)), world_size=1)
+
+
+def test_tiny_is_never_read_as_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("not a model")  # a file called 'tiny' here does not shadow the built-in model
+    rc_infra.validate_args(with_(model="tiny", output_dir=str(tmp_path / "runs")), world_size=1)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml"))),
+                         ids=os.path.basename)
+def test_shipped_configs_pass(path):
+    args = rc_train.load_yaml_defaults(path)
+    rc_infra.validate_args(args, world_size=1)
+    tasks.check_mini_args(args.mini)
+
+
+# ---- the real script: refused before the engine, nothing written ---------------------------------------------
+@pytest.mark.parametrize("flags, needle", [
+    (["--num-samples-per-prompt", "1"], "--num-samples-per-prompt"),
+    (["--model", "/path/that/does/not/exist"], "/path/that/does/not/exist"),
+])
+def test_refused_before_engine_and_run_folder(tmp_path, flags, needle):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--config", os.path.join(HERE, "configs", "cpu_add.yaml"),
+           "--output-dir", str(tmp_path), "--run-name", "run", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=HERE)
+    assert proc.returncode != 0
+    assert "error" in proc.stderr and needle in proc.stderr and flags[0] in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()  # no run folder, so no engine.log and no metrics.jsonl
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -291,9 +291,11 @@ def test_two_processes_same_weights_different_samples(tmp_path, launcher, flags)
     if "tensorboard" in flags:  # Accelerate's tracker: one event file, the main process's, with every step
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        events = list((tmp_path / "ddp").rglob("events.out.tfevents.*"))
-        assert len(events) == 1, events
-        acc = EventAccumulator(str(events[0]))
+        events = list((tmp_path / "ddp").rglob("events.out.tfevents.*"))  # the scalars, and the config's hparams
+        assert len({e.name.split(".")[-2] for e in events}) == 1, events  # all written by one process (its pid)
+        scalars = [e for e in events if e.parent.name == "rollout-correction"]
+        assert len(scalars) == 1, events
+        acc = EventAccumulator(str(scalars[0]))
         acc.Reload()
         assert [e.step for e in acc.Scalars("reward/mean")] == [0, 1, 2]
         assert [e.value for e in acc.Scalars("reward/mean")] == pytest.approx([r["reward/mean"] for r in rows[1:]])

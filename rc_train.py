@@ -641,12 +641,15 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
 
     # TRY NOT TO MODIFY: models, optimizer, resume, engine
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    # in the checkpoint's dtype straight onto this rank's device, then fp32 master weights there (the same values as
+    # loading in fp32, without a full fp32 copy per rank in host memory: 8 ranks x 30 GB at 7B)
+    load = dict(dtype="auto", device_map={"": device})
+    model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if args.kl_coef > 0:  # the policy's own precision (fp32 weights, --train-dtype autocast): KL is 0 at step 0
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
         ref_model.eval().requires_grad_(False)
     if args.fsdp:  # FSDP2: shard first, then build the optimizer over the sharded parameters
         model = rc_infra.shard_model(model, device.type)

@@ -307,14 +307,15 @@ def test_fsdp2_matches_one_process(tmp_path):
     optimizer step. One minibatch, so both split the batch into the same optimizer steps."""
     flags = [*ADD, "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10",
              "--num-steps", "1", "--num-minibatches", "1", "--ppo-epochs", "1", "--max-response-length", "3",
-             "--rc.preset", "decoupled_token_is"]
+             "--rc.preset", "decoupled_token_is", "--kl-coef", "0.01"]  # the pi_old pass and the reference model
     one, _ = run_train(tmp_path, *flags, name="one")
     two, _ = launch(tmp_path, "torchrun", "two", *flags, "--fsdp")
     a, b = one[0], two[0]
     for k in ("reward/mean", "response_length/mean", "rollout_corr/rollout_is_mean"):
         assert a[k] == pytest.approx(b[k], rel=1e-6), k  # the same responses and engine log-probs
     # pg_loss is ~0 at the first step (ratio 1, group-centred advantages) and k3_kl ~1e-14: their rounding is absolute
-    for k, tol in (("actor/grad_norm", 0), ("actor/entropy", 0), ("actor/pg_loss", 1e-7), ("rollout_corr/k3_kl", 1e-10)):
+    for k, tol in (("actor/grad_norm", 0), ("actor/entropy", 0), ("actor/pg_loss", 1e-7), ("rollout_corr/k3_kl", 1e-10),
+                   ("actor/kl_loss", 1e-10)):  # KL to the reference model: 0 before the first step
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=tol), k
     from safetensors.torch import load_file
 
@@ -430,17 +431,17 @@ def test_final_weights_load_in_transformers_and_vllm(tmp_path):
     samples = [s for s in read_jsonl(tmp_path / "run" / "eval_samples.jsonl") if s["step"] == 2]
     assert len(samples) == 10  # every evaluated problem
     script = f"""
-import hashlib, json, os, sys
+import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+sys.path.insert(0, {HERE!r})
+import rc_infra
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(final)!r})
-h = hashlib.sha256()
-for name, t in sorted(model.state_dict().items()):
-    h.update(name.encode() + t.detach().contiguous().numpy().tobytes())
+sha = rc_infra.weights_sha256(model.state_dict().items())  # the fingerprint --log-rank-checksums writes
 from vllm import LLM, SamplingParams
 llm = LLM(model={str(final)!r}, dtype="float32", enforce_eager=True, max_model_len=64)
 outs = llm.generate({[s["question"] for s in samples]!r}, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-print("RESULT", json.dumps({{"sha": h.hexdigest(), "responses": [o.outputs[0].text for o in outs]}}))
+print("RESULT", json.dumps({{"sha": sha, "responses": [o.outputs[0].text for o in outs]}}))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)

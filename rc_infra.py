@@ -562,6 +562,26 @@ def engine_output_to(log_path: str):
         yield
 
 
+def sampling_seed(*keys: int) -> int:
+    """A 62-bit seed hashed from (run seed, step, 0, the prompt's place in the step). vLLM seeds the k-th of the n
+    samples of a request with `seed + k`, so consecutive per-prompt seeds would make prompt i+1 replay prompt i's
+    random stream shifted by one sample: every prompt then explores the same few tokens (measured: the CPU demo
+    collapsed onto one answer). Hashed seeds keep the streams apart and the run reproducible."""
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def push_weights(llm, model, args, dials: bool = True) -> None:
+    """Push the trainer's full weights into the engine in place, streamed one tensor at a time (under FSDP2 each is
+    gathered from the shards as the engine reaches it: rc_infra.full_weights); then drop the prefix cache, whose KV
+    was computed with the old weights. dials=True sends what the rollouts must use (rc_infra.rollout_weights:
+    perturbed by a weight dial); evaluation and resume send the trainer's own weights. `model`: the unwrapped one."""
+    weights = full_weights(model)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": rollout_weights(weights, args)
+                                                 if dials else weights})
+    llm.reset_prefix_cache()
+
+
 # ---------------------------------------------------------------------------------------------
 # Mismatch dials of the lab (README "What the lab shows"): the weights the engine receives
 # ---------------------------------------------------------------------------------------------
@@ -607,7 +627,9 @@ def rollout_weights(weights, args):
 def shard_model(model, device_type: str):
     """torch's FSDP2 on a Hugging Face model: fully_shard on every transformer block (the classes the model names in
     _no_split_modules), then on the root (embeddings, final norm, lm_head; tied weights stay tied). Parameters stay
-    fp32 and sharded dim 0 over all ranks; the trainer's autocast computes in --train-dtype as without sharding."""
+    fp32 and sharded dim 0 over all ranks; the trainer's autocast computes in --train-dtype as without sharding.
+    Every FSDP2 forward is a collective, so all ranks must run the same forwards: rc_train.py turns the shared-prompt
+    pass off (it runs one or two forwards depending on the lengths) and check_distributed refuses a token budget."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -803,9 +825,6 @@ def load_checkpoint(path, model, optimizer, scheduler, accelerator) -> dict:
 
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
-    if state.get("world_size", 1) != accelerator.num_processes:
-        raise ValueError(f"checkpoint {path!r} was written by {state.get('world_size', 1)} processes, this run has "
-                         f"{accelerator.num_processes}: each rank's RNG and data shard are in it, resume with as many")
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to load into (creates Adam's state)
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(path, "state"))
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
@@ -878,12 +897,19 @@ def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids
 # ---------------------------------------------------------------------------------------------
 # The run folder: creation, config.yaml, logs, resume, final weights
 # ---------------------------------------------------------------------------------------------
-def check_run_dir(run_dir: str, resume: bool, overwrite: bool) -> bool:
-    """Refuse to touch an existing run unless --resume or --overwrite (before anything is written); True when the
-    folder must be emptied first (--overwrite of an existing run)."""
+def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1) -> bool:
+    """Refuse to touch an existing run unless --resume or --overwrite (before anything is written), and a resume
+    with another number of processes than its checkpoint's (each rank's RNG state and data shard are in it); True
+    when the folder must be emptied first (--overwrite of an existing run)."""
     exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
     if resume and not checkpoint_dirs(run_dir):
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
+    if resume:
+        with open(os.path.join(checkpoint_dirs(run_dir)[-1], "trainer_state.json")) as f:
+            written_by = json.load(f).get("world_size", 1)
+        if written_by != world:
+            raise ValueError(f"--resume: the checkpoint under {run_dir!r} was written by {written_by} process(es), "
+                             f"this run has {world}: resume with as many")
     if exists and not (resume or overwrite):
         raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
     return exists and overwrite and not resume
@@ -996,6 +1022,16 @@ def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
     if accelerator.is_main_process:
         unwrapped.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
         tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+
+
+def print_summary(first_eval: dict | None, last_eval: dict | None, n_eval: int, seconds: float, run_dir: str) -> None:
+    """The closing lines on the console: strict greedy accuracy before -> after, wall time, where the run is."""
+    line = f"eval accuracy (strict, greedy, {n_eval} problems): "
+    if first_eval and last_eval:
+        line += f"{first_eval['eval/accuracy_strict']:.3f} before -> {last_eval['eval/accuracy_strict']:.3f} after"
+    elif last_eval:
+        line += f"{last_eval['eval/accuracy_strict']:.3f} after training"
+    print(f"{line}\nwall time: {seconds:.0f} s\nrun folder: {run_dir}\ndashboard: python rc_train.py plot {run_dir}")
 
 
 def exit_cleanly(world: int) -> None:

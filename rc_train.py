@@ -16,7 +16,6 @@ Two update modes (docs/corrections.md §7.2 decoupled, §7.3/§7.4 bypass):
 Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT TO MODIFY` marks the plumbing.
 """
 import dataclasses
-import hashlib
 import os
 import random
 import sys
@@ -252,14 +251,6 @@ def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConf
     return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
 
 
-def clip_low(args: Args) -> float:
-    return args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
-
-
-def clip_high(args: Args) -> float:
-    return args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
-
-
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: prompts and reward (the task itself lives in tasks.py: problems, prompt text, scores)
 # ---------------------------------------------------------------------------------------------
@@ -288,28 +279,19 @@ def reward(args: Args, scores: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: vLLM engine (started by rc_infra.start_engine): generate with processed log-probs, weight sync
+# TRY NOT TO MODIFY: vLLM engine (rc_infra starts it and pushes the weights): generate with processed log-probs
 # ---------------------------------------------------------------------------------------------
-def sampling_seed(*keys: int) -> int:
-    """A 62-bit seed hashed from (run seed, step, rank, prompt). vLLM seeds the k-th of the n samples of a
-    request with `seed + k`, so consecutive per-prompt seeds would make prompt i+1 replay prompt i's
-    random stream shifted by one sample: every prompt then explores the same few tokens (measured: the
-    CPU demo collapsed onto one answer). Hashed seeds keep the streams apart and the run reproducible."""
-    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
 def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
     """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
 
-    Prompt i is seeded with sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU and a
+    Prompt i is seeded with rc_infra.sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU and a
     prompt gets the same seed whichever rank samples it."""
     from vllm import SamplingParams
 
     sampling = dict(temperature=args.rollout_temperature or args.temperature, top_p=args.top_p, logprobs=0,
                     extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob})  # greedy: the defaults at temperature 0
     params = [SamplingParams(n=n, max_tokens=args.max_response_length, **({"temperature": 0.0} if greedy else
-                             {**sampling, "seed": sampling_seed(*seed_keys, first_index + i)})) for i in range(len(prompt_ids))]
+                             {**sampling, "seed": rc_infra.sampling_seed(*seed_keys, first_index + i)})) for i in range(len(prompt_ids))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     result = []
     for out in outputs:
@@ -320,17 +302,6 @@ def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), first_index:
             group.append((ids, lps, o.text))
         result.append(group)
     return result
-
-
-def push_weights(llm, model, args: Args, dials: bool = True) -> None:
-    """Push the trainer's full weights into the engine in place, streamed one tensor at a time (under FSDP2 each is
-    gathered from the shards as the engine reaches it: rc_infra.full_weights); then drop the prefix cache, whose KV
-    was computed with the old weights. dials=True sends what the rollouts must use (rc_infra.rollout_weights:
-    perturbed by a weight dial); evaluation and resume send the trainer's own weights. `model`: the unwrapped one."""
-    weights = rc_infra.full_weights(model)
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": rc_infra.rollout_weights(weights, args)
-                                                 if dials else weights})
-    llm.reset_prefix_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,9 +418,10 @@ def policy_loss(args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denomin
     mask = mb["response_mask"]
     if mask.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
         return (log_prob * 0).sum(), {}
+    low, high = (args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
     common = dict(log_prob=log_prob, rollout_log_prob=mb["rollout_log_prob"], advantages=mb["advantages"],
-                  response_mask=mask, loss_agg_mode=args.loss_agg_mode, clip_ratio_low=clip_low(args),
-                  clip_ratio_high=clip_high(args), clip_ratio_c=args.clip_ratio_c, **denominators)
+                  response_mask=mask, loss_agg_mode=args.loss_agg_mode, clip_ratio_low=low, clip_ratio_high=high,
+                  clip_ratio_c=args.clip_ratio_c, **denominators)
     if rc_config.bypass_mode:
         return rc_core.compute_policy_loss_bypass_mode(**common, config=rc_config,
                                                        with_correction_metrics=correction_metrics)
@@ -621,7 +593,7 @@ if __name__ == "__main__":
         validate_args(args, world)
         rc_infra.check_distributed(accelerator, args, micro_batches_per_step_fixed=not args.max_tokens_per_micro_batch)
         rc_config = build_correction_config(args.rc)
-        replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite)
+        replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
@@ -641,9 +613,7 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
 
     # TRY NOT TO MODIFY: models, optimizer, resume, engine
-    # in the checkpoint's dtype straight onto this rank's device, then fp32 master weights there (the same values as
-    # loading in fp32, without a full fp32 copy per rank in host memory: 8 ranks x 30 GB at 7B)
-    load = dict(dtype="auto", device_map={"": device})
+    load = dict(dtype="auto", device_map={"": device})  # then fp32 on the device: no fp32 host copy per rank
     model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -661,11 +631,8 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
     start_step, position, counters = 0, 0, {"old_log_prob_passes": 0, "sync_count": 0}
     if args.resume:
-        try:
-            ckpt, start_step, position, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator,
-                                                                   counters)
-        except ValueError as e:
-            sys.exit(f"rc_train.py: error: {e}")
+        ckpt, start_step, position, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator,
+                                                               counters)
     on_gpu = torch.cuda.is_available()
     limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
     placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
@@ -675,7 +642,7 @@ if __name__ == "__main__":
     engine = rc_infra.EngineMemory(llm, enabled=on_gpu and args.vllm_sleep, level=args.vllm_sleep_level)
     weight_dial = rc_infra.has_weight_dial(args)
     if args.resume:  # the engine loaded the initial weights from disk; its start-up reseeded the global RNGs
-        push_weights(llm, unwrapped, args, dials=False)
+        rc_infra.push_weights(llm, unwrapped, args, dials=False)
         rc_infra.restore_rng(ckpt, rank)
     log = rc_infra.RunLog(run_dir, accelerator)
 
@@ -692,14 +659,13 @@ if __name__ == "__main__":
         first_eval = last_eval = run_eval(-1)
         log.log(-1, first_eval, trackers=False)
     if weight_dial:  # from now on the engine samples with the perturbed weights
-        push_weights(llm, unwrapped, args)
+        rc_infra.push_weights(llm, unwrapped, args)
     log.start_trackers(args, run_name)
     bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     prompts_per_rank = args.num_prompts_per_step // world
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # One forward per distinct prompt (not under gradient checkpointing: no KV cache; not under FSDP2: it runs one
-    # or two forwards depending on the lengths, and every FSDP2 forward is a collective all ranks must share)
+    # one forward per distinct prompt; not under gradient checkpointing (no KV cache) nor FSDP2 (rc_infra.shard_model)
     share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
 
     for step in bar:
@@ -777,7 +743,7 @@ if __name__ == "__main__":
         engine_synced = bool(args.sync_every) and (step + 1) % args.sync_every == 0
         if engine_synced:
             with rc_infra.engine_awake(engine, "weights"):  # the KV cache sleeps on until the next generation
-                push_weights(llm, unwrapped, args)
+                rc_infra.push_weights(llm, unwrapped, args)
             counters["sync_count"] += 1
         timing["timing/sync_s"] = time.time() - t0
 
@@ -787,11 +753,11 @@ if __name__ == "__main__":
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             with rc_infra.engine_awake(engine, "weights"):
                 if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                    push_weights(llm, unwrapped, args, dials=False)
+                    rc_infra.push_weights(llm, unwrapped, args, dials=False)
                     counters["sync_count"] += int(not engine_synced)
             eval_metrics = last_eval = run_eval(step)
             if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                push_weights(llm, unwrapped, args)
+                rc_infra.push_weights(llm, unwrapped, args)
             timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
 
         # TRY NOT TO MODIFY: logging. Token-weighted over micro-batches and ranks; the decoupled correction (this
@@ -827,14 +793,8 @@ if __name__ == "__main__":
     if args.save_final:
         rc_infra.save_final(run_dir, model, tokenizer, accelerator)
     log.close()
+    bar.close()
     if accelerator.is_main_process:
-        bar.close()
-        acc = "eval accuracy (strict, greedy, {} problems): ".format(len(eval_rows))
-        if first_eval and last_eval:
-            acc += f"{first_eval['eval/accuracy_strict']:.3f} before -> {last_eval['eval/accuracy_strict']:.3f} after"
-        elif last_eval:
-            acc += f"{last_eval['eval/accuracy_strict']:.3f} after training"
-        print(f"{acc}\nwall time: {time.time() - t_start:.0f} s\nrun folder: {run_dir}\n"
-              f"dashboard: python rc_train.py plot {run_dir}")
+        rc_infra.print_summary(first_eval, last_eval, len(eval_rows), time.time() - t_start, run_dir)
     accelerator.wait_for_everyone()
     rc_infra.exit_cleanly(world)

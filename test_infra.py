@@ -255,3 +255,14 @@ def test_yaml_numbers_are_numbers_and_bounds_stay_text(tmp_path):
     path.write_text("rate: 1.0\ninner:\n  thresold: 2\n")
     with pytest.raises(ValueError, match="inner.thresold"):
         rc_infra.load_yaml_defaults(Outer, str(path))
+
+
+def test_resume_with_another_number_of_processes_is_refused(tmp_path):
+    import json
+
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1}))
+    assert rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=1) is False
+    with pytest.raises(ValueError, match="written by 1 process.*this run has 2"):
+        rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)

@@ -1,7 +1,6 @@
 """Unit tests of rc_infra.py on CPU: engine placement and sleep order, metric reduction across ranks (real gloo
 processes, and an NCCL-like group that serves only CUDA tensors), launcher settings (DeepSpeed and FSDP1 refused,
 FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
-import math
 import os
 import socket
 import types

@@ -873,13 +873,16 @@ def weights_sha256(weights) -> str:
     """SHA-256 of (name, tensor) pairs in name order: names and a 64-bit fingerprint of each tensor's bits, computed
     on its device (every word of the tensor times a position weight, summed in int64), so a GPU copies 8 bytes per
     tensor to the host, not the weights. Any changed bit changes the fingerprint."""
-    h = hashlib.sha256()
-    for name, t in sorted(weights, key=lambda kv: kv[0]):
+    def fingerprint(t: torch.Tensor) -> int:
         t = t.detach().contiguous()
-        bits = t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16) if t.element_size() == 2 else t
-        bits = bits.flatten().to(torch.int64)
+        words = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(t.element_size())
+        bits = (t.view(words) if words else t).flatten().to(torch.int64)
         pos = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64) % 1_000_003 + 1
-        h.update(name.encode() + str(int((bits * pos).sum())).encode())
+        return int((bits * pos).sum())
+
+    h = hashlib.sha256()  # one tensor at a time (under FSDP2 each is a gathered full tensor), then in name order
+    for name, value in sorted((name, fingerprint(t)) for name, t in weights):
+        h.update(name.encode() + str(value).encode())
     return h.hexdigest()
 
 

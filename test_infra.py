@@ -184,13 +184,13 @@ def test_micro_batches_accumulate_without_all_reduce_except_the_last():
 
 
 def test_weight_fingerprint_sees_every_bit():
-    weights = {"a": torch.randn(4, 3), "b": torch.randn(5).to(torch.bfloat16)}
+    weights = {"a": torch.randn(4, 3), "b": torch.randn(5).to(torch.bfloat16), "c": torch.randn(2).double()}
     base = rc_infra.weights_sha256(weights.items())
     assert base == rc_infra.weights_sha256(reversed(list(weights.items())))  # name order, not iteration order
     for name in weights:
         flipped = dict(weights)
         t = weights[name].clone()
-        t.view(torch.int16 if t.element_size() == 2 else torch.int32).view(-1)[-1] ^= 1  # the lowest bit of one word
+        t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).view(-1)[-1] ^= 1  # lowest bit
         flipped[name] = t
         assert rc_infra.weights_sha256(flipped.items()) != base
 

@@ -126,6 +126,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     """Read and check the config and the flags; raises ValueError / FileNotFoundError naming the bad value."""
     path = resolve_config_path(ns.config)
     train = rc_train.load_yaml_defaults(path)  # FileNotFoundError / ValueError (unknown keys) name the file
+    named = next((k for k in ("7b", "1.5b", "0.5b") if k in str(train.model).lower()), "0.5b")
     if ns.tiny:
         train = dataclasses.replace(train, **TINY_ARGS)
     train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
@@ -133,7 +134,6 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     if train.fsdp and world < 2:
         raise ValueError("--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun "
                          "--nproc_per_node N")
-    named = next((k for k in ("7b", "1.5b", "0.5b") if k in str(rc_train.load_yaml_defaults(path).model).lower()), "0.5b")
     size = "tiny" if ns.tiny else ns.model_size or named
     prompt_len = ns.prompt_len if ns.prompt_len is not None else (TINY_PROMPT_LEN if ns.tiny else DEFAULT_PROMPT_LEN)
     response_len = (ns.response_len if ns.response_len is not None
@@ -330,8 +330,8 @@ def main(argv=None) -> int:
     else:
         peak_gib = max(0, _peak_rss_kib() - rss_before) / 2 ** 20
         memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
-    peak_gib = bench.host.extreme([peak_gib], "max")[0] if plan.world > 1 else peak_gib
-    update_s = bench.host.extreme([statistics.median(times)], "max")[0] if plan.world > 1 else statistics.median(times)
+    peak_gib = bench.host.extreme([peak_gib], "max")[0]  # the largest rank's
+    update_s = bench.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
     steps_per_update = args.num_minibatches * args.ppo_epochs
     result = {"device": device_name, "processes": plan.world, "fsdp": args.fsdp, "params": params,
               "sequences": B * plan.world, "padded_length": L, "micro_batch_size": args.micro_batch_size,

@@ -167,9 +167,6 @@ def validate_args(args, world_size: int) -> None:
         if not cond:
             raise ValueError(msg)
 
-    def finite(x) -> bool:
-        return math.isfinite(x)
-
     # Types first (YAML values arrive unchecked), so every comparison below compares numbers.
     _check_field_types(args)
     _check_field_types(args.mini, prefix="mini.")
@@ -227,7 +224,7 @@ def validate_args(args, world_size: int) -> None:
          f"--train-limit must be >= 1 (or None: every problem), got {args.train_limit}")
     need(args.eval_limit is None or args.eval_limit >= 1,
          f"--eval-limit must be >= 1 (or None: the whole split), got {args.eval_limit}")
-    need(args.format_bonus >= 0 and finite(args.format_bonus),
+    need(args.format_bonus >= 0 and math.isfinite(args.format_bonus),
          f"--format-bonus must be a finite number >= 0, got {args.format_bonus}")
 
     # Rollout
@@ -258,7 +255,7 @@ def validate_args(args, world_size: int) -> None:
     need(0 < args.vllm_gpu_memory_utilization <= 1,
          f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
          f"got {args.vllm_gpu_memory_utilization}")
-    need(args.vllm_kv_cache_gb > 0 and finite(args.vllm_kv_cache_gb),
+    need(args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb),
          f"--vllm-kv-cache-gb must be a finite number > 0, got {args.vllm_kv_cache_gb}")
     need(0.0 <= args.rollout_corrupt_prob < 1.0,
          f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}")
@@ -269,13 +266,13 @@ def validate_args(args, world_size: int) -> None:
     need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
 
     # Optimisation
-    need(args.learning_rate > 0 and finite(args.learning_rate),
+    need(args.learning_rate > 0 and math.isfinite(args.learning_rate),
          f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
-    need(args.weight_decay >= 0 and finite(args.weight_decay),
+    need(args.weight_decay >= 0 and math.isfinite(args.weight_decay),
          f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
-    need(args.kl_coef >= 0 and finite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}")
+    need(args.kl_coef >= 0 and math.isfinite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
 
     # Evaluation, checkpoints
@@ -345,7 +342,7 @@ def launcher_settings(args, environ=os.environ) -> None:
         environ.pop("ACCELERATE_USE_FSDP")
 
 
-def check_distributed(accelerator, args, micro_batches_per_step_fixed: bool) -> None:
+def check_distributed(accelerator, args) -> None:
     """Refuse what the processes Accelerate started cannot run, before anything is built.
 
     --fsdp needs several processes; every FSDP2 forward is a collective, so every rank must run the same number of
@@ -363,7 +360,7 @@ def check_distributed(accelerator, args, micro_batches_per_step_fixed: bool) -> 
     if args.fsdp and accelerator.num_processes < 2:
         raise ValueError("--fsdp shards over several processes, but this run has 1: launch it with torchrun "
                          "--nproc_per_node N or accelerate launch --config_file configs/accelerate/fsdp2.yaml")
-    if args.fsdp and not micro_batches_per_step_fixed:
+    if args.fsdp and args.max_tokens_per_micro_batch:
         raise ValueError(f"--fsdp needs the same number of micro-batches on every rank: drop "
                          f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch}")
     if torch.cuda.is_available():
@@ -398,6 +395,9 @@ class HostGroup:
         return t.tolist()
 
     def extreme(self, values: list[float], op: str) -> list[float]:
+        """Elementwise max or min over the ranks."""
+        if self.world == 1:
+            return list(values)
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64)

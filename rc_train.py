@@ -591,7 +591,7 @@ if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # vLLM and torch share the cores
     try:
         validate_args(args, world)
-        rc_infra.check_distributed(accelerator, args, micro_batches_per_step_fixed=not args.max_tokens_per_micro_batch)
+        rc_infra.check_distributed(accelerator, args)
         rc_config = build_correction_config(args.rc)
         replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)

@@ -161,12 +161,11 @@ def test_an_accelerate_fsdp2_config_switches_on_the_trainers_own_sharding():
     ("NO", 1, _args(fsdp=True), "has 1"), ("MULTI_CPU", 2, _args(fsdp=True, max_tokens_per_micro_batch=512), "512"),
     ("MULTI_CPU", 2, _args(fsdp=True), None), ("MULTI_GPU", 2, _args(), None), ("NO", 1, _args(), None)])
 def test_check_distributed(kind, processes, args, refused):
-    fixed = not args.max_tokens_per_micro_batch
     if refused:
         with pytest.raises(ValueError, match=refused):
-            rc_infra.check_distributed(_accelerator(kind, processes), args, fixed)
+            rc_infra.check_distributed(_accelerator(kind, processes), args)
     else:
-        rc_infra.check_distributed(_accelerator(kind, processes), args, fixed)
+        rc_infra.check_distributed(_accelerator(kind, processes), args)
 
 
 def test_micro_batches_accumulate_without_all_reduce_except_the_last():

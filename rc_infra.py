@@ -252,6 +252,17 @@ def validate_args(args, world_size: int) -> None:
          f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
          f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32")
     need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    k = args.max_staleness
+    need(k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
+    if k or args.rollout_worker:
+        need(args.sync_every == 1,
+             f"--max-staleness {k} loads every new version into the rollout worker: it needs --sync-every 1 (the "
+             f"synchronous loop's own lag dial), got --sync-every {args.sync_every}")
+        need(not torch.cuda.is_available(),
+             f"--max-staleness {k} (a rollout worker process) runs on CPU only: on a GPU the worker's engine would "
+             f"share the device with the trainer while it generates (no sleep mode then) and the weights would need "
+             f"CUDA IPC; neither is built or verified here. Use --max-staleness 0 on GPUs" if k else
+             "--rollout-worker runs on CPU only (no GPU weight hand-over is built): drop it on GPUs")
     need(0 < args.vllm_gpu_memory_utilization <= 1,
          f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
          f"got {args.vllm_gpu_memory_utilization}")
@@ -571,17 +582,6 @@ def sampling_seed(*keys: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def push_weights(llm, model, args, dials: bool = True) -> None:
-    """Push the trainer's full weights into the engine in place, streamed one tensor at a time (under FSDP2 each is
-    gathered from the shards as the engine reaches it: rc_infra.full_weights); then drop the prefix cache, whose KV
-    was computed with the old weights. dials=True sends what the rollouts must use (rc_infra.rollout_weights:
-    perturbed by a weight dial); evaluation and resume send the trainer's own weights. `model`: the unwrapped one."""
-    weights = full_weights(model)
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": rollout_weights(weights, args)
-                                                 if dials else weights})
-    llm.reset_prefix_cache()
-
-
 # ---------------------------------------------------------------------------------------------
 # Mismatch dials of the lab (README "What the lab shows"): the weights the engine receives
 # ---------------------------------------------------------------------------------------------
@@ -787,9 +787,11 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
-def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accelerator, counters):
+def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accelerator, counters, in_flight: dict,
+                    max_staleness: int):
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
-    under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the scheduler, and
+    under FSDP2; replicated DDP tensors are written once), every rank's RNG state and the batches it has in flight
+    (--max-staleness k: those of the next k steps, sampled by older versions), the scheduler, and
     trainer_state.json. All of it goes into step_N.tmp, trainer_state.json last, then one rename: a process killed
     during a save leaves a .tmp folder that --resume never loads."""
     import torch.distributed.checkpoint as dcp
@@ -805,13 +807,15 @@ def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accele
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "state"))
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                os.path.join(tmp, f"rng_rank{accelerator.process_index}.pt"))
+    torch.save(in_flight, os.path.join(tmp, f"in_flight_rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
             os.kill(os.getpid(), signal.SIGKILL)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
-            json.dump({"step": step, "position": position, "world_size": accelerator.num_processes, **counters}, f)
+            json.dump({"step": step, "position": position, "world_size": accelerator.num_processes,
+                       "max_staleness": max_staleness, **counters}, f)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
 
@@ -830,6 +834,11 @@ def load_checkpoint(path, model, optimizer, scheduler, accelerator) -> dict:
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
     return state
+
+
+def load_in_flight(path: str, rank: int) -> dict:
+    """The batches this rank had in flight when the checkpoint was written ({step: result}; empty at k = 0)."""
+    return torch.load(os.path.join(path, f"in_flight_rank{rank}.pt"), weights_only=False)
 
 
 def restore_rng(path: str, rank: int) -> None:
@@ -900,19 +909,24 @@ def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids
 # ---------------------------------------------------------------------------------------------
 # The run folder: creation, config.yaml, logs, resume, final weights
 # ---------------------------------------------------------------------------------------------
-def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1) -> bool:
+def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1, max_staleness: int = 0) -> bool:
     """Refuse to touch an existing run unless --resume or --overwrite (before anything is written), and a resume
-    with another number of processes than its checkpoint's (each rank's RNG state and data shard are in it); True
-    when the folder must be emptied first (--overwrite of an existing run)."""
+    with another number of processes than its checkpoint's (each rank's RNG state and data shard are in it) or another
+    --max-staleness (its batches in flight were sampled for that schedule); True when the folder must be emptied first
+    (--overwrite of an existing run)."""
     exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
     if resume and not checkpoint_dirs(run_dir):
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
     if resume:
         with open(os.path.join(checkpoint_dirs(run_dir)[-1], "trainer_state.json")) as f:
-            written_by = json.load(f).get("world_size", 1)
+            state = json.load(f)
+        written_by, k = state.get("world_size", 1), state.get("max_staleness", 0)
         if written_by != world:
             raise ValueError(f"--resume: the checkpoint under {run_dir!r} was written by {written_by} process(es), "
                              f"this run has {world}: resume with as many")
+        if k != max_staleness:
+            raise ValueError(f"--resume: the checkpoint under {run_dir!r} was written with --max-staleness {k}, this "
+                             f"run has --max-staleness {max_staleness}: resume with the same bound")
     if exists and not (resume or overwrite):
         raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
     return exists and overwrite and not resume

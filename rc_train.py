@@ -36,6 +36,7 @@ import torch
 
 import rc_core
 import rc_infra
+import rc_rollout
 import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -140,6 +141,11 @@ class Args:
     """compute dtype of the trainer's forward passes (autocast; master weights stay float32)"""
     sync_every: int = 1
     """push trainer weights into vLLM every k steps; 0 = never after the start (stale engine)"""
+    max_staleness: int = 0
+    """asynchronous rollout: the batch of step t is sampled by policy version max(0, t-k) (k = this value) in a rollout
+    worker process while the trainer updates; 0 = the synchronous loop. Every sample carries its version (rc_rollout.py)"""
+    rollout_worker: bool = False
+    """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU: share of GPU memory for the colocated engine (weights + KV cache)"""
     vllm_kv_cache_gb: float = 1.0
@@ -545,11 +551,11 @@ def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[in
     return out
 
 
-def evaluate(args, task, llm, prompts, rows, rank, world, host):
-    """Greedy pass@1 on the eval set (each rank its shard): metrics, and every problem with its response and
-    scores (gathered from all ranks, in problem order)."""
+def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, restore: bool = True):
+    """Greedy pass@1 of policy version `version` on the eval set (each rank its shard): metrics, and every problem
+    with its response and scores (gathered from all ranks, in problem order)."""
     shard = list(range(rank, len(prompts), world))
-    outs = generate(llm, [prompts[i] for i in shard], 1, args, greedy=True) if shard else []
+    outs = rollouts.evaluate([prompts[i] for i in shard], version, restore)  # every rank: a load can be collective
     samples = []
     for i, group in zip(shard, outs):
         ids, _, text = group[0]
@@ -593,7 +599,7 @@ if __name__ == "__main__":
         validate_args(args, world)
         rc_infra.check_distributed(accelerator, args)
         rc_config = build_correction_config(args.rc)
-        replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world)
+        replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world, args.max_staleness)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
@@ -629,28 +635,38 @@ if __name__ == "__main__":
     if not args.fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
-    start_step, position, counters = 0, 0, {"old_log_prob_passes": 0, "sync_count": 0}
+    start_step, counters, in_flight = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}
     if args.resume:
-        ckpt, start_step, position, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator,
-                                                               counters)
+        ckpt, start_step, _, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
+        in_flight = rc_infra.load_in_flight(ckpt, rank)  # batches already sampled for the next k steps
     on_gpu = torch.cuda.is_available()
     limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
-    placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
-    os.environ.update(env)
-    llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, os.path.join(run_dir, f"engine{rank or ''}.log"),
-                                placement)
-    engine = rc_infra.EngineMemory(llm, enabled=on_gpu and args.vllm_sleep, level=args.vllm_sleep_level)
-    weight_dial = rc_infra.has_weight_dial(args)
-    if args.resume:  # the engine loaded the initial weights from disk; its start-up reseeded the global RNGs
-        rc_infra.push_weights(llm, unwrapped, args, dials=False)
+    engine_log = os.path.join(run_dir, f"engine{rank or ''}.log")
+    if args.max_staleness or args.rollout_worker:  # a process of its own: rollouts overlap the update
+        engine = rc_rollout.RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
+    else:
+        placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
+        os.environ.update(env)
+        llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
+        engine = rc_rollout.LocalEngine(llm, rc_infra.EngineMemory(llm, on_gpu and args.vllm_sleep,
+                                                                   args.vllm_sleep_level), generate, args)
+    if args.resume:  # an engine in this process reseeded the global RNGs when it started
         rc_infra.restore_rng(ckpt, rank)
+    prompts_per_rank = args.num_prompts_per_step // world
+
+    def step_indices(step: int) -> list[int]:
+        """This rank's share of the step's prompts (the stream depends on seed and step only)."""
+        P = args.num_prompts_per_step
+        return prompt_indices(len(train_prompts), args.seed, step * P, P)[rank * prompts_per_rank:][:prompts_per_rank]
+
+    rollouts = rc_rollout.Rollouts(args, engine, unwrapped, lambda step: (
+        [train_prompts[i] for i in step_indices(step)], rank * prompts_per_rank), counters["sync_count"])
     log = rc_infra.RunLog(run_dir, accelerator)
 
-    def run_eval(step: int) -> dict:
-        """Greedy eval of the weights in the engine; every problem goes to eval_samples.jsonl."""
+    def run_eval(step: int, restore: bool = True) -> dict:
+        """Greedy eval of the trainer's weights after `step` (version step+1); every problem to eval_samples.jsonl."""
         t0 = time.time()
-        with rc_infra.engine_awake(engine, "weights", "kv_cache"):
-            metrics, samples = evaluate(args, task, llm, eval_prompts, eval_rows, rank, world, host)
+        metrics, samples = evaluate(task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore)
         log.eval_samples(step, samples)
         return {**metrics, "timing/eval_s": time.time() - t0}
 
@@ -658,28 +674,22 @@ if __name__ == "__main__":
     if args.eval_before and not args.resume:  # the initial policy, before any update: logged at step -1
         first_eval = last_eval = run_eval(-1)
         log.log(-1, first_eval, trackers=False)
-    if weight_dial:  # from now on the engine samples with the perturbed weights
-        rc_infra.push_weights(llm, unwrapped, args)
+    rollouts.begin(start_step, in_flight)  # the batches of the first k+1 steps are queued
+    bound = rc_rollout.staleness_bound(args)  # a sample more versions behind is never trained on
     log.start_trackers(args, run_name)
     bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
-    prompts_per_rank = args.num_prompts_per_step // world
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # one forward per distinct prompt; not under gradient checkpointing (no KV cache) nor FSDP2 (rc_infra.shard_model)
     share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
 
     for step in bar:
-        t_step, timing = time.time(), {}
-        # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs
-        t0 = time.time()
-        indices = prompt_indices(len(train_prompts), args.seed, position, args.num_prompts_per_step)
-        position += args.num_prompts_per_step
-        indices = indices[rank * prompts_per_rank:(rank + 1) * prompts_per_rank]
-        with rc_infra.engine_awake(engine, "weights", "kv_cache", sleep_after=True):  # the update gets the memory
-            # seeds by the prompt's place in the step (the 0 stands where the rank once did: one-process seeds kept)
-            groups = generate(llm, [train_prompts[i] for i in indices], args.num_samples_per_prompt, args,
-                              seed_keys=(args.seed, step, 0), first_index=rank * prompts_per_rank)
-        timing["timing/rollout_s"] = time.time() - t0
+        t_step = time.time()
+        # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs, seeded by
+        # (seed, step, 0, the prompt's place in the step). The batch of step t was sampled by policy version
+        # max(0, t - k) (--max-staleness k; rc_rollout.Rollouts queued it k steps ago, or now when k = 0)
+        indices = step_indices(step)
+        groups, version, timing = rollouts.take(step)
         # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
         t0 = time.time()
         flat_prompts, flat_responses, group_ids, rewards, corrects = [], [], [], [], []
@@ -698,6 +708,9 @@ if __name__ == "__main__":
         if n_bad:
             mask[bad.any(-1)] = 0.0
             rollout_lp[~torch.isfinite(rollout_lp)] = 0.0
+        versions = torch.full((len(flat_responses),), version)  # each response's policy version (one per batch)
+        stale = rc_rollout.stale_rows(versions, step, bound)  # staleness = step - version beyond the bound: dropped
+        mask[stale] = 0.0
         scores = torch.tensor(rewards, dtype=torch.float32)
         advantages = rc_core.compute_grpo_outcome_advantage(scores, torch.tensor(group_ids), response_mask=mask,
                                                             norm_adv_by_std=args.norm_adv_by_std)
@@ -738,27 +751,17 @@ if __name__ == "__main__":
         if dump_ratios:
             rc_infra.save_log_ratios(run_dir, step, log_ratios)
 
-        # TRY NOT TO MODIFY: weight sync -- push the new weights into the engine in place
+        # TRY NOT TO MODIFY: weight sync -- the new weights (version step+1) reach the engine in place, between two
+        # generations, its prefix cache dropped; then the batch of step+1+k is queued (sampled by version step+1)
         t0 = time.time()
-        engine_synced = bool(args.sync_every) and (step + 1) % args.sync_every == 0
-        if engine_synced:
-            with rc_infra.engine_awake(engine, "weights"):  # the KV cache sleeps on until the next generation
-                rc_infra.push_weights(llm, unwrapped, args)
-            counters["sync_count"] += 1
+        rollouts.sync(step)
         timing["timing/sync_s"] = time.time() - t0
-
-        # TRY NOT TO MODIFY: evaluation (greedy pass@1); the engine must hold the trainer's own weights
         last = step == args.num_steps - 1
-        eval_metrics = {}
+        eval_metrics = {}  # evaluation (greedy pass@1) of the trained policy pi_theta, never a perturbed copy
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            with rc_infra.engine_awake(engine, "weights"):
-                if not engine_synced or weight_dial:  # eval measures the trained policy pi_theta, not a perturbed copy
-                    rc_infra.push_weights(llm, unwrapped, args, dials=False)
-                    counters["sync_count"] += int(not engine_synced)
-            eval_metrics = last_eval = run_eval(step)
-            if weight_dial and not last:  # back to the perturbed weights the next rollout must use
-                rc_infra.push_weights(llm, unwrapped, args)
+            eval_metrics = last_eval = run_eval(step, restore=not last)
             timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
+        rollouts.request(step + 1 + args.max_staleness)
 
         # TRY NOT TO MODIFY: logging. Token-weighted over micro-batches and ranks; the decoupled correction (this
         # rank's batch) by its tokens, batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial
@@ -771,8 +774,10 @@ if __name__ == "__main__":
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
             "rollout/nonfinite_logprob_tokens": float(n_bad), **actor_metrics,
+            "rollout/policy_version": float(version), "rollout/staleness_mean": float((step - versions).float().mean()),
+            "rollout/staleness_max": float((step - versions).max()), "rollout/dropped_samples": float(stale.sum()),
             "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
-            "actor/sync_count": float(counters["sync_count"]),
+            "actor/sync_count": float(rollouts.sync_count),
         }, weight=float(len(lengths)))
         timing["timing/step_s"] = time.time() - t_step
         step_metrics.add(timing, weight=1.0)
@@ -787,11 +792,14 @@ if __name__ == "__main__":
 
         # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            rc_infra.save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accelerator, counters)
+            rc_infra.save_checkpoint(run_dir, step, (step + 1) * args.num_prompts_per_step, model, optimizer, scheduler,
+                                     accelerator, {**counters, "sync_count": rollouts.sync_count},
+                                     rollouts.in_flight(step), args.max_staleness)
 
     # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:
         rc_infra.save_final(run_dir, model, tokenizer, accelerator)
+    rollouts.close()
     log.close()
     bar.close()
     if accelerator.is_main_process:

@@ -65,6 +65,10 @@ BAD = [
     (dict(eval_limit=0), "--eval-limit", "got 0"),
     (dict(max_model_len=0), "--max-model-len", "got 0"),
     (dict(max_model_len=64, max_response_length=64), "--max-model-len", "got 64"),
+    (dict(max_staleness=-1), "--max-staleness", "got -1"),
+    (dict(max_staleness=1, sync_every=2), "--max-staleness 1", "--sync-every 2"),
+    (dict(max_staleness=2, sync_every=0), "--max-staleness 2", "--sync-every 0"),
+    (dict(rollout_worker=True, sync_every=3), "--max-staleness 0", "--sync-every 3"),
     (dict(seed=-1), "--seed", "got -1"),
     (dict(seed=2 ** 32), "--seed", f"got {2 ** 32}"),
     (dict(exp_name=""), "--exp-name", "''"),
@@ -222,3 +226,14 @@ def test_refused_before_engine_and_run_folder(tmp_path, flags, needle):
     assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()  # no run folder, so no engine.log and no metrics.jsonl
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_asynchronous_rollout_is_refused_on_a_gpu(monkeypatch):
+    """The rollout worker is CPU-only: on a GPU, k >= 1 (or --rollout-worker) stops at start with the reason."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    message = refused(with_(max_staleness=1))
+    assert "--max-staleness 1" in message and "CPU only" in message and "--max-staleness 0" in message
+    assert "--rollout-worker" in refused(with_(rollout_worker=True))
+    rc_infra.validate_args(with_(max_staleness=0), world_size=1)  # the synchronous loop is fine there

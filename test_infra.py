@@ -264,3 +264,37 @@ def test_resume_with_another_number_of_processes_is_refused(tmp_path):
     assert rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=1) is False
     with pytest.raises(ValueError, match="written by 1 process.*this run has 2"):
         rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)
+
+
+def test_resume_with_another_staleness_bound_is_refused(tmp_path):
+    """The batches in flight of a --max-staleness k checkpoint were sampled for that schedule; an older checkpoint
+    (no max_staleness recorded) was written by the synchronous loop, k = 0."""
+    import json
+
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1,
+                                                         "max_staleness": 2}))
+    assert rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=2) is False
+    with pytest.raises(ValueError, match="--max-staleness 2, this run has --max-staleness 1"):
+        rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1}))
+    with pytest.raises(ValueError, match="--max-staleness 0, this run has --max-staleness 1"):
+        rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
+
+
+def test_stale_rows_and_the_bound():
+    """A sample is dropped exactly when trainer version - sample version exceeds the bound; the bound is
+    --max-staleness, or --sync-every - 1 for the synchronous loop's lagged engine, or none when it is never synced."""
+    import dataclasses
+
+    import rc_rollout
+    import rc_train
+
+    versions = torch.tensor([5, 4, 3, 2, 5])
+    assert rc_rollout.stale_rows(versions, 5, 2).tolist() == [False, False, False, True, False]
+    assert rc_rollout.stale_rows(versions, 5, 0).tolist() == [False, True, True, True, False]
+    assert not rc_rollout.stale_rows(versions, 5, None).any()
+    bound = [rc_rollout.staleness_bound(dataclasses.replace(rc_train.Args(), **c)) for c in (
+        dict(), dict(max_staleness=3), dict(sync_every=4), dict(sync_every=0))]
+    assert bound == [0, 3, 3, None]

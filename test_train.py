@@ -387,6 +387,70 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
         assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
 
 
+# ---- Asynchronous rollout (--max-staleness k): a rollout worker process, every batch tagged by its version ----
+def test_bound_zero_in_the_rollout_worker_is_the_synchronous_loop(tmp_path):
+    """k = 0 through the worker process (queues, weights in shared memory, an engine of its own) gives the in-process
+    loop's samples, metrics, evaluations and final weights bit for bit. A weight dial and three evaluations exercise
+    every kind of load: perturbed weights, the unperturbed ones for evaluation, the perturbed ones back."""
+    flags = [f for f in QUICK if f != "--no-save-final"] + [
+        "--num-steps", "4", "--max-response-length", "3", "--eval-every", "2", "--rollout-weight-noise", "0.3",
+        "--rc.preset", "decoupled_token_is"]
+    run_train(tmp_path, *flags, name="local")
+    run_train(tmp_path, *flags, "--rollout-worker", name="worker")
+    local, worker = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("local", "worker"))
+    assert [r["step"] for r in worker] == [-1, 0, 1, 2, 3] and "eval/accuracy_strict" in worker[2]
+    for a, b in zip(local, worker):
+        assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+    assert [r["rollout/policy_version"] for r in worker[1:]] == [0, 1, 2, 3]  # every batch from the current version
+    assert all(r["rollout/staleness_max"] == 0 and r["rollout/dropped_samples"] == 0 for r in worker[1:])
+    assert (tmp_path / "local" / "eval_samples.jsonl").read_text() == (tmp_path / "worker" / "eval_samples.jsonl").read_text()
+    final = [(tmp_path / n / "final" / "model.safetensors").read_bytes() for n in ("local", "worker")]
+    assert final[0] == final[1]
+
+
+def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path):
+    """k = 2: the batch of step t comes from version max(0, t - 2), whatever the timing (two runs agree exactly), no
+    sample is beyond the bound, and the decoupled correction sees the lag: alpha_1 (pi_old recomputed vs mu) is
+    rounding noise while the engine holds the trainer's weights (step 0) and clearly not afterwards."""
+    flags = [*QUICK, "--num-steps", "6", "--max-response-length", "3", "--max-staleness", "2", "--learning-rate",
+             "5e-3", "--rc.preset", "decoupled_token_is"]
+    rows, _ = run_train(tmp_path, *flags, name="a")
+    again, _ = run_train(tmp_path, *flags, name="b")
+    assert [r["rollout/policy_version"] for r in rows] == [0, 0, 0, 1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in rows] == [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2, 2]
+    assert all(r["rollout/dropped_samples"] == 0 for r in rows)
+    assert [r["actor/sync_count"] for r in rows] == [1, 2, 3, 4, 5, 6]  # one load per update
+    k3 = [r["rollout_corr/k3_kl"] for r in rows]
+    assert k3[0] < 1e-6 and min(k3[1:]) > 1e-4, k3
+    assert all(r["timing/rollout_wait_s"] >= 0 and r["timing/engine_idle_s"] >= 0 for r in rows)
+    for a, b in zip(rows, again):
+        assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+
+
+def test_resume_with_staleness_continues_exactly(tmp_path):
+    """k = 2, killed inside the step-3 checkpoint: the step-1 checkpoint holds the batches of steps 2 and 3, already
+    sampled by versions 0 and 1; --resume trains on them and reproduces the uninterrupted run exactly. Resuming with
+    another bound is refused before the engine starts."""
+    flags = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--max-staleness", "2", "--max-response-length",
+             "3", "--learning-rate", "5e-3", "--rc.preset", "decoupled_token_is"]
+    reference, _ = run_train(tmp_path, *flags, name="reference")
+    env = {**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path),
+                           "--run-name", "killed", *flags], capture_output=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode != 0
+    ckpt = tmp_path / "killed" / "checkpoints" / "step_000001"
+    in_flight = torch.load(ckpt / "in_flight_rank0.pt", weights_only=False)
+    assert sorted(in_flight) == [2, 3] and [in_flight[t][0] for t in (2, 3)] == [0, 1]  # (version, groups, ...)
+    _, refused = run_train(tmp_path, *[f if f != "2" else "1" for f in flags], "--resume", name="killed",
+                           check=False, timeout=120)
+    assert refused.returncode != 0 and "--max-staleness 2, this run has --max-staleness 1" in refused.stderr
+    rows, out = run_train(tmp_path, *flags, "--resume", name="killed")
+    assert "step_000001" in out.stdout + out.stderr
+    assert [r["step"] for r in rows] == list(range(6))
+    for a, b in zip(rows, reference):
+        assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+
+
 def test_gsm8k_smoke_config_on_the_real_files(tmp_path):
     rows, _ = run_train(tmp_path, "--config", os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"), "--no-save-final")
     assert [r["step"] for r in rows] == [0, 1, 2]

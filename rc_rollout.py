@@ -29,6 +29,7 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import time
@@ -173,11 +174,18 @@ class RolloutWorker:
                                        f"see {getattr(self, 'log_path', 'the engine log')}") from None
 
     def close(self) -> None:
+        """Stop the worker, then release the queues' semaphores now: a run of several processes ends with os._exit
+        (rc_infra.exit_cleanly), which skips the finalisers that would, and the resource tracker then warns."""
         if self.process.is_alive():
             self.requests.put(("stop",))
             self.process.join(timeout=60)
         if self.process.is_alive():
             self.process.kill()
+        for q in (self.requests, self.results):
+            q.close()
+            q.join_thread()
+        self.requests = self.results = None
+        gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------

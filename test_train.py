@@ -269,7 +269,8 @@ def launch(tmp_path, launcher, name, *flags, env=None, check=True):
 
 
 @pytest.mark.parametrize("launcher, flags", [("torchrun", []), ("accelerate", ["--log-with", "tensorboard"]),
-                                             ("torchrun", ["--fsdp"]), ("accelerate-fsdp2", [])])
+                                             ("torchrun", ["--fsdp"]), ("accelerate-fsdp2", []),
+                                             ("torchrun", ["--max-staleness", "1"])])
 def test_two_processes_same_weights_different_samples(tmp_path, launcher, flags):
     # responses of up to 3 tokens: shared prompts then take both passes, the prompt's through the inner module
     launch(tmp_path, launcher, "ddp", *QUICK, "--num-steps", "3", "--log-rank-checksums", "--rc.preset",
@@ -283,6 +284,8 @@ def test_two_processes_same_weights_different_samples(tmp_path, launcher, flags)
     assert len({r["weights_sha256"] for r in ranks[0]}) == 3  # and the weights did change every step
     rows = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [-1, 0, 1, 2]
+    if "--max-staleness" in flags:  # each rank's rollout worker follows the schedule
+        assert [r["rollout/policy_version"] for r in rows[1:]] == [0, 0, 1]
     import yaml
 
     config = yaml.safe_load((tmp_path / "ddp" / "config.yaml").read_text())

@@ -298,3 +298,72 @@ def test_stale_rows_and_the_bound():
     bound = [rc_rollout.staleness_bound(dataclasses.replace(rc_train.Args(), **c)) for c in (
         dict(), dict(max_staleness=3), dict(sync_every=4), dict(sync_every=0))]
     assert bound == [0, 3, 3, None]
+
+
+class FifoEngine:
+    """Serves requests in order like the rollout worker: a generation is sampled by the last load queued before it."""
+
+    def __init__(self):
+        self.ops, self.version, self.done = [], 0, {}
+
+    def load(self, version, weights):
+        self.ops.append(("load", version, len(list(weights))))
+        self.version = version
+
+    def submit(self, tag, request):
+        self.ops.append(("submit", tag))
+        self.done[tag] = (self.version, [[([1], [0.0], "x")]] * len(request[0]), 0.0, 0.0)
+
+    def result(self, tag, keep=False):
+        return (*(self.done[tag] if keep else self.done.pop(tag)), 0.0)
+
+    def restore(self, tag, result):
+        self.done[tag] = tuple(result[:4])
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_the_schedule_samples_step_t_with_version_t_minus_k(k):
+    """rc_rollout.Rollouts driven as rc_train.py drives it: take, sync, evaluate now and then, request k ahead. Every
+    batch comes from version max(0, t - k), one load per update, and evaluation never changes a batch's version."""
+    import dataclasses
+
+    import rc_rollout
+    import rc_train
+
+    args = dataclasses.replace(rc_train.Args(), max_staleness=k, num_steps=7)
+    engine = FifoEngine()
+    rollouts = rc_rollout.Rollouts(args, engine, torch.nn.Linear(2, 2), lambda step: ([[step]], 0))
+    rollouts.begin(0)
+    assert engine.ops == [("submit", t) for t in range(k + 1)]  # no load: the engine starts with version 0
+    versions = []
+    for step in range(args.num_steps):
+        versions.append(rollouts.take(step)[1])
+        rollouts.sync(step)
+        if step % 3 == 2:
+            rollouts.evaluate([[0]], step + 1)
+        rollouts.request(step + 1 + k)
+    assert versions == [max(0, t - k) for t in range(args.num_steps)]
+    assert rollouts.sync_count == args.num_steps
+    assert [op for op in engine.ops if op[0] == "submit" and op[1] != "eval"] == [("submit", t) for t in range(7)]
+
+
+def test_a_resumed_schedule_takes_the_saved_batches_first():
+    """After a checkpoint at step 2 (k = 2): the batches of steps 3 and 4 (versions 1 and 2) come from the checkpoint;
+    the engine gets version 3 (the checkpoint's weights) and samples step 5 with it."""
+    import dataclasses
+
+    import rc_rollout
+    import rc_train
+
+    args = dataclasses.replace(rc_train.Args(), max_staleness=2, num_steps=8)
+    saved = {3: (1, [["a"]], 0.5, 0.1), 4: (2, [["b"]], 0.5, 0.1)}
+    engine = FifoEngine()
+    rollouts = rc_rollout.Rollouts(args, engine, torch.nn.Linear(2, 2), lambda step: ([[step]], 0), sync_count=3)
+    rollouts.begin(3, saved)
+    assert [op[:2] for op in engine.ops] == [("load", 3), ("submit", 5)]
+    assert [rollouts.take(t)[:2] for t in (3, 4)] == [([["a"]], 1), ([["b"]], 2)]
+    assert rollouts.sync_count == 3  # the resume's load brings no new version
+    assert rollouts.take(5)[1] == 3

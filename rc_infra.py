@@ -426,6 +426,17 @@ class HostGroup:
         return out
 
 
+def torch_threads(max_staleness: int, environ=os.environ) -> int:
+    """Threads of torch (and of a CPU engine's kernels) in each process: OMP_NUM_THREADS when it is set; otherwise
+    the setting measured best on the 2-core machines (docs/async.md §7). At --max-staleness 0 rollout and update take
+    turns, so each takes every core of this process (the default job ran in 0.73x the time of one thread, same
+    accuracy); at k >= 1 the trainer and the rollout worker run side by side, so each takes half."""
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return max(1, int(environ["OMP_NUM_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores if max_staleness == 0 else max(1, cores // 2)
+
+
 def engine_placement(on_gpu: bool, rank: int, local_rank: int, world: int) -> tuple[dict, dict]:
     """(vLLM keyword arguments, environment variables) that give each rank's engine its own device.
 

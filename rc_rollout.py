@@ -88,7 +88,7 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
                                            between two generations, then the prefix cache is dropped
         ("generate", tag, request)      -> ("result", tag, version, groups, seconds generating, seconds idle before)
     """
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))
     try:
         llm = rc_infra.start_engine(args, model_path, seed, limits, log_path, {})
     except Exception as e:  # the trainer is waiting for ("ready",): tell it why not
@@ -126,8 +126,8 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
 
 class RolloutWorker:
     """The trainer's handle on the worker process: queue loads and generations; collect results by tag (they come
-    back in request order; one that arrives before it is wanted is kept). The worker's torch uses
-    OMP_NUM_THREADS threads, like the trainer, so with the default 1 each side has a core of its own."""
+    back in request order; one that arrives before it is wanted is kept). The worker's torch takes as many threads
+    as the trainer's (rc_infra.torch_threads): at k >= 1, half the cores each."""
 
     def __init__(self, args, generate, model_path: str, seed: int, limits: dict, log_path: str):
         import torch.multiprocessing as mp  # its queues pass tensors through shared memory, not through a pipe

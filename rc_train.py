@@ -594,7 +594,7 @@ if __name__ == "__main__":
     except (ValueError, ImportError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # vLLM and torch share the cores
+    torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     try:
         validate_args(args, world)
         rc_infra.check_distributed(accelerator, args)

@@ -367,3 +367,14 @@ def test_a_resumed_schedule_takes_the_saved_batches_first():
     assert [rollouts.take(t)[:2] for t in (3, 4)] == [([["a"]], 1), ([["b"]], 2)]
     assert rollouts.sync_count == 3  # the resume's load brings no new version
     assert rollouts.take(5)[1] == 3
+
+
+def test_torch_threads_follow_the_mode_unless_omp_num_threads_is_set(monkeypatch):
+    """k = 0: rollout and update take turns, each gets every core; k >= 1: trainer and worker side by side, half each.
+    OMP_NUM_THREADS, when set, wins (the tests and the lab set it to 1)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert rc_infra.torch_threads(0, environ={}) == 4
+    assert rc_infra.torch_threads(1, environ={}) == 2 and rc_infra.torch_threads(3, environ={"OMP_NUM_THREADS": ""}) == 2
+    assert rc_infra.torch_threads(0, environ={"OMP_NUM_THREADS": "1"}) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert rc_infra.torch_threads(1, environ={}) == 1

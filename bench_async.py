@@ -3,8 +3,8 @@
 Every arm is the default job (`python rc_train.py`: the miniature GSM8K, its warm-started base model, 50 steps,
 greedy evaluation on 200 test problems), one process at a time on this machine:
 
-  sync      --max-staleness 0, OMP_NUM_THREADS=1: rollout, then update, each on one core in turn (the default loop)
-  sync_2t   --max-staleness 0, OMP_NUM_THREADS=2: the same loop, each phase given both cores
+  sync      --max-staleness 0, OMP_NUM_THREADS=1: rollout, then update, each on one core in turn
+  sync_2t   --max-staleness 0, OMP_NUM_THREADS=2: the same loop, each phase given both cores (the default on 2 cores)
   async     --max-staleness 1, OMP_NUM_THREADS=1: the rollout worker samples the next batch on one core while the
             trainer updates on the other (docs/async.md)
 

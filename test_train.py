@@ -431,16 +431,38 @@ def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path):
 
 
 def test_resume_with_staleness_continues_exactly(tmp_path):
-    """k = 2, killed inside the step-3 checkpoint: the step-1 checkpoint holds the batches of steps 2 and 3, already
-    sampled by versions 0 and 1; --resume trains on them and reproduces the uninterrupted run exactly. Resuming with
-    another bound is refused before the engine starts."""
+    """k = 2, killed inside the step-3 checkpoint: the rollout worker exits by itself, the step-1 checkpoint holds the
+    batches of steps 2 and 3, already sampled by versions 0 and 1; --resume trains on them and reproduces the
+    uninterrupted run exactly. Resuming with another bound is refused before the engine starts."""
+    import time
+
     flags = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--max-staleness", "2", "--max-response-length",
              "3", "--learning-rate", "5e-3", "--rc.preset", "decoupled_token_is"]
     reference, _ = run_train(tmp_path, *flags, name="reference")
     env = {**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path),
-                           "--run-name", "killed", *flags], capture_output=True, env=env, timeout=600, cwd=HERE)
-    assert proc.returncode != 0
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path),
+                             "--run-name", "killed", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, cwd=HERE)
+    children = set()  # the rollout worker: a child of the trainer (Linux lists children under /proc)
+    while proc.poll() is None:
+        for task in (f"/proc/{proc.pid}/task/{t}/children" for t in os.listdir(f"/proc/{proc.pid}/task")):
+            try:
+                children.update(int(c) for c in open(task).read().split())
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        time.sleep(0.05)
+    assert proc.returncode != 0 and children
+
+    def alive(pid):  # an exited child that nobody reaped yet is a zombie ('Z'): gone
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 10  # the worker notices that its trainer died (SIGKILL: no word) and exits
+    while time.time() < deadline and any(map(alive, children)):
+        time.sleep(0.1)
+    assert not [c for c in children if alive(c)]
     ckpt = tmp_path / "killed" / "checkpoints" / "step_000001"
     in_flight = torch.load(ckpt / "in_flight_rank0.pt", weights_only=False)
     assert sorted(in_flight) == [2, 3] and [in_flight[t][0] for t in (2, 3)] == [0, 1]  # (version, groups, ...)

@@ -848,8 +848,10 @@ def load_checkpoint(path, model, optimizer, scheduler, accelerator) -> dict:
 
 
 def load_in_flight(path: str, rank: int) -> dict:
-    """The batches this rank had in flight when the checkpoint was written ({step: result}; empty at k = 0)."""
-    return torch.load(os.path.join(path, f"in_flight_rank{rank}.pt"), weights_only=False)
+    """The batches this rank had in flight when the checkpoint was written ({step: result}; empty at k = 0, and for a
+    checkpoint written before asynchronous rollout existed, which has no such file)."""
+    file = os.path.join(path, f"in_flight_rank{rank}.pt")
+    return torch.load(file, weights_only=False) if os.path.isfile(file) else {}
 
 
 def restore_rng(path: str, rank: int) -> None:

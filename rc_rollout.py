@@ -30,13 +30,19 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
 from __future__ import annotations
 
 import gc
-import os
 import queue
 import time
 
 import torch
 
 import rc_infra
+
+
+def load_weights(llm, weights) -> None:
+    """Reload (name, tensor) pairs into the engine in place, then drop its prefix cache: the cached KV was computed
+    with the old weights (a cache kept across a load made the KL grow for a peer)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    llm.reset_prefix_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,8 +66,7 @@ class LocalEngine:
         assert not self.waiting, "the local engine loads weights only when no request waits (--max-staleness 0)"
         self._busy()
         with rc_infra.engine_awake(self.memory, "weights"):  # the KV cache sleeps on until the next generation
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+            load_weights(self.llm, weights)
         self.version, self.free_since = version, time.time()
 
     def submit(self, tag, request: tuple) -> None:
@@ -71,8 +76,7 @@ class LocalEngine:
         t0 = time.time()
         self._busy()
         prompts, n, seed_keys, first_index, greedy = self.waiting.pop(tag)
-        tags = ("weights", "kv_cache")
-        with rc_infra.engine_awake(self.memory, *tags, sleep_after=not greedy):  # the update gets the memory
+        with rc_infra.engine_awake(self.memory, "weights", "kv_cache", sleep_after=not greedy):  # the update next
             groups = self.generate(self.llm, prompts, n, self.args, seed_keys, first_index, greedy)
         idle, self.idle, self.free_since = self.idle, 0.0, time.time()
         return self.version, groups, time.time() - t0, idle, time.time() - t0
@@ -113,8 +117,7 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
             return
         if message[0] == "load":
             _, version, weights = message
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
-            llm.reset_prefix_cache()
+            load_weights(llm, list(weights.items()))
             del weights, message
             continue
         _, tag, (prompts, n, seed_keys, first_index, greedy) = message

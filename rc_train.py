@@ -142,8 +142,9 @@ class Args:
     sync_every: int = 1
     """push trainer weights into vLLM every k steps; 0 = never after the start (stale engine)"""
     max_staleness: int = 0
-    """asynchronous rollout: the batch of step t is sampled by policy version max(0, t-k) (k = this value) in a rollout
-    worker process while the trainer updates; 0 = the synchronous loop. Every sample carries its version (rc_rollout.py)"""
+    """asynchronous rollout: the batch of step t is sampled by policy version max(0, t-k) (k = this value) in a
+    rollout worker process while the trainer updates; 0 = the synchronous loop. Each sample carries its version
+    (rc_rollout.py, docs/async.md)"""
     rollout_worker: bool = False
     """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
     vllm_gpu_memory_utilization: float = 0.3

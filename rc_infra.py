@@ -798,7 +798,7 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
-def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accelerator, counters, in_flight: dict,
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict,
                     max_staleness: int):
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
     under FSDP2; replicated DDP tensors are written once), every rank's RNG state and the batches it has in flight
@@ -825,7 +825,7 @@ def save_checkpoint(run_dir, step, position, model, optimizer, scheduler, accele
         if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
             os.kill(os.getpid(), signal.SIGKILL)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
-            json.dump({"step": step, "position": position, "world_size": accelerator.num_processes,
+            json.dump({"step": step, "world_size": accelerator.num_processes,  # the step fixes the data position
                        "max_staleness": max_staleness, **counters}, f)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
@@ -962,9 +962,9 @@ def open_run_dir(run_dir: str, replace: bool, accelerator, args, rc_config, **fa
             yaml.safe_dump(config, f, sort_keys=False)
 
 
-def resume(run_dir: str, model, optimizer, scheduler, accelerator, counters: dict) -> tuple[str, int, int, dict]:
+def resume(run_dir: str, model, optimizer, scheduler, accelerator, counters: dict) -> tuple[str, int, dict]:
     """Load the newest complete checkpoint; drop the log lines of the steps that will run again.
-    Returns (checkpoint path, first step to run, data position, counters). The RNG states are restored later, by
+    Returns (checkpoint path, first step to run, counters). The RNG states are restored later, by
     restore_rng, once the engine has started."""
     ckpt = checkpoint_dirs(run_dir)[-1]
     state = load_checkpoint(ckpt, model, optimizer, scheduler, accelerator)
@@ -975,7 +975,7 @@ def resume(run_dir: str, model, optimizer, scheduler, accelerator, counters: dic
     truncate_metrics(os.path.join(run_dir, "ranks", f"rank{accelerator.process_index}.jsonl"), start_step)
     if accelerator.is_main_process:
         print(f"resumed from {ckpt} at step {start_step}")
-    return ckpt, start_step, state["position"], {k: state[k] for k in counters}
+    return ckpt, start_step, {k: state[k] for k in counters}
 
 
 class RunLog:

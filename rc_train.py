@@ -229,7 +229,7 @@ class Args:
     eval_limit: int | None = 200
     """number of eval problems (None = whole split)"""
     checkpoint_every: int = 0
-    """save model, optimizer, scheduler, RNG and data position every N steps (0 = never)"""
+    """save model, optimizer, scheduler, RNG, batches in flight and step every N steps (0 = never)"""
     log_rank_checksums: bool = False
     """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens} to ranks/rank{r}.jsonl (DDP check)"""
     save_final: bool = True
@@ -286,7 +286,7 @@ def reward(args: Args, scores: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: vLLM engine (rc_infra starts it and pushes the weights): generate with processed log-probs
+# TRY NOT TO MODIFY: vLLM engine (rc_infra starts it, rc_rollout feeds it weights): generate with processed log-probs
 # ---------------------------------------------------------------------------------------------
 def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
     """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
@@ -638,7 +638,7 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}
     if args.resume:
-        ckpt, start_step, _, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
+        ckpt, start_step, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
         in_flight = rc_infra.load_in_flight(ckpt, rank)  # batches already sampled for the next k steps
     on_gpu = torch.cuda.is_available()
     limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
@@ -710,7 +710,8 @@ if __name__ == "__main__":
             mask[bad.any(-1)] = 0.0
             rollout_lp[~torch.isfinite(rollout_lp)] = 0.0
         versions = torch.full((len(flat_responses),), version)  # each response's policy version (one per batch)
-        stale = rc_rollout.stale_rows(versions, step, bound)  # staleness = step - version beyond the bound: dropped
+        staleness = step - versions
+        stale = rc_rollout.stale_rows(versions, step, bound)  # staleness beyond the bound: never trained on
         mask[stale] = 0.0
         scores = torch.tensor(rewards, dtype=torch.float32)
         advantages = rc_core.compute_grpo_outcome_advantage(scores, torch.tensor(group_ids), response_mask=mask,
@@ -775,8 +776,8 @@ if __name__ == "__main__":
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
             "rollout/nonfinite_logprob_tokens": float(n_bad), **actor_metrics,
-            "rollout/policy_version": float(version), "rollout/staleness_mean": float((step - versions).float().mean()),
-            "rollout/staleness_max": float((step - versions).max()), "rollout/dropped_samples": float(stale.sum()),
+            "rollout/policy_version": float(version), "rollout/staleness_mean": float(staleness.float().mean()),
+            "rollout/staleness_max": float(staleness.max()), "rollout/dropped_samples": float(stale.sum()),
             "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
             "actor/sync_count": float(rollouts.sync_count),
         }, weight=float(len(lengths)))
@@ -793,9 +794,9 @@ if __name__ == "__main__":
 
         # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            rc_infra.save_checkpoint(run_dir, step, (step + 1) * args.num_prompts_per_step, model, optimizer, scheduler,
-                                     accelerator, {**counters, "sync_count": rollouts.sync_count},
-                                     rollouts.in_flight(step), args.max_staleness)
+            rc_infra.save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator,
+                                     {**counters, "sync_count": rollouts.sync_count}, rollouts.in_flight(step),
+                                     args.max_staleness)
 
     # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:

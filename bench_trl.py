@@ -1,11 +1,15 @@
 """A race, side by side in one run: this trainer against Hugging Face TRL's GRPOTrainer (not a test).
 
 All three train the miniature GSM8K (the embedded default task and its warm-started base model) from the same
-weights on the same prompts in the same order, sequentially on this machine:
+weights on the same prompts in the same order, one after the other on this machine, for each seed:
 
-  ours           python rc_train.py (vLLM in-process, bypass PPO-clip, the default job)
+  ours           python rc_train.py (the default job; --max-staleness 1 by default: the asynchronous rollout,
+                 docs/async.md, with the trainer's own thread choice, one thread per process)
   trl_vllm       GRPOTrainer, use_vllm=True, vllm_mode="colocate" (vLLM in the trainer's process)
   trl_generate   GRPOTrainer, use_vllm=False (transformers `generate`)
+
+Each at its best thread setting on 2 cores (measured: README "The race against TRL"): ours the trainer's own
+default, TRL OMP_NUM_THREADS=2 (--ours-threads / --trl-threads to change them).
 
 Matched: base model, prompt order (ours: rc_train.prompt_indices; TRL: the same rows in that order, no
 shuffle), 32 prompts x 16 samples per rollout, 64 response tokens, temperature 1, 4 optimizer steps of 128
@@ -14,21 +18,24 @@ clip 0.2 both sides, token-mean over each optimizer step's tokens (TRL's "dapo" 
 group-std advantages, no KL, fp32. Everything else is each trainer's default (TRL recomputes pi_old and applies
 its sequence-mask IS with vLLM; ours uses pi_old := pi_rollout, docs/corrections.md §7.3).
 
-Measured for each: seconds per rollout step, training seconds to reach --target strict greedy accuracy on the
-200 test problems (wall time from the first step, evaluation time subtracted: ours from timing/step_s -
-timing/eval_s, TRL from a callback clock that stops while it evaluates), and the final accuracy. Start-up
-(model load, engine start) is reported apart. Ours evaluates with vLLM greedy decoding, TRL with
-transformers greedy `generate` of the same policy; both score with tasks.py's strict scorer.
+Measured for each: seconds per rollout step, training seconds to reach each --targets strict greedy accuracy on
+the 200 test problems (wall time from the first step, evaluation time subtracted: ours from timing/step_s -
+timing/eval_s, whose clock starts once the engine has finished the batches queued before it; TRL from a callback
+clock that stops while it evaluates), and the final accuracy. Start-up (model load, engine start) is reported
+apart. Ours evaluates with vLLM greedy decoding, TRL with transformers greedy `generate` of the same policy; both
+score with tasks.py's strict scorer.
 
 TRL lives in its own virtual environment, created here on first use (pinned: TRL_PIN, on top of this
 project's requirements-cpu.txt) and never a dependency of the trainer. TRL's colocate weight sync
 (`model.load_weights` on the engine's model) crashes on vLLM's CPU build, which pre-packs linear weights;
 the worker replaces it with vLLM's `reload_weights` over the full state dict (README "CPU engine").
 
-Usage:  python bench_trl.py --quick     (20 rollout steps each, within 30 minutes on 2 cores)
-        python bench_trl.py             (50 rollout steps each: the default job's length)
-The last line is exactly `ours/TRL time-to-accuracy: <ratio>` against the faster TRL variant
-(`inf` if ours never reached the target, `0` if no TRL variant did). Goal: <= 0.5.
+Usage:  python bench_trl.py                  (3 seeds x 50 rollout steps, each trainer)
+        python bench_trl.py --quick --seeds 1 --variants ours,trl_vllm    (a quick look: 20 steps, one seed)
+        python bench_trl.py --from-results runs/bench_trl/results.json   (the report again, no runs)
+The report gives every ratio ours/TRL (against the faster TRL variant) per seed and target, and their medians
+(`inf` where ours never reached the target, `0` where no TRL variant did). The last line is exactly
+`ours/TRL time-to-accuracy: <median ratio at the first target>` (0.5 by default). Goal: <= 0.3 at each target.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -52,64 +60,87 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="20 rollout steps per trainer (default 50)")
     p.add_argument("--steps", type=int, help="rollout steps per trainer (overrides --quick)")
-    p.add_argument("--target", type=float, default=0.5, help="strict greedy eval accuracy to reach (default 0.5)")
+    p.add_argument("--targets", default="0.5,0.8,0.9",
+                   help="strict greedy eval accuracies to reach (default 0.5,0.8,0.9; the last line is the first)")
     p.add_argument("--eval-every", type=int, default=2, help="evaluate every N rollout steps (default 2)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seeds", default="1,2,3", help="comma list of run seeds (default 1,2,3)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    p.add_argument("--max-staleness", type=int, default=1,
+                   help="ours: rc_train.py --max-staleness (default 1, the asynchronous rollout; 0 = synchronous)")
+    p.add_argument("--ours-threads", type=int,
+                   help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_infra.torch_threads)")
+    p.add_argument("--trl-threads", type=int, default=2, help="TRL: OMP_NUM_THREADS (default 2, its faster setting)")
     p.add_argument("--out", default=os.path.join(HERE, "runs", "bench_trl"), help="folder for runs and results")
     p.add_argument("--trl-env", default=os.path.join(HERE, ".bench", "trl-env"),
                    help="TRL's virtual environment (created on first use)")
+    p.add_argument("--from-results", help="print the report of an earlier results.json (no runs)")
     p.add_argument("--worker", choices=("trl_vllm", "trl_generate"), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return args
     if args.steps is None:
         args.steps = 20 if args.quick else 50
-    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if bad:
-        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
-    if args.steps < 1 or args.eval_every < 1 or not 0 < args.target <= 1:
-        p.error(f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}) and "
-                f"0 < --target <= 1 (got {args.target})")
+    try:
+        args.targets = [float(t) for t in args.targets.split(",")]
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError as e:
+        p.error(f"--targets takes numbers and --seeds integers, comma-separated: {e}")
+    args.variants = args.variants.split(",")
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or "ours" not in args.variants or len(args.variants) < 2:
+        p.error(f"--variants: need ours and a TRL variant from {VARIANTS}, got {args.variants}")
+    bad = [t for t in args.targets if not 0 < t <= 1]
+    if args.steps < 1 or args.eval_every < 1 or bad or args.max_staleness < 0:
+        p.error(f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}), "
+                f"--max-staleness >= 0 (got {args.max_staleness}) and 0 < each target <= 1 (got {bad or 'ok'})")
+    for name in ("ours_threads", "trl_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 
 # ---- The shared specification: model, prompts in order, eval set --------------------------------------------
-def write_spec(args) -> str:
-    """Build (or reuse) the base model and write everything both trainers must share to spec.json."""
+def write_spec(args, seed: int, out: str) -> str:
+    """Build (or reuse) the base model and write everything both trainers must share to out/spec.json."""
     import tasks
     from rc_train import prompt_indices
 
     mini = tasks.MiniGSMArgs()
     task = tasks.make_task("minigsm", mini)
-    model_path = tasks.base_model_path("minigsm", mini, args.seed, log=lambda m: print(f"[base] {m}", flush=True))
+    model_path = tasks.base_model_path("minigsm", mini, seed, log=lambda m: print(f"[base] {m}", flush=True))
     train_rows, _ = task.problems("train", None)
     eval_rows, _ = task.problems("test", SHAPE["eval_limit"])
-    order = prompt_indices(len(train_rows), args.seed, 0, args.steps * SHAPE["prompts_per_step"])
-    spec = {**SHAPE, "model_path": model_path, "steps": args.steps, "seed": args.seed, "eval_every": args.eval_every,
+    order = prompt_indices(len(train_rows), seed, 0, args.steps * SHAPE["prompts_per_step"])
+    spec = {**SHAPE, "model_path": model_path, "steps": args.steps, "seed": seed, "eval_every": args.eval_every,
             "train": [train_rows[i] for i in order], "eval": eval_rows}
-    path = os.path.join(args.out, "spec.json")
+    path = os.path.join(out, "spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
     return path
 
 
 # ---- Ours: the real script, default job, fewer steps ------------------------------------------------------------
-def run_ours(args) -> dict:
-    run = os.path.join(args.out, "ours")
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--seed", str(args.seed), "--num-steps", str(args.steps),
-           "--eval-every", str(args.eval_every), "--output-dir", args.out, "--run-name", "ours", "--overwrite",
-           "--no-save-final"]
+def run_ours(args, seed: int, out: str) -> dict:
+    run = os.path.join(out, "ours")
+    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--seed", str(seed), "--num-steps", str(args.steps),
+           "--eval-every", str(args.eval_every), "--max-staleness", str(args.max_staleness), "--output-dir", out,
+           "--run-name", "ours", "--overwrite", "--no-save-final"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if args.ours_threads:
+        env["OMP_NUM_THREADS"] = str(args.ours_threads)
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=HERE)
+    subprocess.run(cmd, check=True, cwd=HERE, env=env)
     wall = time.time() - t0
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     evals, train_s = [], 0.0
     for r in rows:
-        if r["step"] >= 0:
+        if r["step"] >= 0:  # the eval's clock starts after the engine has finished the batches queued before it
             train_s += r["timing/step_s"] - r.get("timing/eval_s", 0.0)
         if "eval/accuracy_strict" in r:
             evals.append({"step": r["step"] + 1, "train_s": train_s, "accuracy": r["eval/accuracy_strict"]})
-    return {"evals": evals, "train_s": train_s, "wall_s": wall, "command": " ".join(cmd[1:])}
+    return {"evals": evals, "train_s": train_s, "wall_s": wall, "threads": env.get("OMP_NUM_THREADS", "default"),
+            "command": " ".join(cmd[1:])}
 
 
 # ---- TRL: its own environment, then one worker process per variant -----------------------------------------------
@@ -130,18 +161,20 @@ def trl_python(env: str) -> str:
     return python
 
 
-def run_trl(args, variant: str, spec_path: str, python: str) -> dict:
-    result = os.path.join(args.out, variant, "result.json")
+def run_trl(args, variant: str, spec_path: str, python: str, out: str) -> dict:
+    result = os.path.join(out, variant, "result.json")
     os.makedirs(os.path.dirname(result), exist_ok=True)
     cmd = [python, os.path.abspath(__file__), "--worker", variant, "--spec", spec_path, "--out",
            os.path.dirname(result)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
     t0 = time.time()
     with open(os.path.join(os.path.dirname(result), "worker.log"), "w") as log:
-        proc = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed (exit {proc.returncode}); see {log.name}")
     out = json.load(open(result))
-    return {**out, "wall_s": time.time() - t0, "command": " ".join(cmd[1:])}  # GRPOConfig: result.json
+    return {**out, "wall_s": time.time() - t0, "threads": str(args.trl_threads),  # GRPOConfig: result.json
+            "command": " ".join(cmd[1:])}
 
 
 def trl_worker(args) -> None:
@@ -260,26 +293,41 @@ def time_to(evals: list[dict], target: float) -> float | None:
     return next((e["train_s"] for e in evals if e["accuracy"] >= target), None)
 
 
-def report(args, results: dict) -> list[str]:
-    lines = [f"miniature GSM8K, {args.steps} rollout steps of 32 x 16, target strict accuracy {args.target}, "
-             f"seed {args.seed}", "",
-             "| trainer | s / rollout step | s to target | reached at step | final strict accuracy | start-up + eval s |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        reach = time_to(r["evals"], args.target)
-        step = next((e["step"] for e in r["evals"] if e["accuracy"] >= args.target), None)
-        final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
-        lines.append(f"| {name} | {r['train_s'] / args.steps:.2f} | {'never' if reach is None else f'{reach:.1f}'} | "
-                     f"{'-' if step is None else step} | {final:.3f} | {r['wall_s'] - r['train_s']:.0f} |")
-    ours = time_to(results["ours"]["evals"], args.target) if "ours" in results else None
-    trl = [t for t in (time_to(results[v]["evals"], args.target) for v in results if v != "ours") if t is not None]
+def ratio(results: dict, target: float) -> float:
+    """Ours' training seconds to `target` over the faster TRL variant's: inf if ours never reached it, 0 if no
+    TRL variant did (and ours did)."""
+    ours = time_to(results["ours"]["evals"], target)
+    trl = [t for t in (time_to(r["evals"], target) for v, r in results.items() if v != "ours") if t is not None]
     if ours is None:
-        ratio = "inf"
-    elif not trl:
-        ratio = "0"
-    else:
-        ratio = f"{ours / min(trl):.3f}"
-    lines += ["", f"ours/TRL time-to-accuracy: {ratio}"]
+        return float("inf")
+    return ours / min(trl) if trl else 0.0
+
+
+def report(args, runs: dict) -> list[str]:
+    """runs: seed -> variant -> result. A table per seed, every ratio per seed and target, their medians; the last
+    line is the median at the first target."""
+    head = " | ".join(f"s to {t} (step)" for t in args.targets)
+    lines = [f"miniature GSM8K, {args.steps} rollout steps of 32 x 16, greedy strict accuracy on 200 test problems "
+             f"every {args.eval_every} steps; ours --max-staleness {args.max_staleness}", ""]
+    for seed, results in runs.items():
+        lines += [f"seed {seed}:", "", f"| trainer | threads | s / rollout step | {head} | final strict accuracy | "
+                  "start-up + eval s |", "|---|---|---|" + "---|" * len(args.targets) + "---|---|"]
+        for name, r in results.items():
+            cells = []
+            for t in args.targets:
+                reach = time_to(r["evals"], t)
+                step = next((e["step"] for e in r["evals"] if e["accuracy"] >= t), None)
+                cells.append("never" if reach is None else f"{reach:.1f} ({step})")
+            final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
+            lines.append(f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
+                         f"{final:.3f} | {r['wall_s'] - r['train_s']:.0f} |")
+        lines.append("")
+    medians = {}
+    for t in args.targets:
+        per_seed = [ratio(results, t) for results in runs.values()]
+        medians[t] = statistics.median(per_seed)
+        lines.append(f"ours/TRL at {t}: per seed {', '.join(f'{x:.3f}' for x in per_seed)}; median {medians[t]:.3f}")
+    lines += ["", f"ours/TRL time-to-accuracy: {medians[args.targets[0]]:.3f}"]
     return lines
 
 
@@ -287,19 +335,31 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return trl_worker(args)
+    if args.from_results:
+        with open(args.from_results) as f:
+            saved = json.load(f)
+        for k in ("steps", "eval_every", "max_staleness"):  # the runs' own; --targets may be chosen anew
+            setattr(args, k, saved["args"][k])
+        runs = {int(seed): results for seed, results in saved["runs"].items()}
+        print("\n".join(report(args, runs)))
+        return
     os.makedirs(args.out, exist_ok=True)
-    variants = args.variants.split(",")
-    python = trl_python(args.trl_env) if any(v != "ours" for v in variants) else None  # fail early, before any run
-    spec_path = write_spec(args)
-    results = {}
-    for variant in variants:
-        print(f"[bench_trl] {variant} ...", flush=True)
-        results[variant] = run_ours(args) if variant == "ours" else run_trl(args, variant, spec_path, python)
-        print(f"[bench_trl] {variant}: {results[variant]['train_s']:.1f} s training, "
-              f"evals {[round(e['accuracy'], 3) for e in results[variant]['evals']]}", flush=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
-    lines = report(args, results)
+    python = trl_python(args.trl_env)  # fail early, before any run
+    runs = {}
+    for seed in args.seeds:
+        out = os.path.join(args.out, f"seed{seed}")
+        os.makedirs(out, exist_ok=True)
+        spec_path = write_spec(args, seed, out)
+        runs[seed] = {}
+        for variant in args.variants:
+            print(f"[bench_trl] seed {seed}, {variant} ...", flush=True)
+            r = run_ours(args, seed, out) if variant == "ours" else run_trl(args, variant, spec_path, python, out)
+            runs[seed][variant] = r
+            print(f"[bench_trl] seed {seed}, {variant}: {r['train_s']:.1f} s training, "
+                  f"evals {[round(e['accuracy'], 3) for e in r['evals']]}", flush=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:  # after every seed: a stopped race keeps it
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
+    lines = report(args, runs)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -665,7 +665,10 @@ if __name__ == "__main__":
     log = rc_infra.RunLog(run_dir, accelerator)
 
     def run_eval(step: int, restore: bool = True) -> dict:
-        """Greedy eval of the trainer's weights after `step` (version step+1); every problem to eval_samples.jsonl."""
+        """Greedy eval of the trainer's weights after `step` (version step+1); every problem to eval_samples.jsonl.
+        Batches queued before it are waited for first: their generation is the step's time, not the eval's."""
+        if step >= 0:
+            rollouts.in_flight(step)
         t0 = time.time()
         metrics, samples = evaluate(task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore)
         log.eval_samples(step, samples)

@@ -1,5 +1,6 @@
 """bench_trl.py's own logic (the race itself installs TRL and runs for minutes: it is a benchmark, not a test)."""
 import argparse
+import json
 
 import pytest
 
@@ -12,7 +13,7 @@ def result(evals, train_s=10.0, wall_s=15.0):
 
 
 def args(**kw):
-    return argparse.Namespace(**{"steps": 4, "target": 0.5, "seed": 1, **kw})
+    return argparse.Namespace(**{"steps": 4, "targets": [0.5, 0.8], "eval_every": 2, "max_staleness": 1, **kw})
 
 
 def test_time_to_target_is_the_first_eval_at_or_above_it():
@@ -21,25 +22,32 @@ def test_time_to_target_is_the_first_eval_at_or_above_it():
     assert bench_trl.time_to(evals, 0.95) is None
 
 
-def test_last_line_is_the_ratio_against_the_faster_trl_variant():
-    results = {"ours": result([(2, 3.0, 0.6)]), "trl_vllm": result([(2, 12.0, 0.55)]),
-               "trl_generate": result([(2, 10.0, 0.51)])}
-    lines = bench_trl.report(args(), results)
+def test_every_ratio_per_seed_and_target_then_medians_last_line_the_first_target():
+    runs = {1: {"ours": result([(2, 3.0, 0.6), (4, 6.0, 0.85)]), "trl_vllm": result([(2, 12.0, 0.55), (4, 20.0, 0.8)]),
+                "trl_generate": result([(2, 10.0, 0.51), (4, 30.0, 0.7)])},
+            2: {"ours": result([(2, 4.0, 0.4), (4, 8.0, 0.6)]), "trl_vllm": result([(2, 8.0, 0.5), (4, 16.0, 0.9)])},
+            3: {"ours": result([(2, 2.0, 0.9)]), "trl_vllm": result([(2, 10.0, 0.3)])}}
+    lines = bench_trl.report(args(), runs)
+    # seed 1: 3/10 (the faster TRL variant) and 6/20; seed 2: 8/8 and never; seed 3: TRL never reached either
+    assert "ours/TRL at 0.5: per seed 0.300, 1.000, 0.000; median 0.300" in lines
+    assert "ours/TRL at 0.8: per seed 0.300, inf, 0.000; median 0.300" in lines
     assert lines[-1] == "ours/TRL time-to-accuracy: 0.300"
-    assert any(line.startswith("| trl_generate | 2.50 | 10.0 | 2 | 0.510 |") for line in lines)
+    assert "| trl_generate | ? | 2.50 | 10.0 (2) | never | 0.700 | 5 |" in lines
 
 
-@pytest.mark.parametrize("ours, trl, expected", [
-    ([(2, 3.0, 0.1)], [(2, 10.0, 0.6)], "inf"),   # ours never reached the target
-    ([(2, 3.0, 0.6)], [(2, 10.0, 0.4)], "0"),     # no TRL variant did
-])
-def test_never_reaching_the_target(ours, trl, expected):
-    lines = bench_trl.report(args(), {"ours": result(ours), "trl_generate": result(trl)})
-    assert lines[-1] == f"ours/TRL time-to-accuracy: {expected}"
+def test_from_results_reports_again_at_other_targets(tmp_path, capsys):
+    runs = {"1": {"ours": result([(2, 3.0, 0.6)]), "trl_vllm": result([(2, 12.0, 0.55)])}}
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"args": {"steps": 2, "eval_every": 2, "max_staleness": 0}, "runs": runs}))
+    bench_trl.main(["--from-results", str(saved), "--targets", "0.55"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("miniature GSM8K, 2 rollout steps") and out[-1] == "ours/TRL time-to-accuracy: 0.250"
 
 
 @pytest.mark.parametrize("argv, bad", [
-    (["--variants", "ours,trl_fast"], "trl_fast"), (["--target", "1.5"], "1.5"), (["--steps", "0"], "got 0"),
+    (["--variants", "ours,trl_fast"], "trl_fast"), (["--variants", "trl_vllm"], "need ours"),
+    (["--targets", "0.5,1.5"], "1.5"), (["--steps", "0"], "got 0"), (["--seeds", "1,x"], "integers"),
+    (["--max-staleness", "-1"], "got -1"), (["--trl-threads", "0"], "--trl-threads must be >= 1, got 0"),
 ])
 def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
     with pytest.raises(SystemExit):
@@ -47,5 +55,7 @@ def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
     assert bad in capsys.readouterr().err
 
 
-def test_quick_means_twenty_steps():
-    assert bench_trl.parse_args(["--quick"]).steps == 20 and bench_trl.parse_args([]).steps == 50
+def test_defaults_three_seeds_three_targets_ours_asynchronous():
+    a = bench_trl.parse_args([])
+    assert (a.steps, a.seeds, a.targets, a.max_staleness) == (50, [1, 2, 3], [0.5, 0.8, 0.9], 1)
+    assert bench_trl.parse_args(["--quick"]).steps == 20

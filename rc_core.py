@@ -1597,7 +1597,7 @@ def log_probs_from_logits(
     151,936-vocabulary x 8k-token input never materialises a full-vocabulary log-softmax copy;
     the backward pass recomputes the softmax per chunk and writes the logits gradient directly.
     The temperature must be the sampling temperature so that the result describes the processed
-    distribution that sampled the tokens (docs/corrections.md §1, "Three policies").
+    distribution that sampled the tokens (docs/corrections.md §1, "Policies").
     """
     if tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(

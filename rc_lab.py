@@ -504,7 +504,7 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
                f"logged fraction (0 when not logged), mean over seeds. {DASH}: not logged / not computable.")
     columns += (" Reward drop: peak of the 3-step moving average of `reward/mean` minus its last value (collapse "
                 "signature), mean over seeds. α₀, α₁: mean over steps of `actor/tv_update` and "
-                "`rollout_corr/tv_mismatch` (docs/corrections.md §12.6), mean over seeds.")
+                "`rollout_corr/tv_mismatch` (defined in docs/corrections.md §12.6, estimated as in §12.7), mean over seeds.")
     if any("expected_veto" in r for r in rows):
         columns += (" Planted rows: mean over steps of 1 − (1 − p)^T̄ (T̄ = mean response length, p = "
                     "--rollout-corrupt-prob), the share of responses holding a planted token (an upper bound, "
@@ -664,7 +664,7 @@ def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) ->
 # ---------------------------------------------------------------------------------------------
 # Report: length (from the log-ratio dumps of runs trained with --dump-log-ratio-every)
 # ---------------------------------------------------------------------------------------------
-# The two sequence gates of the length trap, at their presets' thresholds (docs/corrections.md §4.2): the
+# The two sequence gates of the length trap (docs/corrections.md §12.8), at their presets' thresholds (§9.2): the
 # sequence-sum k1 gate of decoupled_seq_is_rs (rho_seq in [0.5, 2]) and Geo-RS of decoupled_geo_rs (geometric-mean
 # ratio in [0.999, 1.001]).
 GATES = {"seq_sum_k1": "0.5_2.0", "seq_mean_k1": "0.999_1.001"}
@@ -698,8 +698,9 @@ def padded(flat: np.ndarray, lengths: np.ndarray):
 
 def length_stats(flat: np.ndarray, lengths: np.ndarray) -> dict:
     """The length-lab numbers of one set of responses, through rc_core's own formulas (docs/corrections.md §6.4,
-    §12.9, §12.10): chi2 per token and per sequence, the law's (1 + chi2_token)^T - 1 averaged over the rows, the
-    Kish ESS (fraction of n) of token- and of sequence-level weights, and the row rejection rates of GATES."""
+    §12.10; the law and its conditions: §12.11): chi2 per token and per sequence, the law's (1 + chi2_token)^T - 1
+    averaged over the rows, the Kish ESS (fraction of n) of token- and of sequence-level weights, and the row
+    rejection rates of GATES."""
     import rc_core
 
     ell, mask = padded(flat, lengths)

@@ -4,8 +4,8 @@
     python rc_plot.py runs/A runs/B --labels naive tis --smooth 5 --out cmp.png
     python rc_train.py plot runs/A runs/B         # same thing, through the trainer's entry point
 
-One PNG with a grid of panels (notes/papers.md §2.3 "metrics used to detect mismatch" and the
-"collapse symptoms to co-plot"): reward, eval accuracy, IS-weight mean, effective sample size,
+One PNG with a grid of panels (the mismatch diagnostics of docs/corrections.md §6 and the collapse signatures the
+lab reads, lab/README.md): reward, eval accuracy, IS-weight mean, effective sample size,
 k1 / k3 mismatch KL, PPL ratio, chi-squared (token, sequence), masked fractions (RS, veto),
 TV estimates (alpha_1 = `rollout_corr/tv_mismatch`, alpha_0 = `actor/tv_update` of the
 three-policy bound), grad norm, response length. Runs are overlaid, one colour per run in every

@@ -512,7 +512,7 @@ def update_policy(args: Args, rc_config, accelerator, host, model, optimizer, sc
                 loss, loss_metrics = policy_loss(args, rc_config, log_prob, micro_tensors, denominators,
                                                  correction_metrics=first)
                 loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
-                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model
+                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
                     kl = rc_core.kl_penalty(log_prob, micro_tensors["ref_log_prob"], args.kl_estimator)
                     kl_loss = rc_core.agg_loss(kl, micro_tensors["response_mask"], args.loss_agg_mode,
                                                response_mask=micro_tensors["response_mask"], **denominators)

@@ -565,6 +565,27 @@ def test_veto_is_anded_after_rs():
     assert met["rollout_is_veto_fraction"] == approx(1 / 3)
 
 
+def test_is_mean_is_token_weighted_and_seq_mean_row_weighted():
+    # docs/seed-readings.md §20: at sequence level the two agree only for equal lengths or equal weights
+    rows = [[2.0], [0.2 ** (1 / 3)] * 3]  # sequence weights 2 (one token) and 0.2 (three tokens)
+    _, _, met = corr(*make(rows), rollout_is="sequence", rollout_is_threshold=5.0)
+    assert met["rollout_is_mean"] == approx(0.65) and met["rollout_is_seq_mean"] == approx(1.1)
+
+
+def test_chi2_token_estimate_is_negative_when_every_ratio_is_below_one():
+    # docs/seed-readings.md §21: <rho^2> - 1 over the sampled tokens, not clipped at 0
+    _, _, met = corr(*make([[0.9, 0.9], [0.9]]))
+    assert met["chi2_token"] == approx(0.81 - 1.0)
+
+
+def test_raising_the_veto_threshold_vetoes_more_rows():
+    # the veto fires when a ratio falls below tau: relaxing it means a smaller tau (docs/corrections.md §4.5)
+    rows = [[1.0, 1.0], [0.9, 1.0], [1.0, 0.5], [0.05, 1.0], [1.0, 2.0]]
+    fractions = [corr(*make(rows), rollout_token_veto_threshold=tau)[2]["rollout_is_veto_fraction"]
+                 for tau in (1e-4, 1e-3, 1e-2, 0.1)]
+    assert fractions == approx([0.0, 0.0, 0.0, 0.2])
+
+
 # ------------------------------------------------------------------------------------------
 # off-policy, consistency and TV metrics (§6.4, §6.5, §12.7)
 # ------------------------------------------------------------------------------------------
@@ -829,6 +850,26 @@ def test_bypass_ppo_clip_ignores_is_weights_but_reports_them():
     # the PPO ratio against mu: pi_theta/mu = exp(log_prob - rollout)
     ref, _ = rc.compute_policy_loss_vanilla(rollout, log_prob, adv, mask)
     assert loss_a.item() == approx(ref.item())
+
+
+def test_icepop_is_metrics_only_in_bypass_ppo_clip():
+    # bypass PPO-clip applies no IS weight (§7.3): an IcePop window that zeroes most tokens leaves the loss as it is,
+    # a rejection rule that masks rows changes it (docs/corrections.md §3.4, §7.5)
+    gen = torch.Generator().manual_seed(5)
+    rollout = -torch.rand((4, 5), generator=gen, dtype=F64)
+    log_prob = rollout + 0.2 * torch.randn((4, 5), generator=gen, dtype=F64)
+    adv = torch.randn((4, 5), generator=gen, dtype=F64)
+    mask = torch.ones((4, 5), dtype=F64)
+    plain = rc.RolloutCorrectionConfig.bypass_ppo_clip()
+    with pytest.warns(UserWarning, match="only adds"):
+        icepop = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.99_1.01", bypass_mode=True)
+    rs = rc.RolloutCorrectionConfig(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.99_1.01", bypass_mode=True)
+    loss, _ = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, plain)
+    loss_icepop, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, icepop)
+    loss_rs, met_rs = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, rs)
+    assert met["rollout_corr/rollout_is_oob_ratio"] > 0.5
+    assert loss_icepop.item() == loss.item()
+    assert met_rs["rollout_corr/rollout_rs_masked_fraction"] > 0 and loss_rs.item() != approx(loss.item())
 
 
 def test_bypass_reinforce_uses_weights_from_current_policy():

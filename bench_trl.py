@@ -8,7 +8,7 @@ weights on the same prompts in the same order, one after the other on this machi
   trl_vllm       GRPOTrainer, use_vllm=True, vllm_mode="colocate" (vLLM in the trainer's process)
   trl_generate   GRPOTrainer, use_vllm=False (transformers `generate`)
 
-Each at its best thread setting on 2 cores (measured: README "The race against TRL"): ours the trainer's own
+Each at its best thread setting on 2 cores (measured: docs/results.md "The race against TRL"): ours the trainer's own
 default, TRL OMP_NUM_THREADS=2 (--ours-threads / --trl-threads to change them).
 
 Matched: base model, prompt order (ours: rc_train.prompt_indices; TRL: the same rows in that order, no
@@ -28,7 +28,7 @@ score with tasks.py's strict scorer.
 TRL lives in its own virtual environment, created here on first use (pinned: TRL_PIN, on top of this
 project's requirements-cpu.txt) and never a dependency of the trainer. TRL's colocate weight sync
 (`model.load_weights` on the engine's model) crashes on vLLM's CPU build, which pre-packs linear weights;
-the worker replaces it with vLLM's `reload_weights` over the full state dict (README "CPU engine").
+the worker replaces it with vLLM's `reload_weights` over the full state dict (docs/running.md "The CPU engine").
 
 Usage:  python bench_trl.py                  (3 seeds x 50 rollout steps, each trainer)
         python bench_trl.py --quick --seeds 1 --variants ours,trl_vllm    (a quick look: 20 steps, one seed)

@@ -594,7 +594,7 @@ def sampling_seed(*keys: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Mismatch dials of the lab (README "What the lab shows"): the weights the engine receives
+# Mismatch dials of the lab (lab/README.md): the weights the engine receives
 # ---------------------------------------------------------------------------------------------
 def fake_quantise(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """Symmetric per-output-channel round-to-nearest: W_q = s * clamp(round(W / s), -q, q), s = max|W_row| / q,
@@ -715,10 +715,14 @@ def planted_tokens_processor():
 # ---------------------------------------------------------------------------------------------
 # Metrics across micro-batches and ranks
 # ---------------------------------------------------------------------------------------------
+# An RS option's own name (seq_max_k2) is not a reduction word: rollout_rs_seq_max_k2_mean is a mean.
+_RS_OPTION_IN_NAME = re.compile(r"rollout_rs_(?:token|seq_sum|seq_mean|seq_max)_k[123]_")
+
+
 def metric_kind(name: str) -> str:
     """'max' / 'min' for names whose last part has a max/min word (rollout_is_max, log_ppl_diff_min,
-    rollout_is_seq_max_deviation), else 'mean'."""
-    words = name.rsplit("/", 1)[-1].split("_")
+    rollout_is_seq_max_deviation, rollout_rs_seq_max_k2_max), else 'mean'."""
+    words = _RS_OPTION_IN_NAME.sub("rollout_rs_", name.rsplit("/", 1)[-1]).split("_")
     return "max" if "max" in words else "min" if "min" in words else "mean"
 
 

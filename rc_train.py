@@ -1,6 +1,7 @@
 # GRPO with rollout correction: vLLM rollouts, rc_core corrections, in-place weight sync.
-# Read alongside rc_core.py (the formulas), docs/corrections.md (their semantics, cited as §N) and README.md
-# (commands, presets, metrics glossary). Infrastructure (config files, checks, logs, checkpoints) is in rc_infra.py.
+# Read alongside rc_core.py (the formulas), docs/corrections.md (their semantics, cited as §N), docs/running.md
+# (commands) and docs/metrics.md (metrics glossary). Infrastructure (config files, checks, logs, checkpoints) is in
+# rc_infra.py.
 """One CleanRL-style script: Args -> rollout (vLLM) -> reward -> GRPO advantage -> update -> sync.
 
     python rc_train.py                                  # CPU: miniature GSM8K, a 1M-parameter base built here
@@ -25,7 +26,7 @@ from typing import Literal
 
 # vLLM must live in this process so that weights can be pushed into it in place (see README).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM's CPU build otherwise reserves almost all RAM for its KV cache (README "CPU engine").
+# vLLM's CPU build otherwise reserves almost all RAM for its KV cache (docs/running.md "The CPU engine").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # The engine's log lines go to runs/{run_name}/engine.log (rc_infra.engine_output_to), not to the console.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -155,13 +156,14 @@ class Args:
     """sequences the engine runs at once (None = this rank's rollout batch, prompts x samples: one wave holds it)"""
     vllm_max_num_batched_tokens: int | None = None
     """tokens the engine schedules per step (None = the rollout batch's prompt tokens, within
-    [max_model_len, 65536]). On CPU it must be >= --max-model-len: prefills are never split there (README "CPU engine")"""
+    [max_model_len, 65536]). On CPU it must be >= --max-model-len: prefills are never split there
+    (docs/running.md "The CPU engine")"""
     vllm_sleep: bool = True
     """GPU: put the engine to sleep during the update; wake only its weights for a sync, and its KV cache too for rollout"""
     vllm_sleep_level: int = 1
     """GPU: 1 = weights offloaded to CPU RAM while asleep; 2 = weights discarded (least memory; needs --sync-every 1)"""
 
-    # Mismatch dials (the lab, README "What the lab shows"): each off by default; each makes the engine's
+    # Mismatch dials (the lab, lab/README.md): each off by default; each makes the engine's
     # policy mu differ from the trainer's pi in one documented way. rollout_dtype and sync_every are dials too.
     rollout_weight_quant: Literal["none", "int8", "int4"] = "none"
     """engine gets fake-quantised weights (symmetric, per output channel, round to nearest; matrices only): models INT8/INT4 weight-only rollout (FlashRL)"""

@@ -340,7 +340,7 @@ def build_random_tiny(path: str, seed: int) -> dict:
 def build_minigsm_base(mini: MiniGSMArgs, path: str, log: Callable[[str], None]) -> dict:
     """Tokenizer (trained on the task's prompts and solutions) + a 1M-parameter Qwen2 (4 layers, hidden 128),
     warm-started by supervised fine-tuning on the train split: loss on the solution tokens and EOS only, the
-    prompt built exactly as rc_train.py builds it. Sizing and measurements: README "The miniature GSM8K"."""
+    prompt built exactly as rc_train.py builds it. Sizing and measurements: docs/running.md "The miniature GSM8K"."""
     t0 = time.time()
     train = minigsm_problems(mini, "train")
     rng = random.Random(f"warm-start/{mini.model_seed}")

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import rc_core
 import rc_infra
 
 
@@ -67,6 +68,17 @@ def test_metric_kinds():
     assert rc_infra.metric_kind("rollout_corr/log_ppl_diff_min") == "min"
     assert rc_infra.metric_kind("actor/maximal_thing") == "mean"
     assert rc_infra.metric_kind("response_length/max") == "max"
+    # the RS option seq_max_k2's own name does not make its metrics extremes
+    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k2_masked_fraction") == "mean"
+    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k3_mean") == "mean"
+    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k2_seq_min") == "min"
+    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k3_max") == "max"
+
+
+def test_metric_kind_knows_every_rs_option():
+    # the pattern above must cover every option rc_core defines (a new aggregation would otherwise slip through)
+    for option in rc_core.RS_OPTIONS:
+        assert rc_infra.metric_kind(f"rollout_corr/rollout_rs_{option}_masked_fraction") == "mean", option
 
 
 def test_local_sums_are_token_weighted():

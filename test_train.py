@@ -199,7 +199,7 @@ def test_every_preset_runs(tmp_path, preset):
     assert len(rows) == 2
     config = rc_core.RolloutCorrectionConfig.from_name(preset)
     for r in rows:
-        # Pearson correlation is NaN by definition when a series has zero variance (README "Metrics glossary")
+        # Pearson correlation is NaN by definition when a series has zero variance (docs/metrics.md)
         assert all(math.isfinite(v) for k, v in r.items() if not k.endswith("pearson_corr")), r
         assert ("rollout_corr/rollout_rs_masked_fraction" in r) == (config.rollout_rs is not None)
         assert ("rollout_corr/rollout_is_mean" in r) == (config.rollout_is is not None)

@@ -1,0 +1,258 @@
+"""The documents against the code: presets and metrics are each documented once, and checked both ways.
+
+* Presets: the one table is docs/corrections.md §9.2. Every name of rc_core.PRESETS and rc_core.PRESET_ALIASES has a
+  row there, and every row names a preset of rc_core.
+* Metrics: the one list is docs/metrics.md. Every metric the trainer logs is there, and every name there is logged.
+
+Runs in seconds and starts no engine: the rollout_corr/* and actor/* names come from rc_core's own functions on a
+small random batch (every preset, every RS option, batch normalisation, the veto, both loss modes), the trainer's own
+names from the string literals of its files.
+"""
+import functools
+import os
+import re
+import warnings
+
+import torch
+
+import rc_core as rc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORRECTIONS = os.path.join(HERE, "docs", "corrections.md")
+METRICS = os.path.join(HERE, "docs", "metrics.md")
+# Pages that must not hold a second preset table or a second metric list (docs/corrections.md §6 keeps the formulas
+# of the rollout_corr/* and actor/* metrics and is not one of them).
+OTHER_PAGES = ("README.md", "docs/running.md", "docs/results.md", "docs/async.md", "docs/gpus.md", "lab/README.md")
+
+PREFIXES = ("rollout_corr", "actor", "reward", "response_length", "rollout", "eval", "timing", "perf")
+PREFIX = "(?:" + "|".join(PREFIXES) + ")/"
+NAME = PREFIX + r"[\w<>]+"  # a metric name as docs/metrics.md spells it (placeholders included)
+LITERAL = re.compile(r"""(?<![\w/])["'](""" + PREFIX + r"""\w+)["']""")
+DYNAMIC_FSTRING = re.compile(r"""f["']""" + PREFIX + r"""[^"']*\{""")
+DYNAMIC_CONCAT = re.compile(r"""["']""" + PREFIX + r"""["']\s*\+""")
+# The files whose string literals name metrics (rc_core's rollout_corr/* names are built at run time: see below).
+LITERAL_FILES = ("rc_train.py", "rc_infra.py", "rc_rollout.py", "rc_core.py")
+# Metric names built at run time, each handled on purpose: (file, the start of its f-string) -> how it is collected.
+DYNAMIC = {("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
+                                               "calls rc_core for every preset, RS option, batch norm and the veto"}
+# The one placeholder docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
+# rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_...").
+OPTION = "<option>"
+
+
+def read(path: str) -> str:
+    with open(os.path.join(HERE, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def cells(row: str) -> list[str]:
+    """The cells of one markdown table row ('\\|' inside a cell is not a separator)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table of `text`: its body rows (header and separator dropped), each a list of cells."""
+    out, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append(cells(line))
+            continue
+        if rows:
+            out.append([r for r in rows[1:] if not re.fullmatch(r"[-:| ]*", "".join(r))])
+            rows = []
+    return out
+
+
+def section(text: str, number: str) -> str:
+    """The body of the section whose heading starts with `number` (e.g. '9.2'), up to the next heading of its level
+    or above."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"(#+) " + re.escape(number) + r"\b", line)
+        if m:
+            level = len(m.group(1))
+            end = next((j for j in range(i + 1, len(lines))
+                        if re.match(rf"#{{1,{level}}} ", lines[j])), len(lines))
+            return "\n".join(lines[i:end])
+    raise AssertionError(f"no section {number} in docs/corrections.md")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+def preset_names() -> tuple[str, ...]:
+    return tuple(rc.PRESETS) + tuple(getattr(rc, "PRESET_ALIASES", {}))
+
+
+def table_presets(corrections_text: str) -> tuple[list[str], list[str]]:
+    """(preset names of the §9.2 table in row order, rows that name none). A row names its preset in one cell as
+    `name(arguments)`."""
+    names, unparsed = [], []
+    for table in tables(section(corrections_text, "9.2")):
+        for row in table:
+            found = [m.group(1) for c in row for m in [re.fullmatch(r"`([A-Za-z_]\w*)\(.*\)`", c)] if m]
+            if len(found) == 1:
+                names.append(found[0])
+            else:
+                unparsed.append(" | ".join(row))
+    return names, unparsed
+
+
+def preset_problems(corrections_text: str) -> list[str]:
+    names, unparsed = table_presets(corrections_text)
+    problems = [f"§9.2 row names no single preset: {row}" for row in unparsed]
+    if not names:
+        return problems + ["§9.2 has no preset table"]
+    code = preset_names()
+    problems += [f"preset {n!r} of rc_core has no row in §9.2" for n in code if n not in names]
+    problems += [f"§9.2 names {n!r}, which rc_core does not define" for n in names if n not in code]
+    problems += [f"§9.2 lists {n!r} twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    heading = section(corrections_text, "9.2").splitlines()[0]
+    counts = re.search(r"\((\d+) current names, (\d+) aliases\)", heading)
+    if counts and (int(counts[1]), int(counts[2])) != (len(rc.PRESETS), len(getattr(rc, "PRESET_ALIASES", {}))):
+        problems.append(f"§9.2 heading {heading!r} does not match rc_core's {len(rc.PRESETS)} presets and "
+                        f"{len(getattr(rc, 'PRESET_ALIASES', {}))} aliases")
+    return problems
+
+
+def test_every_preset_has_one_row_in_the_table_and_every_row_is_a_preset():
+    assert rc.PRESET_NAMES == preset_names()
+    assert preset_problems(read(CORRECTIONS)) == []
+
+
+def test_no_other_page_holds_a_second_preset_table():
+    for page in OTHER_PAGES:
+        for table in tables(read(page)):
+            listed = {n for row in table if row for n in re.findall(r"`(\w+)`", row[0]) if n in rc.PRESET_NAMES}
+            assert len(listed) <= len(rc.PRESET_NAMES) // 2, \
+                f"{page} has a preset table ({len(listed)} presets); the one table is docs/corrections.md §9.2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+def correction_configs() -> list:
+    """Every preset, each RS option alone, IS batch normalisation at both levels and the veto: together they turn
+    on every metric rc_core's correction can log (a --rc.* override can reach each of them)."""
+    configs = [rc.RolloutCorrectionConfig.from_name(n) for n in rc.PRESET_NAMES]
+    for option in rc.RS_OPTIONS:
+        configs.append(rc.RolloutCorrectionConfig(
+            rollout_rs=option, rollout_rs_threshold="0.5_2.0" if option.endswith("_k1") else 0.01))
+    for level in rc.IS_LEVELS:
+        configs.append(rc.RolloutCorrectionConfig(rollout_is=level, rollout_is_batch_normalize=True))
+    configs.append(rc.RolloutCorrectionConfig(rollout_token_veto_threshold=1e-4))
+    return configs
+
+
+@functools.cache
+def core_metrics() -> frozenset:
+    """The metric names rc_core returns to the trainer, from its own functions: the correction entry point (decoupled
+    mode), the bypass loss (both loss types; its rollout_corr/* come from the same code) and the decoupled loss."""
+    gen = torch.Generator().manual_seed(0)
+    rollout = -torch.rand((8, 6), generator=gen, dtype=torch.float64) * 2
+    train = rollout + 0.3 * torch.randn((8, 6), generator=gen, dtype=torch.float64)
+    mask = torch.ones((8, 6), dtype=torch.float64)
+    mask[1, 3:] = mask[5, 1:] = 0.0
+    adv = torch.randn((8, 1), generator=gen, dtype=torch.float64).expand(8, 6) * mask
+    names = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bypass PPO-clip with IS: metrics only, as documented
+        for config in correction_configs():
+            weights, keep, metrics = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, config)
+            names |= set(metrics)
+            if config.bypass_mode:
+                _, metrics = rc.compute_policy_loss_bypass_mode(train.clone().requires_grad_(), rollout, adv, mask,
+                                                                config)
+            else:
+                _, metrics = rc.compute_policy_loss_vanilla(train, train.clone().requires_grad_(), adv, mask,
+                                                            rollout_is_weights=weights, keep_mask=keep,
+                                                            rollout_log_prob=rollout)
+            names |= set(metrics)
+    for option in rc.RS_OPTIONS:  # the per-option names exist for every option, not only those of the presets
+        assert any(n.startswith(f"rollout_corr/rollout_rs_{option}_") for n in names), option
+    return frozenset(names)
+
+
+def literal_metrics() -> frozenset:
+    """Metric names written as string literals in the trainer's files.
+
+    Dynamic names need care: a metric name built with an f-string or by concatenation would escape this scan, so
+    each one must be listed in DYNAMIC with the way it is collected. The one there, rc_core's f"rollout_corr/{k}"
+    (with f"rollout_rs_{option.name}_{k}" inside), is collected by calling rc_core (core_metrics). A new dynamic
+    name must be collected the same way, or written out as a literal."""
+    names = set()
+    for path in LITERAL_FILES:
+        text = read(path)
+        dynamic = DYNAMIC_FSTRING.findall(text) + DYNAMIC_CONCAT.findall(text)
+        unknown = [d for d in dynamic if (path, d) not in DYNAMIC]
+        assert not unknown, f"{path} builds metric names at run time ({unknown}); see literal_metrics"
+        names |= set(LITERAL.findall(text))
+    return frozenset(names)
+
+
+def logged_metrics() -> frozenset:
+    return core_metrics() | literal_metrics()
+
+
+def doc_metrics(metrics_text: str) -> set:
+    """Every metric name docs/metrics.md spells out (in backticks), placeholders included."""
+    return set(re.findall("`(" + NAME + ")`", metrics_text))
+
+
+def pattern(name: str) -> re.Pattern:
+    """A documented name as a regular expression: <option> stands for any RS option of rc_core."""
+    options = "|".join(map(re.escape, rc.RS_OPTIONS))
+    return re.compile(re.escape(name).replace(re.escape(OPTION), f"(?:{options})"))
+
+
+def metric_problems(metrics_text: str, logged: frozenset) -> list[str]:
+    documented = doc_metrics(metrics_text)
+    problems = [f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION})"
+                for n in sorted(documented) if set("<>") & set(n.replace(OPTION, ""))]
+    # The name column of every table spells each name out: no shorthand such as `_max` or `rollout_is_*`.
+    for table in tables(metrics_text):
+        for row in table:
+            spans = re.findall(r"`([^`]+)`", row[0])
+            if not spans:
+                problems.append(f"docs/metrics.md: a table row names no metric: {row[0]!r}")
+            problems += [f"docs/metrics.md: {s!r} in a name column is not a full metric name" for s in spans
+                         if not re.fullmatch(NAME, s)]
+    patterns = {n: pattern(n) for n in documented}
+    problems += [f"{n!r} is logged but not in docs/metrics.md" for n in sorted(logged)
+                 if not any(p.fullmatch(n) for p in patterns.values())]
+    problems += [f"docs/metrics.md lists {n!r}, which the trainer never logs" for n, p in sorted(patterns.items())
+                 if not any(p.fullmatch(m) for m in logged)]
+    return problems
+
+
+def test_every_logged_metric_is_in_the_glossary_and_every_listed_name_is_logged():
+    assert metric_problems(read(METRICS), logged_metrics()) == []
+
+
+def test_no_other_page_holds_a_second_metric_list():
+    for page in OTHER_PAGES:
+        for table in tables(read(page)):
+            listed = {n for row in table if row for n in re.findall("`(" + NAME + ")`", row[0])}
+            assert len(listed) <= 3, f"{page} lists metrics in a table ({sorted(listed)}); the list is docs/metrics.md"
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks themselves can fail
+# ---------------------------------------------------------------------------------------------
+def test_the_checks_catch_a_missing_or_unknown_preset_and_metric():
+    corrections = read(CORRECTIONS)
+    row = next(line for line in section(corrections, "9.2").splitlines() if "`decoupled_token_icepop(" in line)
+    assert any("'decoupled_token_icepop'" in p for p in preset_problems(corrections.replace(row + "\n", "")))
+    bogus = row.replace("`decoupled_token_icepop(", "`decoupled_token_nonsense(")
+    assert any("'decoupled_token_nonsense'" in p for p in preset_problems(corrections.replace(row, row + "\n" + bogus)))
+
+    metrics, logged = read(METRICS), logged_metrics()
+    row = next(line for line in metrics.splitlines() if line.startswith("| `actor/entropy`"))
+    assert any("'actor/entropy'" in p for p in metric_problems(metrics.replace(row + "\n", ""), logged))
+    row = next(line for line in metrics.splitlines() if "`rollout_corr/rollout_rs_<option>_mean`" in line)
+    problems = metric_problems(metrics.replace(row + "\n", ""), logged)
+    assert any("'rollout_corr/rollout_rs_seq_max_k3_mean'" in p for p in problems)
+    table = "\n| metric | meaning | range |\n|---|---|---|\n| `%s` | x | |\n"
+    assert any("'actor/bogus'" in p for p in metric_problems(metrics + table % "actor/bogus", logged))
+    assert any("not a full metric name" in p for p in metric_problems(metrics + table % "_max", logged))
+    assert any("placeholder" in p for p in metric_problems(metrics + table % "actor/<name>_max", logged))

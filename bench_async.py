@@ -20,6 +20,7 @@ Usage:  python bench_async.py                           (3 seeds x 3 arms x 50 s
         python bench_async.py --from-results runs/bench_async/results.json   (the report again, no runs)
 The last line is `async/sync wall time: <median ratio> (target: <= 0.6)`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,21 @@ def run_one(args, arm: str, seed: int) -> dict:
     """One default job; its figures from metrics.jsonl."""
     flags, threads = ARMS[arm]
     name = f"{arm}_s{seed}"
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--seed", str(seed), "--num-steps", str(args.steps),
-           "--output-dir", args.out, "--run-name", name, "--overwrite", "--no-save-final", *flags]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "rc_train.py"),
+        "--seed",
+        str(seed),
+        "--num-steps",
+        str(args.steps),
+        "--output-dir",
+        args.out,
+        "--run-name",
+        name,
+        "--overwrite",
+        "--no-save-final",
+        *flags,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=threads)
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
@@ -71,10 +85,17 @@ def run_one(args, arm: str, seed: int) -> dict:
     with open(os.path.join(args.out, name, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r["step"] >= 0]
     steps = [r["timing/step_s"] for r in rows]
-    return {"arm": arm, "seed": seed, "wall_s": wall, "loop_s": sum(steps), "step_median_s": statistics.median(steps),
-            "rollout_wait_s": sum(r["timing/rollout_wait_s"] for r in rows),
-            "engine_idle_s": sum(r["timing/engine_idle_s"] for r in rows),
-            "accuracy": rows[-1]["eval/accuracy_strict"], "max_staleness": max(r["rollout/staleness_max"] for r in rows)}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "wall_s": wall,
+        "loop_s": sum(steps),
+        "step_median_s": statistics.median(steps),
+        "rollout_wait_s": sum(r["timing/rollout_wait_s"] for r in rows),
+        "engine_idle_s": sum(r["timing/engine_idle_s"] for r in rows),
+        "accuracy": rows[-1]["eval/accuracy_strict"],
+        "max_staleness": max(r["rollout/staleness_max"] for r in rows),
+    }
 
 
 def main(argv=None) -> None:
@@ -93,8 +114,11 @@ def main(argv=None) -> None:
             print(f"[bench_async] seed {seed}, {arm} ...", flush=True)
             r = run_one(args, arm, seed)
             results.append(r)
-            print(f"[bench_async] seed {seed}, {arm}: wall {r['wall_s']:.0f} s, loop {r['loop_s']:.0f} s, "
-                  f"accuracy {r['accuracy']:.3f}", flush=True)
+            print(
+                f"[bench_async] seed {seed}, {arm}: wall {r['wall_s']:.0f} s, loop {r['loop_s']:.0f} s, "
+                f"accuracy {r['accuracy']:.3f}",
+                flush=True,
+            )
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = report(args, results)
@@ -109,8 +133,10 @@ def report(args, results: list[dict]) -> list[str]:
     header = f"{'arm':8} {'seed':>4} {'wall s':>7} {'loop s':>7} {'step s':>7} {'wait s':>7} {'idle s':>7} {'acc':>6}"
     lines = [header, "-" * len(header)]
     for r in results:
-        lines.append(f"{r['arm']:8} {r['seed']:>4} {r['wall_s']:7.0f} {r['loop_s']:7.0f} {r['step_median_s']:7.2f} "
-                     f"{r['rollout_wait_s']:7.0f} {r['engine_idle_s']:7.0f} {r['accuracy']:6.3f}")
+        lines.append(
+            f"{r['arm']:8} {r['seed']:>4} {r['wall_s']:7.0f} {r['loop_s']:7.0f} {r['step_median_s']:7.2f} "
+            f"{r['rollout_wait_s']:7.0f} {r['engine_idle_s']:7.0f} {r['accuracy']:6.3f}"
+        )
     by = {(r["arm"], r["seed"]): r for r in results}
     mean_acc = {a: statistics.mean(by[a, s]["accuracy"] for s in args.seeds) for a in args.arms}
     lines.append("")
@@ -121,10 +147,14 @@ def report(args, results: list[dict]) -> list[str]:
         per_seed = [by[arm, s]["wall_s"] / by["sync", s]["wall_s"] for s in args.seeds]
         loop = [by[arm, s]["loop_s"] / by["sync", s]["loop_s"] for s in args.seeds]
         ratio[arm] = statistics.median(per_seed)
-        lines.append(f"{arm}/sync wall time per seed: {', '.join(f'{x:.3f}' for x in per_seed)} (median "
-                     f"{ratio[arm]:.3f}); training loop alone: {', '.join(f'{x:.3f}' for x in loop)}")
-        lines.append(f"{arm} - sync mean final strict accuracy: {mean_acc[arm]:.3f} - {mean_acc['sync']:.3f} = "
-                     f"{mean_acc[arm] - mean_acc['sync']:+.3f} (target: within 0.03)")
+        lines.append(
+            f"{arm}/sync wall time per seed: {', '.join(f'{x:.3f}' for x in per_seed)} (median "
+            f"{ratio[arm]:.3f}); training loop alone: {', '.join(f'{x:.3f}' for x in loop)}"
+        )
+        lines.append(
+            f"{arm} - sync mean final strict accuracy: {mean_acc[arm]:.3f} - {mean_acc['sync']:.3f} = "
+            f"{mean_acc[arm] - mean_acc['sync']:+.3f} (target: within 0.03)"
+        )
     if "async" in ratio:
         lines.append(f"async/sync wall time: {ratio['async']:.3f} (target: <= 0.6)")
     return lines

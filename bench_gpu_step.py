@@ -41,18 +41,52 @@ DEFAULT_CONFIG = "configs/gsm8k_qwen0.5b_bypass.yaml"
 
 # Published shapes of Qwen2.5-0.5B and -1.5B (their config.json), plus a tiny CPU stand-in.
 # pad_token_id is the tokenizer's <|endoftext|>; random token ids are drawn below it.
-_QWEN25 = {"vocab_size": 151936, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-           "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "pad_token_id": 151643}
+_QWEN25 = {
+    "vocab_size": 151936,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "pad_token_id": 151643,
+}
 MODEL_SHAPES = {
-    "0.5b": {**_QWEN25, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-             "num_attention_heads": 14},
-    "1.5b": {**_QWEN25, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-             "num_attention_heads": 12},
-    "7b": {**_QWEN25, "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-           "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
-    "tiny": {**_QWEN25, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "head_dim": 32, "num_key_value_heads": 1, "max_position_embeddings": 2048,
-             "pad_token_id": 1023},
+    "0.5b": {
+        **_QWEN25,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+    },
+    "1.5b": {
+        **_QWEN25,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+    },
+    "7b": {
+        **_QWEN25,
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {
+        **_QWEN25,
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 32,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "pad_token_id": 1023,
+    },
 }
 
 # --tiny replaces these config values (everything else still comes from the config).
@@ -89,29 +123,49 @@ class Plan:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_gpu_step.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help=f"trainer YAML config with the batch settings (default {DEFAULT_CONFIG}; "
-                        "a relative path is tried from the current folder, then from this script's folder)")
-    p.add_argument("--model-size", choices=["0.5b", "1.5b", "7b"],
-                   help="Qwen2.5 shape to build (default: the size the config's model names, else 0.5b)")
-    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 as rc_train.py --fsdp does (torchrun, >= 2 "
-                                                        "processes); the config's fsdp: true does the same")
-    p.add_argument("--prompt-len", type=int,
-                   help=f"mean prompt length in tokens, chat template included (default {DEFAULT_PROMPT_LEN}; "
-                        f"tiny {TINY_PROMPT_LEN}); lengths vary by +-25%%")
-    p.add_argument("--response-len", type=int,
-                   help=f"mean response length in tokens, at most the config's max_response_length "
-                        f"(default {DEFAULT_RESPONSE_LEN}, a typical GSM8K answer; tiny {TINY_RESPONSE_LEN}); "
-                        "lengths vary symmetrically by up to +-50%% within [1, max_response_length]")
+    p = argparse.ArgumentParser(
+        prog="bench_gpu_step.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help=f"trainer YAML config with the batch settings (default {DEFAULT_CONFIG}; "
+        "a relative path is tried from the current folder, then from this script's folder)",
+    )
+    p.add_argument(
+        "--model-size",
+        choices=["0.5b", "1.5b", "7b"],
+        help="Qwen2.5 shape to build (default: the size the config's model names, else 0.5b)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard with FSDP2 as rc_train.py --fsdp does (torchrun, >= 2 "
+        "processes); the config's fsdp: true does the same",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        help=f"mean prompt length in tokens, chat template included (default {DEFAULT_PROMPT_LEN}; "
+        f"tiny {TINY_PROMPT_LEN}); lengths vary by +-25%%",
+    )
+    p.add_argument(
+        "--response-len",
+        type=int,
+        help=f"mean response length in tokens, at most the config's max_response_length "
+        f"(default {DEFAULT_RESPONSE_LEN}, a typical GSM8K answer; tiny {TINY_RESPONSE_LEN}); "
+        "lengths vary symmetrically by up to +-50%% within [1, max_response_length]",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed optimizer steps after one warm-up step (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and the synthetic batch (default 0)")
-    p.add_argument("--tiny", action="store_true",
-                   help="a 2-layer, 64-wide model with a 1024-token vocabulary and "
-                        f"{TINY_ARGS['num_prompts_per_step']} prompts x {TINY_ARGS['num_samples_per_prompt']} "
-                        f"samples, micro-batch {TINY_ARGS['micro_batch_size']}, max_response_length "
-                        f"{TINY_ARGS['max_response_length']}: seconds on a CPU (other settings from the config)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a 2-layer, 64-wide model with a 1024-token vocabulary and "
+        f"{TINY_ARGS['num_prompts_per_step']} prompts x {TINY_ARGS['num_samples_per_prompt']} "
+        f"samples, micro-batch {TINY_ARGS['micro_batch_size']}, max_response_length "
+        f"{TINY_ARGS['max_response_length']}: seconds on a CPU (other settings from the config)",
+    )
     return p
 
 
@@ -132,12 +186,14 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
     rc_train.validate_args(train, world_size=world)  # the trainer's own checks of the config
     if train.fsdp and world < 2:
-        raise ValueError("--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun "
-                         "--nproc_per_node N")
+        raise ValueError(
+            "--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun --nproc_per_node N"
+        )
     size = "tiny" if ns.tiny else ns.model_size or named
     prompt_len = ns.prompt_len if ns.prompt_len is not None else (TINY_PROMPT_LEN if ns.tiny else DEFAULT_PROMPT_LEN)
-    response_len = (ns.response_len if ns.response_len is not None
-                    else TINY_RESPONSE_LEN if ns.tiny else DEFAULT_RESPONSE_LEN)
+    response_len = (
+        ns.response_len if ns.response_len is not None else TINY_RESPONSE_LEN if ns.tiny else DEFAULT_RESPONSE_LEN
+    )
     if ns.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {ns.repeats}")
     if prompt_len < 1:
@@ -145,14 +201,18 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     if response_len < 1:
         raise ValueError(f"--response-len must be >= 1, got {response_len}")
     if response_len > train.max_response_length:
-        raise ValueError(f"--response-len {response_len} is larger than max_response_length "
-                         f"{train.max_response_length}{' (--tiny)' if ns.tiny else ''} of config {path!r}")
+        raise ValueError(
+            f"--response-len {response_len} is larger than max_response_length "
+            f"{train.max_response_length}{' (--tiny)' if ns.tiny else ''} of config {path!r}"
+        )
     correction = rc_train.build_correction_config(train.rc)
     plan = Plan(path, train, size, prompt_len, response_len, ns.repeats, ns.seed, correction, world)
     (_, p_max), (_, r_max) = plan.length_ranges()
     if p_max + r_max > train.max_model_len:
-        raise ValueError(f"the longest sequence ({p_max} prompt + {r_max} response tokens) exceeds max_model_len "
-                         f"{train.max_model_len} of config {path!r}: lower --prompt-len or --response-len")
+        raise ValueError(
+            f"the longest sequence ({p_max} prompt + {r_max} response tokens) exceeds max_model_len "
+            f"{train.max_model_len} of config {path!r}: lower --prompt-len or --response-len"
+        )
     return plan
 
 
@@ -221,8 +281,11 @@ def make_rollout(plan: Plan, rank: int = 0) -> dict:
             rewards.append(float(wins[k]))
     batch = rc_train.make_batch(prompts, responses, pad_id, group_ids)
     batch["advantages"] = rc_core.compute_grpo_outcome_advantage(
-        torch.tensor(rewards), torch.tensor(group_ids), norm_adv_by_std=plan.train.norm_adv_by_std,
-        response_mask=batch["response_mask"])
+        torch.tensor(rewards),
+        torch.tensor(group_ids),
+        norm_adv_by_std=plan.train.norm_adv_by_std,
+        response_mask=batch["response_mask"],
+    )
     return batch
 
 
@@ -241,21 +304,42 @@ class Bench:
         """One update of the rollout batch, as rc_train.py's step runs it after the rollout: the decoupled pi_old
         pass and correction (decoupled presets only), then rc_train.update_policy."""
         args, batch, correction = self.plan.train, self.batch, self.plan.correction
-        tensors = {"response_mask": batch["response_mask"], "advantages": batch["advantages"],
-                   "rollout_log_prob": batch["rollout_log_prob"]}
+        tensors = {
+            "response_mask": batch["response_mask"],
+            "advantages": batch["advantages"],
+            "rollout_log_prob": batch["rollout_log_prob"],
+        }
         frozen = {}
         if not correction.bypass_mode:
             self.model.eval()
             old = rc_train.no_grad_pass(self.accelerator.unwrap_model(self.model), batch, args, self.share_prefix)
             is_weights, keep_mask, frozen = rc_core.compute_rollout_correction_and_rejection_mask(
-                old_log_prob=old, rollout_log_prob=batch["rollout_log_prob"], response_mask=batch["response_mask"],
-                config=correction)
-            tensors.update(old_log_prob=old, keep_mask=keep_mask,
-                           **({"rollout_is_weights": is_weights} if is_weights is not None else {}))
+                old_log_prob=old,
+                rollout_log_prob=batch["rollout_log_prob"],
+                response_mask=batch["response_mask"],
+                config=correction,
+            )
+            tensors.update(
+                old_log_prob=old,
+                keep_mask=keep_mask,
+                **({"rollout_is_weights": is_weights} if is_weights is not None else {}),
+            )
         padding = {"positions": 0, "tokens": 0}
-        _, actor = rc_train.update_policy(args, correction, self.accelerator, self.host, self.model, self.optimizer,
-                                          self.scheduler, batch, tensors, torch.Generator().manual_seed(self.plan.seed),
-                                          self.share_prefix, frozen, padding)
+        _, actor = rc_train.update_policy(
+            args,
+            correction,
+            self.accelerator,
+            self.host,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            tensors,
+            torch.Generator().manual_seed(self.plan.seed),
+            self.share_prefix,
+            frozen,
+            padding,
+        )
         tokens = self.host.sum([float(padding["tokens"])])[0]
         return {"loss": actor["actor/pg_loss"], "grad_norm": actor["actor/grad_norm"], "tokens": tokens}
 
@@ -263,8 +347,9 @@ class Bench:
 def setup(plan: Plan, accelerator=None) -> Bench:
     """Model (sharded with rc_infra.shard_model under FSDP2, else prepared by Accelerate: DDP on several processes),
     optimizer and scheduler as rc_train.py builds them, and this rank's synthetic batch."""
-    import rc_infra
     from accelerate import Accelerator
+
+    import rc_infra
 
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     args = plan.train
@@ -276,8 +361,16 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     if not args.fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
     share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp  # as rc_train.py
-    return Bench(plan, accelerator, rc_infra.HostGroup(accelerator.num_processes), model, optimizer, scheduler,
-                 make_rollout(plan, accelerator.process_index), share_prefix)
+    return Bench(
+        plan,
+        accelerator,
+        rc_infra.HostGroup(accelerator.num_processes),
+        model,
+        optimizer,
+        scheduler,
+        make_rollout(plan, accelerator.process_index),
+        share_prefix,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -303,8 +396,11 @@ def main(argv=None) -> int:
         device_name = f"cpu ({torch.get_num_threads()} threads)"
     args = plan.train
     layout = f"{plan.world} process(es), {'FSDP2' if args.fsdp else 'DDP' if plan.world > 1 else 'unsharded'}"
-    say(f"bench_gpu_step: Qwen2.5-{plan.model_size} shape (random init) on {device_name}, {layout}, config "
-        f"{plan.config_path}: one warm-up update, then {plan.repeats} timed", flush=True)
+    say(
+        f"bench_gpu_step: Qwen2.5-{plan.model_size} shape (random init) on {device_name}, {layout}, config "
+        f"{plan.config_path}: one warm-up update, then {plan.repeats} timed",
+        flush=True,
+    )
     import transformers  # noqa: F401  (imported before the RSS baseline, so it is not counted)
 
     rss_before = _peak_rss_kib()
@@ -325,36 +421,61 @@ def main(argv=None) -> int:
         _sync(device)
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":
-        peak_gib = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
         memory_kind = "cuda max_memory_allocated (timed updates), the largest rank's"
     else:
-        peak_gib = max(0, _peak_rss_kib() - rss_before) / 2 ** 20
+        peak_gib = max(0, _peak_rss_kib() - rss_before) / 2**20
         memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
     peak_gib = bench.host.extreme([peak_gib], "max")[0]  # the largest rank's
     update_s = bench.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
     steps_per_update = args.num_minibatches * args.ppo_epochs
-    result = {"device": device_name, "processes": plan.world, "fsdp": args.fsdp, "params": params,
-              "sequences": B * plan.world, "padded_length": L, "micro_batch_size": args.micro_batch_size,
-              "dtype": args.train_dtype, "gradient_checkpointing": args.gradient_checkpointing,
-              "shared_prompt_pass": bench.share_prefix, "preset": args.rc.preset,
-              "peak_memory_gib": round(peak_gib, 4),
-              "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth",
-              "seconds_per_update": update_s, "seconds_per_optimizer_step": update_s / steps_per_update,
-              "tokens_per_second": stats["tokens"] / update_s}
+    result = {
+        "device": device_name,
+        "processes": plan.world,
+        "fsdp": args.fsdp,
+        "params": params,
+        "sequences": B * plan.world,
+        "padded_length": L,
+        "micro_batch_size": args.micro_batch_size,
+        "dtype": args.train_dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "shared_prompt_pass": bench.share_prefix,
+        "preset": args.rc.preset,
+        "peak_memory_gib": round(peak_gib, 4),
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth",
+        "seconds_per_update": update_s,
+        "seconds_per_optimizer_step": update_s / steps_per_update,
+        "tokens_per_second": stats["tokens"] / update_s,
+    }
     rows = [
         ("device", f"{device_name}; {layout}"),
         ("model", f"Qwen2.5-{plan.model_size} shape, {params:,} parameters, float32 master weights"),
-        ("rollout batch", f"{args.num_prompts_per_step} prompts x {args.num_samples_per_prompt} samples = "
-                          f"{B * plan.world} sequences ({B} per process), padded to {L} tokens"),
-        ("lengths", f"prompts {p_lo}-{p_hi} (mean {plan.prompt_len}), responses {r_lo}-{r_hi} "
-                    f"(mean {plan.response_len}, max_response_length {args.max_response_length})"),
-        ("update", f"preset {args.rc.preset}, {args.num_minibatches} minibatches x {args.ppo_epochs} epoch(s), "
-                   f"micro-batch {args.micro_batch_size}, shared-prompt pass {'on' if bench.share_prefix else 'off'}"),
-        ("compute", f"{args.train_dtype} autocast, gradient checkpointing "
-                    f"{'on' if args.gradient_checkpointing else 'off'}, AdamW lr {args.learning_rate:g}"),
+        (
+            "rollout batch",
+            f"{args.num_prompts_per_step} prompts x {args.num_samples_per_prompt} samples = "
+            f"{B * plan.world} sequences ({B} per process), padded to {L} tokens",
+        ),
+        (
+            "lengths",
+            f"prompts {p_lo}-{p_hi} (mean {plan.prompt_len}), responses {r_lo}-{r_hi} "
+            f"(mean {plan.response_len}, max_response_length {args.max_response_length})",
+        ),
+        (
+            "update",
+            f"preset {args.rc.preset}, {args.num_minibatches} minibatches x {args.ppo_epochs} epoch(s), "
+            f"micro-batch {args.micro_batch_size}, shared-prompt pass {'on' if bench.share_prefix else 'off'}",
+        ),
+        (
+            "compute",
+            f"{args.train_dtype} autocast, gradient checkpointing "
+            f"{'on' if args.gradient_checkpointing else 'off'}, AdamW lr {args.learning_rate:g}",
+        ),
         ("peak memory", f"{peak_gib:.3f} GiB: {memory_kind}"),
-        ("s / update", f"{update_s:.3f} (median of {plan.repeats}, slowest rank: "
-                       f"{', '.join(f'{t:.3f}' for t in times)} on this one)"),
+        (
+            "s / update",
+            f"{update_s:.3f} (median of {plan.repeats}, slowest rank: "
+            f"{', '.join(f'{t:.3f}' for t in times)} on this one)",
+        ),
         ("s / optimizer step", f"{update_s / steps_per_update:.3f}"),
         ("tokens / s", f"{result['tokens_per_second']:,.0f} (tokens computed by all ranks; a shared prompt once)"),
         ("loss, grad norm", f"{stats['loss']:.4f}, {stats['grad_norm']:.4f} (last timed update)"),

@@ -52,27 +52,49 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRL_PIN = "trl==1.16.0"
 VARIANTS = ("ours", "trl_vllm", "trl_generate")
 # The default job's shape (rc_train.Args defaults); TRL gets the same numbers.
-SHAPE = dict(prompts_per_step=32, samples_per_prompt=16, max_response_length=64, max_model_len=512,
-             learning_rate=1e-4, clip=0.2, num_minibatches=4, micro_batch_size=32, eval_limit=200)
+SHAPE = dict(
+    prompts_per_step=32,
+    samples_per_prompt=16,
+    max_response_length=64,
+    max_model_len=512,
+    learning_rate=1e-4,
+    clip=0.2,
+    num_minibatches=4,
+    micro_batch_size=32,
+    eval_limit=200,
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="20 rollout steps per trainer (default 50)")
     p.add_argument("--steps", type=int, help="rollout steps per trainer (overrides --quick)")
-    p.add_argument("--targets", default="0.5,0.8,0.9",
-                   help="strict greedy eval accuracies to reach (default 0.5,0.8,0.9; the last line is the first)")
+    p.add_argument(
+        "--targets",
+        default="0.5,0.8,0.9",
+        help="strict greedy eval accuracies to reach (default 0.5,0.8,0.9; the last line is the first)",
+    )
     p.add_argument("--eval-every", type=int, default=2, help="evaluate every N rollout steps (default 2)")
     p.add_argument("--seeds", default="1,2,3", help="comma list of run seeds (default 1,2,3)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
-    p.add_argument("--max-staleness", type=int, default=1,
-                   help="ours: rc_train.py --max-staleness (default 1, the asynchronous rollout; 0 = synchronous)")
-    p.add_argument("--ours-threads", type=int,
-                   help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_infra.torch_threads)")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="ours: rc_train.py --max-staleness (default 1, the asynchronous rollout; 0 = synchronous)",
+    )
+    p.add_argument(
+        "--ours-threads",
+        type=int,
+        help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_infra.torch_threads)",
+    )
     p.add_argument("--trl-threads", type=int, default=2, help="TRL: OMP_NUM_THREADS (default 2, its faster setting)")
     p.add_argument("--out", default=os.path.join(HERE, "runs", "bench_trl"), help="folder for runs and results")
-    p.add_argument("--trl-env", default=os.path.join(HERE, ".bench", "trl-env"),
-                   help="TRL's virtual environment (created on first use)")
+    p.add_argument(
+        "--trl-env",
+        default=os.path.join(HERE, ".bench", "trl-env"),
+        help="TRL's virtual environment (created on first use)",
+    )
     p.add_argument("--from-results", help="print the report of an earlier results.json (no runs)")
     p.add_argument("--worker", choices=("trl_vllm", "trl_generate"), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -92,8 +114,10 @@ def parse_args(argv=None):
         p.error(f"--variants: need ours and a TRL variant from {VARIANTS}, got {args.variants}")
     bad = [t for t in args.targets if not 0 < t <= 1]
     if args.steps < 1 or args.eval_every < 1 or bad or args.max_staleness < 0:
-        p.error(f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}), "
-                f"--max-staleness >= 0 (got {args.max_staleness}) and 0 < each target <= 1 (got {bad or 'ok'})")
+        p.error(
+            f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}), "
+            f"--max-staleness >= 0 (got {args.max_staleness}) and 0 < each target <= 1 (got {bad or 'ok'})"
+        )
     for name in ("ours_threads", "trl_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -112,8 +136,15 @@ def write_spec(args, seed: int, out: str) -> str:
     train_rows, _ = task.problems("train", None)
     eval_rows, _ = task.problems("test", SHAPE["eval_limit"])
     order = prompt_indices(len(train_rows), seed, 0, args.steps * SHAPE["prompts_per_step"])
-    spec = {**SHAPE, "model_path": model_path, "steps": args.steps, "seed": seed, "eval_every": args.eval_every,
-            "train": [train_rows[i] for i in order], "eval": eval_rows}
+    spec = {
+        **SHAPE,
+        "model_path": model_path,
+        "steps": args.steps,
+        "seed": seed,
+        "eval_every": args.eval_every,
+        "train": [train_rows[i] for i in order],
+        "eval": eval_rows,
+    }
     path = os.path.join(out, "spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
@@ -123,9 +154,24 @@ def write_spec(args, seed: int, out: str) -> str:
 # ---- Ours: the real script, default job, fewer steps ------------------------------------------------------------
 def run_ours(args, seed: int, out: str) -> dict:
     run = os.path.join(out, "ours")
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--seed", str(seed), "--num-steps", str(args.steps),
-           "--eval-every", str(args.eval_every), "--max-staleness", str(args.max_staleness), "--output-dir", out,
-           "--run-name", "ours", "--overwrite", "--no-save-final"]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "rc_train.py"),
+        "--seed",
+        str(seed),
+        "--num-steps",
+        str(args.steps),
+        "--eval-every",
+        str(args.eval_every),
+        "--max-staleness",
+        str(args.max_staleness),
+        "--output-dir",
+        out,
+        "--run-name",
+        "ours",
+        "--overwrite",
+        "--no-save-final",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if args.ours_threads:
         env["OMP_NUM_THREADS"] = str(args.ours_threads)
@@ -139,8 +185,13 @@ def run_ours(args, seed: int, out: str) -> dict:
             train_s += r["timing/step_s"] - r.get("timing/eval_s", 0.0)
         if "eval/accuracy_strict" in r:
             evals.append({"step": r["step"] + 1, "train_s": train_s, "accuracy": r["eval/accuracy_strict"]})
-    return {"evals": evals, "train_s": train_s, "wall_s": wall, "threads": env.get("OMP_NUM_THREADS", "default"),
-            "command": " ".join(cmd[1:])}
+    return {
+        "evals": evals,
+        "train_s": train_s,
+        "wall_s": wall,
+        "threads": env.get("OMP_NUM_THREADS", "default"),
+        "command": " ".join(cmd[1:]),
+    }
 
 
 # ---- TRL: its own environment, then one worker process per variant -----------------------------------------------
@@ -164,8 +215,16 @@ def trl_python(env: str) -> str:
 def run_trl(args, variant: str, spec_path: str, python: str, out: str) -> dict:
     result = os.path.join(out, variant, "result.json")
     os.makedirs(os.path.dirname(result), exist_ok=True)
-    cmd = [python, os.path.abspath(__file__), "--worker", variant, "--spec", spec_path, "--out",
-           os.path.dirname(result)]
+    cmd = [
+        python,
+        os.path.abspath(__file__),
+        "--worker",
+        variant,
+        "--spec",
+        spec_path,
+        "--out",
+        os.path.dirname(result),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
     t0 = time.time()
     with open(os.path.join(os.path.dirname(result), "worker.log"), "w") as log:
@@ -173,8 +232,12 @@ def run_trl(args, variant: str, spec_path: str, python: str, out: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed (exit {proc.returncode}); see {log.name}")
     out = json.load(open(result))
-    return {**out, "wall_s": time.time() - t0, "threads": str(args.trl_threads),  # GRPOConfig: result.json
-            "command": " ".join(cmd[1:])}
+    return {
+        **out,
+        "wall_s": time.time() - t0,
+        "threads": str(args.trl_threads),  # GRPOConfig: result.json
+        "command": " ".join(cmd[1:]),
+    }
 
 
 def trl_worker(args) -> None:
@@ -207,15 +270,40 @@ def trl_worker(args) -> None:
     optimizer_steps = spec["num_minibatches"]
     accumulation = per_rollout // optimizer_steps // spec["micro_batch_size"]
     config = GRPOConfig(
-        output_dir=args.out, seed=spec["seed"], use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, shuffle_dataset=False,
-        max_steps=spec["steps"] * optimizer_steps, num_generations=spec["samples_per_prompt"],
-        per_device_train_batch_size=spec["micro_batch_size"], gradient_accumulation_steps=accumulation,
-        generation_batch_size=per_rollout, num_iterations=1, max_completion_length=spec["max_response_length"],
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, epsilon=spec["clip"], epsilon_high=spec["clip"],
-        beta=0.0, loss_type="dapo", scale_rewards="group", gradient_checkpointing=False,
-        use_vllm=args.worker == "trl_vllm", vllm_mode="colocate", vllm_max_model_length=spec["max_model_len"])
+        output_dir=args.out,
+        seed=spec["seed"],
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        max_steps=spec["steps"] * optimizer_steps,
+        num_generations=spec["samples_per_prompt"],
+        per_device_train_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=accumulation,
+        generation_batch_size=per_rollout,
+        num_iterations=1,
+        max_completion_length=spec["max_response_length"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec["learning_rate"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        epsilon=spec["clip"],
+        epsilon_high=spec["clip"],
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        gradient_checkpointing=False,
+        use_vllm=args.worker == "trl_vllm",
+        vllm_mode="colocate",
+        vllm_max_model_length=spec["max_model_len"],
+    )
 
     eval_prompts = [task.prompt(r["question"]) for r in spec["eval"]]
 
@@ -225,11 +313,16 @@ def trl_worker(args) -> None:
         policy.eval()
         with torch.no_grad():
             for i in range(0, len(eval_prompts), 100):
-                enc = tokenizer(eval_prompts[i:i + 100], return_tensors="pt", padding=True, add_special_tokens=False)
-                out = policy.generate(**enc, max_new_tokens=spec["max_response_length"], do_sample=False,
-                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-                correct += sum(task.score(t, r["gold"])["strict"] for t, r in zip(texts, spec["eval"][i:i + 100]))
+                enc = tokenizer(eval_prompts[i : i + 100], return_tensors="pt", padding=True, add_special_tokens=False)
+                out = policy.generate(
+                    **enc,
+                    max_new_tokens=spec["max_response_length"],
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                correct += sum(task.score(t, r["gold"])["strict"] for t, r in zip(texts, spec["eval"][i : i + 100]))
         policy.train()
         return correct / len(eval_prompts)
 
@@ -259,15 +352,29 @@ def trl_worker(args) -> None:
         patch_colocate_sync()
     clock = RaceClock()
     t_setup = time.time()
-    trainer = GRPOTrainer(model=model, reward_funcs=strict_reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=strict_reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     setup_s = time.time() - t_setup
     trainer.train()
     train_s = clock.evals[-1]["train_s"] if clock.evals else time.time() - clock.t0 - clock.paused
     with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump({"evals": clock.evals, "train_s": train_s, "setup_s": setup_s, "trl": TRL_PIN,
-                   "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool))}},
-                  f, indent=1)
+        json.dump(
+            {
+                "evals": clock.evals,
+                "train_s": train_s,
+                "setup_s": setup_s,
+                "trl": TRL_PIN,
+                "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool))},
+            },
+            f,
+            indent=1,
+        )
 
 
 def patch_colocate_sync() -> None:
@@ -307,11 +414,18 @@ def report(args, runs: dict) -> list[str]:
     """runs: seed -> variant -> result. A table per seed, every ratio per seed and target, their medians; the last
     line is the median at the first target."""
     head = " | ".join(f"s to {t} (step)" for t in args.targets)
-    lines = [f"miniature GSM8K, {args.steps} rollout steps of 32 x 16, greedy strict accuracy on 200 test problems "
-             f"every {args.eval_every} steps; ours --max-staleness {args.max_staleness}", ""]
+    lines = [
+        f"miniature GSM8K, {args.steps} rollout steps of 32 x 16, greedy strict accuracy on 200 test problems "
+        f"every {args.eval_every} steps; ours --max-staleness {args.max_staleness}",
+        "",
+    ]
     for seed, results in runs.items():
-        lines += [f"seed {seed}:", "", f"| trainer | threads | s / rollout step | {head} | final strict accuracy | "
-                  "start-up + eval s |", "|---|---|---|" + "---|" * len(args.targets) + "---|---|"]
+        lines += [
+            f"seed {seed}:",
+            "",
+            f"| trainer | threads | s / rollout step | {head} | final strict accuracy | start-up + eval s |",
+            "|---|---|---|" + "---|" * len(args.targets) + "---|---|",
+        ]
         for name, r in results.items():
             cells = []
             for t in args.targets:
@@ -319,8 +433,10 @@ def report(args, runs: dict) -> list[str]:
                 step = next((e["step"] for e in r["evals"] if e["accuracy"] >= t), None)
                 cells.append("never" if reach is None else f"{reach:.1f} ({step})")
             final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
-            lines.append(f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
-                         f"{final:.3f} | {r['wall_s'] - r['train_s']:.0f} |")
+            lines.append(
+                f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
+                f"{final:.3f} | {r['wall_s'] - r['train_s']:.0f} |"
+            )
         lines.append("")
     medians = {}
     for t in args.targets:
@@ -355,8 +471,11 @@ def main(argv=None) -> None:
             print(f"[bench_trl] seed {seed}, {variant} ...", flush=True)
             r = run_ours(args, seed, out) if variant == "ours" else run_trl(args, variant, spec_path, python, out)
             runs[seed][variant] = r
-            print(f"[bench_trl] seed {seed}, {variant}: {r['train_s']:.1f} s training, "
-                  f"evals {[round(e['accuracy'], 3) for e in r['evals']]}", flush=True)
+            print(
+                f"[bench_trl] seed {seed}, {variant}: {r['train_s']:.1f} s training, "
+                f"evals {[round(e['accuracy'], 3) for e in r['evals']]}",
+                flush=True,
+            )
         with open(os.path.join(args.out, "results.json"), "w") as f:  # after every seed: a stopped race keeps it
             json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
     lines = report(args, runs)

@@ -171,8 +171,7 @@ def extract_answer(response: str, mode: str = "strict") -> str | None:
     """
     if mode not in EXTRACTION_MODES:
         raise ValueError(
-            f"unknown extraction mode {mode!r}; valid modes are "
-            + ", ".join(repr(m) for m in EXTRACTION_MODES)
+            f"unknown extraction mode {mode!r}; valid modes are " + ", ".join(repr(m) for m in EXTRACTION_MODES)
         )
     if not isinstance(response, str):
         raise TypeError(f"extract_answer expects a str, got {type(response).__name__}")
@@ -186,9 +185,7 @@ def extract_answer(response: str, mode: str = "strict") -> str | None:
     return normalize_number(tokens[-1]) if tokens else None
 
 
-def score_response(
-    response: str, gold: str, mode: str = "strict", format_bonus: float = 0.0
-) -> float:
+def score_response(response: str, gold: str, mode: str = "strict", format_bonus: float = 0.0) -> float:
     """Reward for one response: correctness plus an optional format bonus.
 
     Correctness is 1.0 when ``extract_answer(response, mode)`` equals the
@@ -274,10 +271,7 @@ def load_gsm8k(
 def _looks_like_path(source: str) -> bool:
     """True when ``source`` cannot be a Hugging Face id and must be a path."""
     return (
-        source.endswith(_DATA_SUFFIXES)
-        or source.startswith(("/", ".", "~"))
-        or source.count("/") > 1
-        or "\\" in source
+        source.endswith(_DATA_SUFFIXES) or source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
     )
 
 
@@ -287,9 +281,7 @@ def _find_split_file(directory: str, split: str) -> str:
     for candidate in candidates:
         if os.path.isfile(candidate):
             return candidate
-    raise FileNotFoundError(
-        f"no file for split {split!r} in {directory}: looked for " + " and ".join(candidates)
-    )
+    raise FileNotFoundError(f"no file for split {split!r} in {directory}: looked for " + " and ".join(candidates))
 
 
 def _read_local_file(path: str) -> Iterator[tuple[str, Any]]:
@@ -328,9 +320,7 @@ def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
         try:
             import pandas as pd
         except ImportError as exc:
-            raise ImportError(
-                f"reading {path} needs pyarrow or pandas: pip install pyarrow"
-            ) from exc
+            raise ImportError(f"reading {path} needs pyarrow or pandas: pip install pyarrow") from exc
         records = pd.read_parquet(path).to_dict("records")
     if not records:
         raise ValueError(f"GSM8K file is empty: {path}")
@@ -350,10 +340,7 @@ def _read_hf_dataset(source: str, config: str, split: str) -> Iterator[tuple[str
     try:
         dataset = datasets.load_dataset(source, config, split=split)
     except Exception as exc:
-        exc.add_note(
-            f"{source!r} is not an existing local path, so it was loaded as a "
-            "Hugging Face dataset id"
-        )
+        exc.add_note(f"{source!r} is not an existing local path, so it was loaded as a Hugging Face dataset id")
         raise
     if len(dataset) == 0:
         raise ValueError(f"Hugging Face dataset {source!r} ({config}, {split}) is empty")
@@ -381,9 +368,7 @@ def _check_record(record: Any) -> tuple[dict | None, str]:
     return {"question": record["question"], "answer": answer, "gold": gold}, ""
 
 
-def _collect(
-    records: Iterable[tuple[str, Any]], origin: str, limit: int | None
-) -> tuple[list[dict], int]:
+def _collect(records: Iterable[tuple[str, Any]], origin: str, limit: int | None) -> tuple[list[dict], int]:
     """Validate records into rows, counting and reporting the skipped ones."""
     rows: list[dict] = []
     problems: list[str] = []
@@ -403,8 +388,7 @@ def _collect(
         if not rows:
             raise ValueError(f"{origin}: all {skipped} rows were invalid and skipped ({details})")
         warnings.warn(
-            f"{origin}: skipped {skipped} invalid GSM8K row(s) out of {skipped + len(rows)} "
-            f"read ({details})",
+            f"{origin}: skipped {skipped} invalid GSM8K row(s) out of {skipped + len(rows)} read ({details})",
             stacklevel=3,
         )
     return rows, skipped

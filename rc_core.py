@@ -95,6 +95,7 @@ def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
 # Ratios (docs/corrections.md §1)
 # ============================================================================================
 
+
 def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.Tensor:
     """l_it = log pi_train(y_it | s_it) - log mu(y_it | s_it) (docs/corrections.md §1).
 
@@ -176,16 +177,14 @@ def _parse_positive(text: Any, field: str, spec: Any) -> float:
     return value
 
 
-def _parse_lower_upper(text: str, field: str, spec: Any, open_lower: bool = False
-                       ) -> tuple[float | None, float]:
+def _parse_lower_upper(text: str, field: str, spec: Any, open_lower: bool = False) -> tuple[float | None, float]:
     """Parse ``"L_U"``, exactly one underscore, L <= U (docs/corrections.md §3.2, §11 item 19).
 
     With ``open_lower`` (k1 RS options) an empty L, ``"_U"``, means "no lower bound" (L = None).
     """
     parts = text.split("_")
     if len(parts) != 2:
-        raise ValueError(f"{field}={spec!r}: a lower_upper spec must contain exactly one "
-                         f"underscore, e.g. '0.5_5.0'")
+        raise ValueError(f"{field}={spec!r}: a lower_upper spec must contain exactly one underscore, e.g. '0.5_5.0'")
     if open_lower and not parts[0].strip():
         return None, _parse_positive(parts[1], field, spec)
     lower, upper = (_parse_positive(p, field, spec) for p in parts)
@@ -202,8 +201,10 @@ def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThre
     non-positive values and L > U raise ValueError naming the spec.
     """
     if spec is None:
-        raise ValueError(f"{field}=None while rollout_is is set: give a number (TIS cap) or "
-                         f"'L_U' (IcePop); IS is never disabled silently")
+        raise ValueError(
+            f"{field}=None while rollout_is is set: give a number (TIS cap) or "
+            f"'L_U' (IcePop); IS is never disabled silently"
+        )
     if isinstance(spec, bool):
         raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
     if isinstance(spec, numbers.Real):
@@ -251,8 +252,9 @@ def icepop_is_weights(raw: torch.Tensor, lower: float, upper: float) -> torch.Te
     return torch.where(inside, raw, torch.zeros_like(raw))
 
 
-def batch_normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor, level: str
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_normalize_is_weights(
+    weights: torch.Tensor, mask: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-normalise the applied weights to mean 1 (docs/corrections.md §3.7, §12.10).
 
     token:    Z = <w> = (1/N) sum m w                (mean over valid tokens)
@@ -270,9 +272,9 @@ def batch_normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor, level:
     return scaled, torch.where(ok, z, torch.ones_like(z))
 
 
-def compute_is_metrics(raw: torch.Tensor, applied: torch.Tensor, log_ratio: torch.Tensor,
-                       mask: torch.Tensor, level: str, spec: ISThreshold
-                       ) -> dict[str, torch.Tensor]:
+def compute_is_metrics(
+    raw: torch.Tensor, applied: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, level: str, spec: ISThreshold
+) -> dict[str, torch.Tensor]:
     """IS metrics of docs/corrections.md §6.1 (unprefixed), on the applied weights *before* batch
     normalisation; exceedance fractions, seq-level max/min and percentiles use the raw weights.
 
@@ -285,8 +287,11 @@ def compute_is_metrics(raw: torch.Tensor, applied: torch.Tensor, log_ratio: torc
     mean = masked_mean(applied, mask)
     ess = 1.0 / masked_mean((applied / (mean + _ZERO_GUARD)) ** 2, mask)
     all_zero = _masked_max(applied, mask) == 0
-    out = {"mean": mean, "std": _pop_std(applied, mask),
-           "eff_sample_size": torch.where(all_zero, torch.zeros_like(ess), ess)}
+    out = {
+        "mean": mean,
+        "std": _pop_std(applied, mask),
+        "eff_sample_size": torch.where(all_zero, torch.zeros_like(ess), ess),
+    }
     if level == "token":
         out["max"], out["min"] = _masked_max(applied, mask), _masked_min(applied, mask)
         out["ratio_fraction_high"] = _fraction(raw > upper, mask, dt)
@@ -298,17 +303,16 @@ def compute_is_metrics(raw: torch.Tensor, applied: torch.Tensor, log_ratio: torc
         out["ratio_fraction_high"] = _fraction(seq > math.log(upper), rows, dt)
         out["ratio_fraction_low"] = _fraction(seq < math.log(low_diag), rows, dt)
     raw_bar = _row_mean(raw, mask)
-    out.update(_seq_metrics(_row_mean(applied, mask), rows, 1.0, raw_bar > upper,
-                            raw_bar < low_diag))
+    out.update(_seq_metrics(_row_mean(applied, mask), rows, 1.0, raw_bar > upper, raw_bar < low_diag))
     if spec.mode == "icepop":
         out["oob_ratio"] = _fraction((raw < spec.lower) | (raw > spec.upper), mask, dt)
     out.update(_quantiles(raw, mask))
     return {f"rollout_is_{k}": v for k, v in out.items()}
 
 
-def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str,
-                                       spec: ISThreshold, batch_normalize: bool = False
-                                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_rollout_correction_weights(
+    log_ratio: torch.Tensor, mask: torch.Tensor, level: str, spec: ISThreshold, batch_normalize: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Processed, detached IS weights and their metrics (docs/corrections.md §5 step 3).
 
     raw (§3.1, padding zeroed §3.5) -> TIS (§3.3) or IcePop (§3.4) -> metrics (§6.1) ->
@@ -334,10 +338,17 @@ def compute_rollout_correction_weights(log_ratio: torch.Tensor, mask: torch.Tens
 
 #: The 11 canonical RS options of docs/corrections.md §4.1 (deliberately no ``seq_max_k1``).
 RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
 )
 
 
@@ -381,16 +392,14 @@ def _rs_option(name: str, entry: Any) -> RSOption:
             lower = _reciprocal_lower(upper, f"{field}={entry!r} for {name}")
         return RSOption(name, "k1", aggregation, lower, upper)
     if isinstance(entry, str) and "_" in entry:
-        raise ValueError(f"{field}={entry!r} for {name}: k2/k3 take a single upper bound, "
-                         f"not a lower_upper pair")
+        raise ValueError(f"{field}={entry!r} for {name}: k2/k3 take a single upper bound, not a lower_upper pair")
     return RSOption(name, statistic, aggregation, None, _parse_positive(entry, field, entry))
 
 
 def _reciprocal_lower(upper: float, context: str) -> float:
     """A single k1 value u means [1/u, u], which needs u >= 1 (docs/corrections.md §4.2, §4.4)."""
     if upper < 1.0:
-        raise ValueError(f"{context}: a single k1 value u means [1/u, u] and needs u >= 1 "
-                         f"(got {upper!r})")
+        raise ValueError(f"{context}: a single k1 value u means [1/u, u] and needs u >= 1 (got {upper!r})")
     return 1.0 / upper
 
 
@@ -403,26 +412,28 @@ def _refuse_zero_lower(text: Any, field: str, spec: Any) -> None:
     except (TypeError, ValueError):
         return  # not a number: _parse_positive names it
     if zero:
-        raise ValueError(f"{field}={spec!r}: a k1 lower bound of {text!r} is log(0) = -inf; for no "
-                         f"lower bound give a canonical k1 option the threshold '_U', e.g. '_2.0'")
+        raise ValueError(
+            f"{field}={spec!r}: a k1 lower bound of {text!r} is log(0) = -inf; for no "
+            f"lower bound give a canonical k1 option the threshold '_U', e.g. '_2.0'"
+        )
 
 
 def _legacy_rs_option(name: str, threshold: Any, lower: Any) -> RSOption:
     """Map a legacy level token/sequence/geometric to its canonical k1 option
     (docs/corrections.md §4.4)."""
     if isinstance(threshold, str) and ("_" in threshold or "," in threshold):
-        raise ValueError(f"rollout_rs_threshold={threshold!r}: the legacy rollout_rs={name!r} "
-                         f"takes a single number U (use rollout_rs_threshold_lower for L)")
+        raise ValueError(
+            f"rollout_rs_threshold={threshold!r}: the legacy rollout_rs={name!r} "
+            f"takes a single number U (use rollout_rs_threshold_lower for L)"
+        )
     upper = _parse_positive(threshold, "rollout_rs_threshold", threshold)
     if lower is None:
-        low = _reciprocal_lower(upper, f"rollout_rs_threshold={threshold!r} with no "
-                                       f"rollout_rs_threshold_lower")
+        low = _reciprocal_lower(upper, f"rollout_rs_threshold={threshold!r} with no rollout_rs_threshold_lower")
     else:
         _refuse_zero_lower(lower, "rollout_rs_threshold_lower", lower)
         low = _parse_positive(lower, "rollout_rs_threshold_lower", lower)
         if low > upper:
-            raise ValueError(f"rollout_rs_threshold_lower={lower!r} exceeds "
-                             f"rollout_rs_threshold={threshold!r}")
+            raise ValueError(f"rollout_rs_threshold_lower={lower!r} exceeds rollout_rs_threshold={threshold!r}")
     canonical = LEGACY_RS_NAMES[name]
     aggregation = canonical.rsplit("_", 1)[0]
     return RSOption(canonical, "k1", aggregation, low, upper)
@@ -437,22 +448,26 @@ def _split_rs_names(rollout_rs: Any) -> list[str]:
         raise ValueError(f"rollout_rs={rollout_rs!r} names no option")
     for name in names:
         if name not in RS_OPTIONS and name not in LEGACY_RS_NAMES:
-            raise ValueError(f"rollout_rs={rollout_rs!r}: unknown option {name!r}; valid options "
-                             f"are {', '.join(RS_OPTIONS)} and the legacy names "
-                             f"{', '.join(LEGACY_RS_NAMES)}")
+            raise ValueError(
+                f"rollout_rs={rollout_rs!r}: unknown option {name!r}; valid options "
+                f"are {', '.join(RS_OPTIONS)} and the legacy names "
+                f"{', '.join(LEGACY_RS_NAMES)}"
+            )
     seen = set()
     for name in names:
         if name in seen:
             raise ValueError(f"rollout_rs={rollout_rs!r}: duplicate option {name!r}")
         seen.add(name)
     if len(names) > 1 and any(name in LEGACY_RS_NAMES for name in names):
-        raise ValueError(f"rollout_rs={rollout_rs!r}: a legacy name (token/sequence/geometric) "
-                         f"must be the only RS option")
+        raise ValueError(
+            f"rollout_rs={rollout_rs!r}: a legacy name (token/sequence/geometric) must be the only RS option"
+        )
     return names
 
 
-def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
-                     rollout_rs_threshold_lower: Any = None) -> tuple[RSOption, ...]:
+def parse_rs_options(
+    rollout_rs: Any, rollout_rs_threshold: Any, rollout_rs_threshold_lower: Any = None
+) -> tuple[RSOption, ...]:
     """Parse ``rollout_rs`` and its thresholds into RS options (docs/corrections.md §4.2, §4.4).
 
     Options are comma-separated and chained with AND (§4.3).  One threshold entry is broadcast to
@@ -462,20 +477,23 @@ def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
     """
     if rollout_rs is None:
         if rollout_rs_threshold_lower is not None:
-            raise ValueError(f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
-                             f"accepted with a legacy rollout_rs (token/sequence/geometric)")
+            raise ValueError(
+                f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
+                f"accepted with a legacy rollout_rs (token/sequence/geometric)"
+            )
         return ()
     names = _split_rs_names(rollout_rs)
     legacy = names[0] in LEGACY_RS_NAMES
     if rollout_rs_threshold_lower is not None and not legacy:
-        raise ValueError(f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
-                         f"accepted with a legacy rollout_rs, not rollout_rs={rollout_rs!r}")
+        raise ValueError(
+            f"rollout_rs_threshold_lower={rollout_rs_threshold_lower!r} is only "
+            f"accepted with a legacy rollout_rs, not rollout_rs={rollout_rs!r}"
+        )
     threshold = rollout_rs_threshold
     if threshold is None:
         raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold (got None)")
     if isinstance(threshold, bool):
-        raise TypeError(f"rollout_rs_threshold must be a number or string, not a boolean "
-                        f"(got {threshold!r})")
+        raise TypeError(f"rollout_rs_threshold must be a number or string, not a boolean (got {threshold!r})")
     if legacy:
         return (_legacy_rs_option(names[0], threshold, rollout_rs_threshold_lower),)
     if isinstance(threshold, numbers.Real):
@@ -487,9 +505,11 @@ def parse_rs_options(rollout_rs: Any, rollout_rs_threshold: Any,
     else:
         raise TypeError(f"rollout_rs_threshold must be a number or string, got {threshold!r}")
     if len(entries) not in (1, len(names)):
-        raise ValueError(f"rollout_rs_threshold={threshold!r} has {len(entries)} entries but "
-                         f"rollout_rs={rollout_rs!r} has {len(names)} options; give 1 entry "
-                         f"(broadcast) or {len(names)}")
+        raise ValueError(
+            f"rollout_rs_threshold={threshold!r} has {len(entries)} entries but "
+            f"rollout_rs={rollout_rs!r} has {len(names)} options; give 1 entry "
+            f"(broadcast) or {len(names)}"
+        )
     if len(entries) == 1:
         entries = entries * len(names)
     return tuple(_rs_option(name, entry) for name, entry in zip(names, entries))
@@ -511,8 +531,7 @@ def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.
     raise ValueError(f"unknown RS statistic {statistic!r}")
 
 
-def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Aggregate a per-token statistic g to (q, R) (docs/corrections.md §4.1, §6.2).
 
     token:    q_it = g_it;                       R_i = (1/n_i) sum_t m g
@@ -551,8 +570,9 @@ def rs_option_keep_mask(q: torch.Tensor, mask: torch.Tensor, option: RSOption) -
     return keep & mask
 
 
-def compute_rs_option_metrics(q: torch.Tensor, row_value: torch.Tensor, keep: torch.Tensor,
-                              mask: torch.Tensor, option: RSOption) -> dict[str, torch.Tensor]:
+def compute_rs_option_metrics(
+    q: torch.Tensor, row_value: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, option: RSOption
+) -> dict[str, torch.Tensor]:
     """Per-option RS metrics ``rollout_rs_<option>_*`` of docs/corrections.md §6.2.  For k1
     ``_fraction_high`` counts ratios below L and ``_fraction_low`` ratios above U;
     ``_seq_fraction_low`` exists for k1 options only."""
@@ -576,8 +596,9 @@ def compute_rs_option_metrics(q: torch.Tensor, row_value: torch.Tensor, keep: to
     return {f"rollout_rs_{option.name}_{k}": v for k, v in out.items()}
 
 
-def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
-                           options: Sequence[RSOption]) -> tuple[torch.Tensor, dict]:
+def compute_rejection_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, options: Sequence[RSOption]
+) -> tuple[torch.Tensor, dict]:
     """Chained RS keep mask k_RS = AND_o k^(o) and the RS metrics (docs/corrections.md §4.3,
     §6.2).
 
@@ -588,15 +609,13 @@ def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
     keep = mask.clone()
     metrics: dict[str, torch.Tensor | float] = {}
     for option in options:
-        q, row_value = rs_aggregate(rs_base_statistic(lam, option.statistic), mask,
-                                    option.aggregation)
+        q, row_value = rs_aggregate(rs_base_statistic(lam, option.statistic), mask, option.aggregation)
         option_keep = rs_option_keep_mask(q, mask, option)
         metrics.update(compute_rs_option_metrics(q, row_value, option_keep, mask, option))
         keep = keep & option_keep
     rejected = mask & ~keep
     metrics["rollout_rs_masked_fraction"] = _fraction(rejected, mask, log_ratio.dtype)
-    metrics["rollout_rs_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), _valid_rows(mask),
-                                                          log_ratio.dtype)
+    metrics["rollout_rs_seq_masked_fraction"] = _fraction(rejected.any(dim=-1), _valid_rows(mask), log_ratio.dtype)
     return keep, metrics
 
 
@@ -604,21 +623,22 @@ def compute_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
 # Veto: worst-token rejection (docs/corrections.md §4.5, metrics §6.3)
 # ============================================================================================
 
+
 def parse_veto_threshold(tau: Any) -> float | None:
     """The veto threshold tau: None disables it, otherwise 0 < tau < 1 (§4.5, §10)."""
     if tau is None:
         return None
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
-        raise TypeError(f"rollout_token_veto_threshold must be None or a number in (0, 1), "
-                        f"got {tau!r}")
+        raise TypeError(f"rollout_token_veto_threshold must be None or a number in (0, 1), got {tau!r}")
     value = float(tau)
     if not (math.isfinite(value) and 0.0 < value < 1.0):
         raise ValueError(f"rollout_token_veto_threshold={tau!r} must be finite and in (0, 1)")
     return value
 
 
-def compute_veto_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_veto_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Worst-token veto (docs/corrections.md §4.5; INTELLECT-3, arXiv 2512.16144):
     c_it = m_it 1[l_it < log tau] on the *unclipped* l (strict <);
     row i is vetoed iff h_i = max_t c_it = 1, i.e. iff min_{t valid} rho_it < tau.
@@ -630,14 +650,17 @@ def compute_veto_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float
     vetoed = catastrophic.any(dim=-1)
     keep = mask & ~vetoed.unsqueeze(-1)
     dt = log_ratio.dtype
-    metrics = {"rollout_is_veto_fraction": _fraction(vetoed, _valid_rows(mask), dt),
-               "rollout_is_catastrophic_token_fraction": _fraction(catastrophic, mask, dt)}
+    metrics = {
+        "rollout_is_veto_fraction": _fraction(vetoed, _valid_rows(mask), dt),
+        "rollout_is_catastrophic_token_fraction": _fraction(catastrophic, mask, dt),
+    }
     return keep, metrics
 
 
 # ============================================================================================
 # Metrics: off-policy, consistency, TV (docs/corrections.md §6.4, §6.5, §12.7)
 # ============================================================================================
+
 
 def chi2_divergence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """chi^2(pi || mu) ~ <exp(2 clip_S(x))>_mask - 1 for x = log(pi / mu) sampled from mu
@@ -646,13 +669,13 @@ def chi2_divergence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return masked_mean(torch.exp(2.0 * safety_clip(log_ratio)), mask) - 1.0
 
 
-def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
-                              mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _offpolicy_metric_tensors(
+    train: torch.Tensor, rollout: torch.Tensor | None, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Tensor-valued body of :func:`compute_offpolicy_metrics` (inputs already sanitised)."""
     rows = _valid_rows(mask)
     a_bar = _row_mean(train, mask)
-    out = {"training_ppl": masked_mean(torch.exp(-a_bar), rows),
-           "training_log_ppl": masked_mean(-a_bar, rows)}
+    out = {"training_ppl": masked_mean(torch.exp(-a_bar), rows), "training_log_ppl": masked_mean(-a_bar, rows)}
     if rollout is None:
         return out
     b_bar = _row_mean(rollout, mask)
@@ -672,8 +695,9 @@ def _offpolicy_metric_tensors(train: torch.Tensor, rollout: torch.Tensor | None,
     return out
 
 
-def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
-                              response_mask: torch.Tensor) -> dict[str, float]:
+def compute_offpolicy_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor
+) -> dict[str, float]:
     """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed), over valid tokens / rows.
 
     With a_bar_i, b_bar_i the row means of log pi_train and log mu and d_i = b_bar_i - a_bar_i:
@@ -689,8 +713,9 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         return _to_floats(_offpolicy_metric_tensors(train, rollout, mask))
 
 
-def _consistency_metric_tensors(train: torch.Tensor, rollout: torch.Tensor,
-                                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _consistency_metric_tensors(
+    train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Tensor-valued body of :func:`compute_consistency_metrics` (inputs already sanitised)."""
     p_tr, p_ro = torch.exp(train), torch.exp(rollout)
     delta = (p_tr - p_ro).abs()
@@ -699,7 +724,8 @@ def _consistency_metric_tensors(train: torch.Tensor, rollout: torch.Tensor,
     cov = masked_mean((p_tr - mx) * (p_ro - my), mask)
     vx, vy = masked_mean((p_tr - mx) ** 2, mask), masked_mean((p_ro - my) ** 2, mask)
     constant = (_masked_max(p_tr, mask) == _masked_min(p_tr, mask)) | (
-        _masked_max(p_ro, mask) == _masked_min(p_ro, mask))
+        _masked_max(p_ro, mask) == _masked_min(p_ro, mask)
+    )
     corr = cov / torch.sqrt(vx * vy)
     nan = torch.full_like(corr, math.nan)
     return {
@@ -710,8 +736,9 @@ def _consistency_metric_tensors(train: torch.Tensor, rollout: torch.Tensor,
     }
 
 
-def compute_consistency_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                                response_mask: torch.Tensor) -> dict[str, float]:
+def compute_consistency_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """Probability-space consistency metrics of docs/corrections.md §6.5.
 
     With p_tr = exp(log pi_train), p_ro = exp(log mu), delta = |p_tr - p_ro| over valid tokens:
@@ -723,8 +750,7 @@ def compute_consistency_metrics(old_log_prob: torch.Tensor, rollout_log_prob: to
         return _to_floats(_consistency_metric_tensors(train, rollout, mask))
 
 
-def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None,
-                         mask: torch.Tensor) -> torch.Tensor:
+def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
     """D_TV(pi_1, pi_2) ~ (1/2) <|rho_1 - rho_2|> with rho_j = pi_j / mu, a = sampled from mu
     (docs/corrections.md §12.6-§12.7; Wang & Zhang 2025, "From Two Policies to Three", Theorem 2:
     alpha_0 = D_TV(pi_old, pi_theta), alpha_1 = D_TV(mu, pi_old)).
@@ -743,6 +769,7 @@ def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None
 # The correction entry point (docs/corrections.md §5)
 # ============================================================================================
 
+
 def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True):
     """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5).
     with_metrics=False skips the diagnostic metrics and their host transfers (the weights and the
@@ -754,7 +781,8 @@ def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, wit
         weights = None
         if config.rollout_is is not None:  # step 3
             weights, is_metrics = compute_rollout_correction_weights(
-                ell, mask, config.rollout_is, config.is_spec, config.rollout_is_batch_normalize)
+                ell, mask, config.rollout_is, config.is_spec, config.rollout_is_batch_normalize
+            )
             metrics.update(is_metrics)
         keep = mask
         if config.rs_specs:  # step 4
@@ -805,9 +833,15 @@ def compute_rollout_correction_and_rejection_mask(
 # Losses (docs/corrections.md §7.1-§7.4, metrics §6.6)
 # ============================================================================================
 
-def ppo_clipped_token_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor,
-                           advantages: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float,
-                           clip_ratio_c: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+
+def ppo_clipped_token_loss(
+    log_prob: torch.Tensor,
+    prox_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO loss with asymmetric and dual clip (docs/corrections.md §7.1, §12.2;
     Schulman et al. 2017, PPO; Ye et al. 2020, dual clip; Yu et al. 2025, DAPO clip-higher).
 
@@ -826,13 +860,13 @@ def ppo_clipped_token_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor,
     clip_2 = torch.minimum(loss_3, clip_1)
     negative = advantages < 0
     phi = torch.where(negative, clip_2, clip_1)
-    info = {"clipped": loss_2 > loss_1, "clipped_lower": (clip_1 > loss_3) & negative,
-            "log_ratio": log_ratio}
+    info = {"clipped": loss_2 > loss_1, "clipped_lower": (clip_1 > loss_3) & negative, "log_ratio": log_ratio}
     return phi, info
 
 
-def reinforce_token_loss(log_prob: torch.Tensor, advantages: torch.Tensor,
-                         weights: torch.Tensor | None = None) -> torch.Tensor:
+def reinforce_token_loss(
+    log_prob: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """phi_PG = -A * log pi_theta * sg(w), w = 1 if IS is off (docs/corrections.md §7.4; Williams
     1992, REINFORCE).  The gradient is -A w grad log pi_theta; the stop-gradient removes the
     spurious log pi grad w term (§12.4)."""
@@ -848,12 +882,21 @@ def _effective_mask(mask: torch.Tensor, keep_mask: torch.Tensor | None) -> torch
 
 
 def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
-    rollout_is_weights: torch.Tensor | None = None, *, keep_mask: torch.Tensor | None = None,
-    rollout_log_prob: torch.Tensor | None = None, global_token_count: Any = None,
-    global_seq_count: Any = None, loss_scale_factor: float | None = None,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    keep_mask: torch.Tensor | None = None,
+    rollout_log_prob: torch.Tensor | None = None,
+    global_token_count: Any = None,
+    global_seq_count: Any = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped loss, IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
 
@@ -865,42 +908,56 @@ def compute_policy_loss_vanilla(
     actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
     TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2).
     """
-    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
-                        loss_scale_factor)
-    finite = {"old_log_prob": old_log_prob, "log_prob": log_prob, "advantages": advantages,
-              "rollout_log_prob": rollout_log_prob}
-    mask = _validate_inputs(response_mask, finite,
-                            {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
+    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor)
+    finite = {
+        "old_log_prob": old_log_prob,
+        "log_prob": log_prob,
+        "advantages": advantages,
+        "rollout_log_prob": rollout_log_prob,
+    }
+    mask = _validate_inputs(response_mask, finite, {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
     effective = _effective_mask(mask, keep_mask)
     dt = _work_dtype(old_log_prob, log_prob, advantages)  # at least fp32, also for bf16 inputs
     old = _zero_padding(old_log_prob.detach(), mask, dt)
     adv = _zero_padding(advantages.detach(), mask, dt)
     current = _zero_padding(log_prob, mask, dt)
-    phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high,
-                                       clip_ratio_c)
+    phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     if rollout_is_weights is not None:
         phi = phi * _zero_padding(rollout_is_weights.detach(), mask, phi.dtype)
-    loss = agg_loss(phi, effective, loss_agg_mode, response_mask=mask,
-                    global_token_count=global_token_count, global_seq_count=global_seq_count,
-                    loss_scale_factor=loss_scale_factor)
+    loss = agg_loss(
+        phi,
+        effective,
+        loss_agg_mode,
+        response_mask=mask,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+    )
     with torch.no_grad():
         dt = phi.dtype
-        metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/pg_clipfrac": _fraction(info["clipped"], effective, dt),
-                   "actor/pg_clipfrac_lower": _fraction(info["clipped_lower"], effective, dt),
-                   "actor/ppo_kl": masked_mean(-info["log_ratio"].detach(), effective)}
+        metrics = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": _fraction(info["clipped"], effective, dt),
+            "actor/pg_clipfrac_lower": _fraction(info["clipped_lower"], effective, dt),
+            "actor/ppo_kl": masked_mean(-info["log_ratio"].detach(), effective),
+        }
         if rollout_log_prob is not None:
             rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
-            metrics["actor/tv_update"] = estimate_tv_distance(
-                old - rollout, current.detach() - rollout, effective)
+            metrics["actor/tv_update"] = estimate_tv_distance(old - rollout, current.detach() - rollout, effective)
     return loss, _to_floats(metrics)
 
 
 def compute_policy_loss_reinforce(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None, *, keep_mask: torch.Tensor | None = None,
-    global_token_count: Any = None, global_seq_count: Any = None,
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    keep_mask: torch.Tensor | None = None,
+    global_token_count: Any = None,
+    global_seq_count: Any = None,
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Bypass REINFORCE loss L = agg(-A * log pi_theta * sg(w)) over m' (docs/corrections.md §7.4).
@@ -913,8 +970,7 @@ def compute_policy_loss_reinforce(
     """
     check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
     finite = {"log_prob": log_prob, "rollout_log_prob": rollout_log_prob, "advantages": advantages}
-    mask = _validate_inputs(response_mask, finite,
-                            {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
+    mask = _validate_inputs(response_mask, finite, {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
     effective = _effective_mask(mask, keep_mask)
     dt = _work_dtype(log_prob, rollout_log_prob, advantages)  # at least fp32, also for bf16 inputs
     current = _zero_padding(log_prob, mask, dt)
@@ -923,22 +979,36 @@ def compute_policy_loss_reinforce(
     if rollout_is_weights is not None:
         weights = _zero_padding(rollout_is_weights.detach(), mask, current.dtype)
     phi = reinforce_token_loss(current, adv, weights)
-    loss = agg_loss(phi, effective, loss_agg_mode, response_mask=mask,
-                    global_token_count=global_token_count, global_seq_count=global_seq_count,
-                    loss_scale_factor=loss_scale_factor)
+    loss = agg_loss(
+        phi,
+        effective,
+        loss_agg_mode,
+        response_mask=mask,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+    )
     with torch.no_grad():
         rollout = _zero_padding(rollout_log_prob.detach(), mask, current.dtype)
-        metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/ppo_kl": masked_mean(rollout - current.detach(), effective)}
+        metrics = {"actor/pg_loss": loss.detach(), "actor/ppo_kl": masked_mean(rollout - current.detach(), effective)}
     return loss, _to_floats(metrics)
 
 
 def compute_policy_loss_bypass_mode(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-    response_mask: torch.Tensor, config: RolloutCorrectionConfig,
-    loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0, *, global_token_count: Any = None, global_seq_count: Any = None,
-    loss_scale_factor: float | None = None, with_correction_metrics: bool = True,
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    *,
+    global_token_count: Any = None,
+    global_seq_count: Any = None,
+    loss_scale_factor: float | None = None,
+    with_correction_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (docs/corrections.md §5, §7.3-§7.4,
     §12.5).
@@ -957,17 +1027,31 @@ def compute_policy_loss_bypass_mode(
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
     weights, effective, corr_metrics = _apply_correction(
-        log_prob.detach(), rollout_log_prob, response_mask, config, with_correction_metrics)
-    common = {"keep_mask": effective, "global_token_count": global_token_count,
-              "global_seq_count": global_seq_count, "loss_scale_factor": loss_scale_factor}
+        log_prob.detach(), rollout_log_prob, response_mask, config, with_correction_metrics
+    )
+    common = {
+        "keep_mask": effective,
+        "global_token_count": global_token_count,
+        "global_seq_count": global_seq_count,
+        "loss_scale_factor": loss_scale_factor,
+    }
     if config.loss_type == "ppo_clip":
         loss, actor_metrics = compute_policy_loss_vanilla(
-            rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-            clip_ratio_low, clip_ratio_high, clip_ratio_c, None, **common)
+            rollout_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            clip_ratio_low,
+            clip_ratio_high,
+            clip_ratio_c,
+            None,
+            **common,
+        )
     else:
         loss, actor_metrics = compute_policy_loss_reinforce(
-            log_prob, rollout_log_prob, advantages, response_mask, loss_agg_mode, weights,
-            **common)
+            log_prob, rollout_log_prob, advantages, response_mask, loss_agg_mode, weights, **common
+        )
     return loss, {**actor_metrics, **corr_metrics}
 
 
@@ -977,7 +1061,10 @@ def compute_policy_loss_bypass_mode(
 
 #: Loss aggregation modes of docs/corrections.md §7.5.
 LOSS_AGG_MODES = (
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
 
@@ -995,10 +1082,16 @@ def _count(value: Any, name: str, local: torch.Tensor, dtype: torch.dtype) -> to
     return torch.tensor(float(value), dtype=dtype, device=local.device)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-             *, response_mask: torch.Tensor | None = None, global_token_count: Any = None,
-             global_seq_count: Any = None, loss_scale_factor: float | None = None
-             ) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    response_mask: torch.Tensor | None = None,
+    global_token_count: Any = None,
+    global_seq_count: Any = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
     """Aggregate a per-token loss over the optimizer-step batch B (docs/corrections.md §7.5).
 
     Rejected tokens are treated as weight-0 tokens; every loss denominator is computed from the
@@ -1023,20 +1116,20 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     mask = keep if response_mask is None else _check_mask_values(response_mask, "response_mask")
     for name, t in (("loss_mat", loss_mat), ("loss_mask", loss_mask)):
         if tuple(t.shape) != tuple(mask.shape) or mask.dim() != 2:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but response_mask has shape "
-                             f"{tuple(mask.shape)}; expected equal (B, T) shapes")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but response_mask has shape "
+                f"{tuple(mask.shape)}; expected equal (B, T) shapes"
+            )
     keep = keep & mask
     total_per_row = masked_sum(loss_mat, keep, dim=-1)
     if loss_agg_mode == "token-sum":
         return total_per_row.sum()
     dtype = total_per_row.dtype
-    needs_local = (global_token_count is None if loss_agg_mode == "token-mean"
-                   else global_seq_count is None)
+    needs_local = global_token_count is None if loss_agg_mode == "token-mean" else global_seq_count is None
     if needs_local and not bool(mask.any()):
         raise ValueError("response mask must contain at least one valid token")
     if loss_agg_mode == "token-mean":
-        return total_per_row.sum() / _count(global_token_count, "global_token_count",
-                                            mask.sum(), dtype)
+        return total_per_row.sum() / _count(global_token_count, "global_token_count", mask.sum(), dtype)
     n_rows = _count(global_seq_count, "global_seq_count", _valid_rows(mask).sum(), dtype)
     if loss_agg_mode == "seq-mean-token-sum":
         return total_per_row.sum() / n_rows
@@ -1051,12 +1144,14 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
 # Advantages: GRPO and Dr.GRPO (docs/corrections.md §8)
 # ============================================================================================
 
+
 def _group_codes(index: Any, batch_size: int, device: torch.device) -> torch.Tensor:
     """Map group ids (hashables or an integer tensor) to dense int64 codes, once."""
     if isinstance(index, torch.Tensor):
         if index.dim() != 1 or index.shape[0] != batch_size:
-            raise ValueError(f"index has shape {tuple(index.shape)} but the batch has "
-                             f"{batch_size} scores; expected ({batch_size},)")
+            raise ValueError(
+                f"index has shape {tuple(index.shape)} but the batch has {batch_size} scores; expected ({batch_size},)"
+            )
         # sort + "new value" flags + cumsum: the inverse of unique, without torch.unique's slow
         # CPU return_inverse path
         ordered, order = torch.sort(index.to(device), stable=True)
@@ -1071,9 +1166,13 @@ def _group_codes(index: Any, batch_size: int, device: torch.device) -> torch.Ten
 
 
 @torch.no_grad()
-def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashable] | torch.Tensor,
-                                   epsilon: float = 1e-6, norm_adv_by_std: bool = True,
-                                   response_mask: torch.Tensor | None = None) -> torch.Tensor:
+def compute_grpo_outcome_advantage(
+    scores: torch.Tensor,
+    index: Iterable[Hashable] | torch.Tensor,
+    epsilon: float = 1e-6,
+    norm_adv_by_std: bool = True,
+    response_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """GRPO outcome advantage (docs/corrections.md §8), vectorised over groups.
 
     R_i = sum_t r_it (scores (B, T) are summed over all positions; (B,) is used as is).
@@ -1108,8 +1207,10 @@ def compute_grpo_outcome_advantage(scores: torch.Tensor, index: Iterable[Hashabl
     if response_mask is None:
         return adv
     if response_mask.dim() != 2 or response_mask.shape[0] != size:
-        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)} but the batch "
-                         f"has {size} scores; expected ({size}, T)")
+        raise ValueError(
+            f"response_mask has shape {tuple(response_mask.shape)} but the batch "
+            f"has {size} scores; expected ({size}, T)"
+        )
     mask = _check_mask_values(response_mask, "response_mask")
     return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
 
@@ -1125,8 +1226,7 @@ _KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
 
 
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-               kl_estimator: str = "low_var_kl") -> torch.Tensor:
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator: str = "low_var_kl") -> torch.Tensor:
     """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md
     §7.6).
 
@@ -1142,13 +1242,16 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     straight = kl_estimator.endswith("+")
     base = kl_estimator[:-1] if straight else kl_estimator
     if base == "full":
-        raise ValueError(f"kl_estimator={kl_estimator!r} needs full-vocabulary distributions and "
-                         f"is not supported; choose one of {KL_ESTIMATORS}")
+        raise ValueError(
+            f"kl_estimator={kl_estimator!r} needs full-vocabulary distributions and "
+            f"is not supported; choose one of {KL_ESTIMATORS}"
+        )
     if base not in _KL_BASE_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
     if log_prob.shape != ref_log_prob.shape:
-        raise ValueError(f"log_prob has shape {tuple(log_prob.shape)} but ref_log_prob has shape "
-                         f"{tuple(ref_log_prob.shape)}")
+        raise ValueError(
+            f"log_prob has shape {tuple(log_prob.shape)} but ref_log_prob has shape {tuple(ref_log_prob.shape)}"
+        )
     d = log_prob - ref_log_prob
     if base in ("kl", "k1"):
         value = d
@@ -1172,10 +1275,16 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
 _LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
-def check_loss_settings(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-                        loss_agg_mode: str, loss_scale_factor: float | None = None) -> None:
+def check_loss_settings(
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+    loss_scale_factor: float | None = None,
+) -> None:
     """Validate the loss fields (docs/corrections.md §7.1 constraints, §10): 0 <= eps_low < 1,
     eps_high >= 0, c > 1, a known ``loss_agg_mode``, and K > 0 when given.  Raises ValueError."""
+
     def number(name: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
             raise ValueError(f"{name} must be a number, got {value!r}")
@@ -1188,8 +1297,7 @@ def check_loss_settings(clip_ratio_low: float, clip_ratio_high: float, clip_rati
     if not number("clip_ratio_c", clip_ratio_c) > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c!r} must be > 1 (dual-clip bound)")
     if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of "
-                         f"{', '.join(LOSS_AGG_MODES)}")
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
     if loss_scale_factor is not None:
         k = number("loss_scale_factor", loss_scale_factor)
         if not (k > 0 and math.isfinite(k)):
@@ -1228,40 +1336,47 @@ class RolloutCorrectionConfig:
     bypass_mode: bool = False
     loss_type: str | None = _LOSS_TYPE_DEFAULT
     use_policy_gradient: bool | None = None
-    is_spec: ISThreshold | None = dataclasses.field(init=False, repr=False, compare=False,
-                                                    default=None)
+    is_spec: ISThreshold | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
     rs_specs: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
-    veto_tau: float | None = dataclasses.field(init=False, repr=False, compare=False,
-                                               default=None)
+    veto_tau: float | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         if self.rollout_is is not None and not isinstance(self.rollout_is, str):
             raise TypeError(f"rollout_is must be None or a string, got {self.rollout_is!r}")
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            hint = (" ('geometric' is a rejection option: use rollout_rs='seq_mean_k1')"
-                    if self.rollout_is == "geometric" else "")
-            raise ValueError(f"rollout_is={self.rollout_is!r} is not one of None, "
-                             f"{', '.join(map(repr, IS_LEVELS))}{hint}")
+            hint = (
+                " ('geometric' is a rejection option: use rollout_rs='seq_mean_k1')"
+                if self.rollout_is == "geometric"
+                else ""
+            )
+            raise ValueError(
+                f"rollout_is={self.rollout_is!r} is not one of None, {', '.join(map(repr, IS_LEVELS))}{hint}"
+            )
         # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's
         # threshold may stay behind when an override turns its correction off).
         is_on = self.rollout_is is not None
         set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if is_on else None)
         if not isinstance(self.rollout_is_batch_normalize, bool):
-            raise TypeError(f"rollout_is_batch_normalize must be a bool, got "
-                            f"{self.rollout_is_batch_normalize!r}")
-        set_(self, "rs_specs", parse_rs_options(self.rollout_rs, self.rollout_rs_threshold,
-                                                self.rollout_rs_threshold_lower))
+            raise TypeError(f"rollout_is_batch_normalize must be a bool, got {self.rollout_is_batch_normalize!r}")
+        set_(
+            self,
+            "rs_specs",
+            parse_rs_options(self.rollout_rs, self.rollout_rs_threshold, self.rollout_rs_threshold_lower),
+        )
         set_(self, "veto_tau", parse_veto_threshold(self.rollout_token_veto_threshold))
         if not isinstance(self.bypass_mode, bool):
             raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
         set_(self, "loss_type", self._resolve_loss_type())
         if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
-            warnings.warn(f"rollout_is={self.rollout_is!r} with bypass_mode=True and "
-                          f"loss_type='ppo_clip' only adds IS metrics: the PPO ratio pi_theta/mu "
-                          f"already is the IS ratio, weights are never multiplied "
-                          f"(docs/corrections.md §7.3)",
-                          UserWarning, stacklevel=3)
+            warnings.warn(
+                f"rollout_is={self.rollout_is!r} with bypass_mode=True and "
+                f"loss_type='ppo_clip' only adds IS metrics: the PPO ratio pi_theta/mu "
+                f"already is the IS ratio, weights are never multiplied "
+                f"(docs/corrections.md §7.3)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _resolve_loss_type(self) -> str:
         """Apply the legacy ``use_policy_gradient`` alias and check loss_type (§9.1)."""
@@ -1276,14 +1391,14 @@ class RolloutCorrectionConfig:
                 raise TypeError(f"use_policy_gradient must be None or a bool, got {upg!r}")
             implied = "reinforce" if upg else "ppo_clip"
             if explicit and loss_type != implied:
-                raise ValueError(f"use_policy_gradient={upg!r} conflicts with "
-                                 f"loss_type={str(loss_type)!r}")
+                raise ValueError(f"use_policy_gradient={upg!r} conflicts with loss_type={str(loss_type)!r}")
             if upg and not self.bypass_mode:
                 raise ValueError(f"use_policy_gradient={upg!r} requires bypass_mode=True")
             loss_type = implied
         if loss_type == "reinforce" and not self.bypass_mode:
-            raise ValueError(f"loss_type={str(loss_type)!r} requires bypass_mode=True "
-                             f"(decoupled mode always uses ppo_clip)")
+            raise ValueError(
+                f"loss_type={str(loss_type)!r} requires bypass_mode=True (decoupled mode always uses ppo_clip)"
+            )
         # A value the user did not set stays marked as such, so dataclasses.replace(config,
         # use_policy_gradient=...) may still choose it, exactly as the constructor would.
         return str(loss_type) if explicit else _DefaultLossType(loss_type)
@@ -1321,8 +1436,12 @@ _GEO_RS = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": _Arg("rs_thresho
 _K3_RS = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": _Arg("rs_threshold", 0.01)}
 # One-sided Seq-MIS, w = rho * 1[rho <= C] (Liu, Li et al. 2025): sequence TIS at C, and the rows
 # with rho > C rejected by seq_sum_k1 "_C" (no lower bound), so a kept row carries rho itself.
-_SEQ_MIS = {"rollout_is": "sequence", "rollout_is_threshold": _Arg("threshold", 2.0),
-            "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _Band(None, _Arg("threshold", 2.0))}
+_SEQ_MIS = {
+    "rollout_is": "sequence",
+    "rollout_is_threshold": _Arg("threshold", 2.0),
+    "rollout_rs": "seq_sum_k1",
+    "rollout_rs_threshold": _Band(None, _Arg("threshold", 2.0)),
+}
 
 
 def _tis(level: str, arg: str = "is_threshold") -> dict[str, Any]:
@@ -1336,12 +1455,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "decoupled_token_is": _tis("token", "threshold"),  # Token-TIS (Yao et al. 2025)
     "decoupled_seq_is": _tis("sequence", "threshold"),  # Seq-TIS (Liu, Li et al. 2025)
     "decoupled_token_icepop": {"rollout_is": "token", "rollout_is_threshold": _ICEPOP},
-    "decoupled_seq_is_rs": {**_tis("sequence"), "rollout_rs": "seq_sum_k1",
-                            "rollout_rs_threshold": _Arg("rs_threshold", "0.5_2.0")},
+    "decoupled_seq_is_rs": {
+        **_tis("sequence"),
+        "rollout_rs": "seq_sum_k1",
+        "rollout_rs_threshold": _Arg("rs_threshold", "0.5_2.0"),
+    },
     "decoupled_seq_mis": {**_SEQ_MIS},
     # Geo-RS; a legacy lower bound selects the legacy name "geometric" (see _preset_fields)
-    "decoupled_geo_rs": {**_GEO_RS, "rollout_token_veto_threshold": _Arg("veto_threshold", None),
-                         "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None)},
+    "decoupled_geo_rs": {
+        **_GEO_RS,
+        "rollout_token_veto_threshold": _Arg("veto_threshold", None),
+        "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None),
+    },
     "bypass_ppo_clip": {**_PPO},
     "bypass_ppo_clip_geo_rs": {**_GEO_RS, **_PPO},
     "bypass_ppo_clip_k3_rs": {**_K3_RS, **_PPO},  # TRM average criterion (arXiv 2512.23075)
@@ -1367,10 +1492,15 @@ PRESET_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     # token IS in bypass PPO-clip: metrics only, on purpose (no warning)
     "ppo_is_bypass": ("bypass_ppo_clip", _tis("token", "threshold")),
     # legacy geometric RS ([lower or 1/U, U]) + veto, REINFORCE
-    "pg_rs": ("bypass_pg_geo_rs", {"rollout_rs": "geometric",
-                                   "rollout_rs_threshold": _Arg("rs_threshold", 1.001),
-                                   "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None),
-                                   "rollout_token_veto_threshold": _Arg("veto_threshold", 1e-4)}),
+    "pg_rs": (
+        "bypass_pg_geo_rs",
+        {
+            "rollout_rs": "geometric",
+            "rollout_rs_threshold": _Arg("rs_threshold", 1.001),
+            "rollout_rs_threshold_lower": _Arg("rs_threshold_lower", None),
+            "rollout_token_veto_threshold": _Arg("veto_threshold", 1e-4),
+        },
+    ),
 }
 
 #: Every name accepted by :meth:`RolloutCorrectionConfig.from_name`.
@@ -1386,8 +1516,12 @@ def _preset_table(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
         table = PRESETS[name]
     else:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
-    args = {a.name: a.default for v in table.values()
-            for a in ((v.lower, v.upper) if isinstance(v, _Band) else (v,)) if isinstance(a, _Arg)}
+    args = {
+        a.name: a.default
+        for v in table.values()
+        for a in ((v.lower, v.upper) if isinstance(v, _Band) else (v,))
+        if isinstance(a, _Arg)
+    }
     return table, args
 
 
@@ -1396,8 +1530,10 @@ def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     table, args = _preset_table(name)
     unknown = sorted(set(overrides) - set(args))
     if unknown:
-        raise TypeError(f"preset {name!r} got unexpected argument(s) {', '.join(unknown)}; "
-                        f"its arguments are {', '.join(args) or 'none'}")
+        raise TypeError(
+            f"preset {name!r} got unexpected argument(s) {', '.join(unknown)}; "
+            f"its arguments are {', '.join(args) or 'none'}"
+        )
     args.update(overrides)
     fields = {}
     for field, value in table.items():
@@ -1413,13 +1549,17 @@ def _preset_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 def _preset_method(name: str):
     """``RolloutCorrectionConfig.<name>(**overrides)``, the classmethod form of ``from_name``."""
+
     def build(cls, **overrides: Any) -> RolloutCorrectionConfig:
         return cls.from_name(name, **overrides)
+
     section = "9.3" if name in PRESET_ALIASES else "9.2"
     args = ", ".join(f"{k}={v!r}" for k, v in _preset_table(name)[1].items()) or "none"
     build.__name__ = build.__qualname__ = name
-    build.__doc__ = (f"Preset {name!r} (docs/corrections.md §{section}): {_preset_fields(name, {})}."
-                     f"\n\nTunable arguments (defaults): {args}.")
+    build.__doc__ = (
+        f"Preset {name!r} (docs/corrections.md §{section}): {_preset_fields(name, {})}."
+        f"\n\nTunable arguments (defaults): {args}."
+    )
     return classmethod(build)
 
 
@@ -1481,17 +1621,21 @@ def _fraction(condition: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -
     return masked_mean(condition.to(dtype), mask)
 
 
-def _seq_metrics(row_value: torch.Tensor, rows: torch.Tensor, centre: float,
-                 high: torch.Tensor, low: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _seq_metrics(
+    row_value: torch.Tensor, rows: torch.Tensor, centre: float, high: torch.Tensor, low: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """The seq_* block shared by the IS and RS metrics (docs/corrections.md §6.1, §6.2), over
     the valid rows: E_V R, sd_V(R), max R, min R, max |R - centre|, E_V 1[high], E_V 1[low]
     (the last only when ``low`` is given).  ``centre`` is the value for identical policies."""
     dt = row_value.dtype
-    out = {"seq_mean": masked_mean(row_value, rows),
-           "seq_std": torch.sqrt(masked_var(row_value, rows, unbiased=True)),
-           "seq_max": _masked_max(row_value, rows), "seq_min": _masked_min(row_value, rows),
-           "seq_max_deviation": _masked_max((row_value - centre).abs(), rows),
-           "seq_fraction_high": _fraction(high, rows, dt)}
+    out = {
+        "seq_mean": masked_mean(row_value, rows),
+        "seq_std": torch.sqrt(masked_var(row_value, rows, unbiased=True)),
+        "seq_max": _masked_max(row_value, rows),
+        "seq_min": _masked_min(row_value, rows),
+        "seq_max_deviation": _masked_max((row_value - centre).abs(), rows),
+        "seq_fraction_high": _fraction(high, rows, dt),
+    }
     if low is not None:
         out["seq_fraction_low"] = _fraction(low, rows, dt)
     return out
@@ -1512,8 +1656,11 @@ def _check_mask_values(mask: torch.Tensor, name: str) -> torch.Tensor:
     return mask != 0
 
 
-def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Tensor | None],
-                     other: Mapping[str, torch.Tensor | None] | None = None) -> torch.Tensor:
+def _validate_inputs(
+    response_mask: torch.Tensor,
+    finite: Mapping[str, torch.Tensor | None],
+    other: Mapping[str, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """Validate per-token inputs and return the original mask as bool (docs/corrections.md §10).
 
     Checks, in order: 2-D equal shapes (naming both shapes), 0/1 mask values, at least one valid
@@ -1522,14 +1669,14 @@ def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Ten
     if not isinstance(response_mask, torch.Tensor):
         raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask)!r}")
     if response_mask.dim() != 2:
-        raise ValueError(
-            f"response_mask must be 2-D (B, T), got shape {tuple(response_mask.shape)}")
+        raise ValueError(f"response_mask must be 2-D (B, T), got shape {tuple(response_mask.shape)}")
     tensors = {**finite, **(other or {})}
     for name, tensor in tensors.items():
         if tensor is not None and tuple(tensor.shape) != tuple(response_mask.shape):
             raise ValueError(
                 f"{name} has shape {tuple(tensor.shape)} but response_mask has shape "
-                f"{tuple(response_mask.shape)}; all per-token tensors must have the same shape")
+                f"{tuple(response_mask.shape)}; all per-token tensors must have the same shape"
+            )
     mask = _check_mask_values(response_mask, "response_mask")
     if not bool(mask.any()):
         raise ValueError("response mask must contain at least one valid token")
@@ -1538,8 +1685,10 @@ def _validate_inputs(response_mask: torch.Tensor, finite: Mapping[str, torch.Ten
             continue
         bad = int((mask & ~torch.isfinite(tensor.detach())).sum())
         if bad:
-            raise ValueError(f"{name} has {bad} non-finite value(s) (NaN or +/-inf) at valid "
-                             f"positions of response_mask; sanitise it before the correction")
+            raise ValueError(
+                f"{name} has {bad} non-finite value(s) (NaN or +/-inf) at valid "
+                f"positions of response_mask; sanitise it before the correction"
+            )
     return mask
 
 
@@ -1549,16 +1698,13 @@ def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None,
-                       response_mask: torch.Tensor):
+def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor):
     """Validate (§10) and return (mask as bool, log pi_train, log mu or None): detached, in the
     work dtype, padding replaced by 0."""
-    mask = _validate_inputs(response_mask, {"old_log_prob": old_log_prob,
-                                            "rollout_log_prob": rollout_log_prob})
+    mask = _validate_inputs(response_mask, {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob})
     dtype = _work_dtype(old_log_prob, rollout_log_prob)
     train = _zero_padding(old_log_prob.detach(), mask, dtype)
-    rollout = None if rollout_log_prob is None else _zero_padding(rollout_log_prob.detach(), mask,
-                                                                  dtype)
+    rollout = None if rollout_log_prob is None else _zero_padding(rollout_log_prob.detach(), mask, dtype)
     return mask, train, rollout
 
 
@@ -1585,6 +1731,7 @@ def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
 # Kernels: per-token log-probability and entropy from logits, chunked over rows
 # ============================================================================================
 
+
 def log_probs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256
 ) -> torch.Tensor:
@@ -1602,7 +1749,8 @@ def log_probs_from_logits(
     if tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(
             f"logits shape {tuple(logits.shape)} does not match labels shape "
-            f"{tuple(labels.shape)}: logits must be labels.shape + (vocab,)")
+            f"{tuple(labels.shape)}: logits must be labels.shape + (vocab,)"
+        )
     if isinstance(temperature, bool) or not temperature > 0:
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     if isinstance(chunk_size, bool) or int(chunk_size) < 1:
@@ -1613,11 +1761,9 @@ def log_probs_from_logits(
         except RuntimeError:  # a non-viewable slice (logits[:, :-1]): chunked in place, see _row_chunks
             flat = None
         if flat is not None:
-            return log_probs_from_logits(flat, labels.reshape(-1), temperature,
-                                         chunk_size).view(labels.shape)
+            return log_probs_from_logits(flat, labels.reshape(-1), temperature, chunk_size).view(labels.shape)
     if logits.dim() == 1:
-        return log_probs_from_logits(logits.unsqueeze(0), labels.reshape(1), temperature,
-                                     chunk_size).reshape(())
+        return log_probs_from_logits(logits.unsqueeze(0), labels.reshape(1), temperature, chunk_size).reshape(())
     labels = labels.long()
     if logits.requires_grad and torch.is_grad_enabled():
         return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_size))
@@ -1720,18 +1866,57 @@ def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
 
 # Public names (kept at the end so that the formulas come first).
 __all__ = [
-    "IS_LEVELS", "KL_ESTIMATORS", "LEGACY_RS_NAMES", "LOSS_AGG_MODES", "PRESETS",
-    "PRESET_ALIASES", "PRESET_NAMES", "RS_OPTIONS", "SAFETY_BOUND", "ISThreshold", "RSOption",
-    "RolloutCorrectionConfig", "agg_loss", "batch_normalize_is_weights", "check_loss_settings",
-    "chi2_divergence", "compute_consistency_metrics", "compute_grpo_outcome_advantage",
-    "compute_is_metrics", "compute_offpolicy_metrics", "compute_policy_loss_bypass_mode",
-    "compute_policy_loss_reinforce", "compute_policy_loss_vanilla", "compute_rejection_mask",
-    "compute_rollout_correction_and_rejection_mask", "compute_rollout_correction_weights",
-    "compute_rs_option_metrics", "compute_veto_mask", "entropy_from_logits",
-    "estimate_tv_distance", "geometric_log_ratio", "icepop_is_weights", "k2_divergence",
-    "k3_divergence", "kl_penalty", "log_probs_from_logits", "masked_mean", "masked_sum",
-    "masked_var", "parse_is_threshold", "parse_rs_options", "parse_veto_threshold",
-    "ppo_clipped_token_loss", "raw_is_weights", "reinforce_token_loss", "rs_aggregate",
-    "rs_base_statistic", "rs_option_keep_mask", "safe_exp", "safety_clip", "sequence_log_ratio",
-    "token_log_ratio", "truncate_is_weights",
+    "IS_LEVELS",
+    "KL_ESTIMATORS",
+    "LEGACY_RS_NAMES",
+    "LOSS_AGG_MODES",
+    "PRESETS",
+    "PRESET_ALIASES",
+    "PRESET_NAMES",
+    "RS_OPTIONS",
+    "SAFETY_BOUND",
+    "ISThreshold",
+    "RSOption",
+    "RolloutCorrectionConfig",
+    "agg_loss",
+    "batch_normalize_is_weights",
+    "check_loss_settings",
+    "chi2_divergence",
+    "compute_consistency_metrics",
+    "compute_grpo_outcome_advantage",
+    "compute_is_metrics",
+    "compute_offpolicy_metrics",
+    "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_vanilla",
+    "compute_rejection_mask",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rs_option_metrics",
+    "compute_veto_mask",
+    "entropy_from_logits",
+    "estimate_tv_distance",
+    "geometric_log_ratio",
+    "icepop_is_weights",
+    "k2_divergence",
+    "k3_divergence",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "parse_is_threshold",
+    "parse_rs_options",
+    "parse_veto_threshold",
+    "ppo_clipped_token_loss",
+    "raw_is_weights",
+    "reinforce_token_loss",
+    "rs_aggregate",
+    "rs_base_statistic",
+    "rs_option_keep_mask",
+    "safe_exp",
+    "safety_clip",
+    "sequence_log_ratio",
+    "token_log_ratio",
+    "truncate_is_weights",
 ]

@@ -4,6 +4,7 @@ and its logs, checkpoints and resume, data-parallel checksums.
 
 Nothing here changes the algorithm; every piece is unit-tested on CPU (test_infra.py) or end to end (test_train.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,6 @@ import shutil
 import signal
 import sys
 import warnings
-
 from typing import Annotated
 
 import numpy as np
@@ -37,10 +37,16 @@ def _number_or_text(text: str) -> float | str:
 
 
 # A threshold: a number, or the text forms rc_core parses ('L_U', one entry per RS option, 'none').
-Threshold = Annotated[float | str | None, tyro.constructors.PrimitiveConstructorSpec(
-    nargs=1, metavar="{FLOAT,L_U,...,none}", instance_from_str=lambda a: _number_or_text(a[0]),
-    is_instance=lambda x: x is None or isinstance(x, (int, float, str)), str_from_instance=lambda x: [str(x)])]
-
+Threshold = Annotated[
+    float | str | None,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="{FLOAT,L_U,...,none}",
+        instance_from_str=lambda a: _number_or_text(a[0]),
+        is_instance=lambda x: x is None or isinstance(x, (int, float, str)),
+        str_from_instance=lambda x: [str(x)],
+    ),
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,11 +60,16 @@ class _YamlLoader(yaml.SafeLoader):
 
 _YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"
-               r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+    re.compile(
+        r"^[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"
+        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def load_yaml_defaults(cls, path: str, **extra):
@@ -124,8 +135,11 @@ def _check_field_types(obj, prefix: str = "") -> None:
         if hint is int:
             return isinstance(value, int) and not isinstance(value, bool)
         if hint is float:  # an int is a number too; one too large for a float is not
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and not (
-                isinstance(value, int) and abs(value) > sys.float_info.max)
+            return (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and not (isinstance(value, int) and abs(value) > sys.float_info.max)
+            )
         if hint is str:
             return isinstance(value, str)
         if origin is list:
@@ -142,8 +156,9 @@ def _check_field_types(obj, prefix: str = "") -> None:
             return "one of " + ", ".join(map(repr, parts))
         if origin is list:
             return f"a list, each item {describe(parts[0])}"
-        return {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
-                str: "a string"}.get(hint, "a mapping")
+        return {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+            hint, "a mapping"
+        )
 
     for name, hint in typing.get_type_hints(type(obj)).items():
         value = getattr(obj, name)
@@ -172,118 +187,188 @@ def validate_args(args, world_size: int) -> None:
     _check_field_types(args.mini, prefix="mini.")
 
     # Names, paths, trackers
-    need(args.exp_name.strip() != "" and not any(s in args.exp_name for s in ("/", os.sep, os.altsep) if s),
-         f"--exp-name must be a non-empty name without a path separator (it is part of the run folder's name), "
-         f"got {args.exp_name!r}")
+    need(
+        args.exp_name.strip() != "" and not any(s in args.exp_name for s in ("/", os.sep, os.altsep) if s),
+        f"--exp-name must be a non-empty name without a path separator (it is part of the run folder's name), "
+        f"got {args.exp_name!r}",
+    )
     if args.run_name is not None:
-        need(args.run_name.strip() not in ("", ".", "..")
-             and not any(s in args.run_name for s in ("/", os.sep, os.altsep) if s),
-             f"--run-name must be a folder name without a path separator (not '', '.' or '..'; the parent folder is "
-             f"--output-dir), got {args.run_name!r}")
-    need(not args.resume or args.run_name is not None,
-         "--resume needs --run-name (the run to continue; the default name holds the start time, so it is always new)")
-    need(not os.path.exists(args.output_dir) or os.path.isdir(args.output_dir),
-         f"--output-dir must be a folder, got {args.output_dir!r} (a file)")
+        need(
+            args.run_name.strip() not in ("", ".", "..")
+            and not any(s in args.run_name for s in ("/", os.sep, os.altsep) if s),
+            f"--run-name must be a folder name without a path separator (not '', '.' or '..'; the parent folder is "
+            f"--output-dir), got {args.run_name!r}",
+        )
+    need(
+        not args.resume or args.run_name is not None,
+        "--resume needs --run-name (the run to continue; the default name holds the start time, so it is always new)",
+    )
+    need(
+        not os.path.exists(args.output_dir) or os.path.isdir(args.output_dir),
+        f"--output-dir must be a folder, got {args.output_dir!r} (a file)",
+    )
     if args.run_name is not None:
         run_dir = os.path.join(args.output_dir, args.run_name)
-        need(not os.path.exists(run_dir) or os.path.isdir(run_dir),
-             f"--run-name {args.run_name!r}: {run_dir!r} exists and is not a folder")
+        need(
+            not os.path.exists(run_dir) or os.path.isdir(run_dir),
+            f"--run-name {args.run_name!r}: {run_dir!r} exists and is not a folder",
+        )
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    need(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
-         f"--output-dir {args.output_dir!r} cannot be created or written: {existing!r} is not a writable folder")
+    need(
+        os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+        f"--output-dir {args.output_dir!r} cannot be created or written: {existing!r} is not a writable folder",
+    )
     model = args.model
     need(model.strip() != "", f"--model must be 'tiny', a local model folder or a Hugging Face model id, got {model!r}")
     if model != "tiny" and _local_path(model) and not os.path.isdir(model):  # 'tiny': rc_train.TINY_MODEL, built here
         home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
-        need(False, f"--model must be an existing local model folder or a Hugging Face model id, got {model!r} "
-                    + ("('~' is not expanded here: write the full path)" if home else
-                       "(a file, not a folder)" if os.path.exists(model) else "(no such folder)"))
+        need(
+            False,
+            f"--model must be an existing local model folder or a Hugging Face model id, got {model!r} "
+            + (
+                "('~' is not expanded here: write the full path)"
+                if home
+                else "(a file, not a folder)"
+                if os.path.exists(model)
+                else "(no such folder)"
+            ),
+        )
     trackers = getattr(args, "log_with", None) or []
     if trackers:
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
         installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
         for name in trackers:
-            need(name == "all" or name in LOGGER_TYPE_TO_CLASS,
-                 f"--log-with must name Accelerate trackers ({', '.join(LOGGER_TYPE_TO_CLASS)}) or all, got {name!r}")
-            need(name == "all" or name in installed,
-                 f"--log-with {name}: the {name} package is not installed (Accelerate would skip it silently): "
-                 f"pip install {name}, or drop it")
+            need(
+                name == "all" or name in LOGGER_TYPE_TO_CLASS,
+                f"--log-with must name Accelerate trackers ({', '.join(LOGGER_TYPE_TO_CLASS)}) or all, got {name!r}",
+            )
+            need(
+                name == "all" or name in installed,
+                f"--log-with {name}: the {name} package is not installed (Accelerate would skip it silently): "
+                f"pip install {name}, or drop it",
+            )
         if "wandb" in trackers:
             project = args.wandb_project_name
-            need(0 < len(project) <= 128 and not any(c in project for c in "/\\#?%:"),
-                 f"--wandb-project-name must be 1..128 characters, none of / \\ # ? % :, got {project!r}")
-    need(0 <= args.seed <= 2 ** 32 - world_size,
-         f"--seed must be in [0, {2 ** 32 - world_size}] (numpy and vLLM take 32-bit seeds; rank r's engine uses "
-         f"seed + r), got {args.seed}")
+            need(
+                0 < len(project) <= 128 and not any(c in project for c in "/\\#?%:"),
+                f"--wandb-project-name must be 1..128 characters, none of / \\ # ? % :, got {project!r}",
+            )
+    need(
+        0 <= args.seed <= 2**32 - world_size,
+        f"--seed must be in [0, {2**32 - world_size}] (numpy and vLLM take 32-bit seeds; rank r's engine uses "
+        f"seed + r), got {args.seed}",
+    )
 
     # Data and task
-    need(args.train_limit is None or args.train_limit >= 1,
-         f"--train-limit must be >= 1 (or None: every problem), got {args.train_limit}")
-    need(args.eval_limit is None or args.eval_limit >= 1,
-         f"--eval-limit must be >= 1 (or None: the whole split), got {args.eval_limit}")
-    need(args.format_bonus >= 0 and math.isfinite(args.format_bonus),
-         f"--format-bonus must be a finite number >= 0, got {args.format_bonus}")
+    need(
+        args.train_limit is None or args.train_limit >= 1,
+        f"--train-limit must be >= 1 (or None: every problem), got {args.train_limit}",
+    )
+    need(
+        args.eval_limit is None or args.eval_limit >= 1,
+        f"--eval-limit must be >= 1 (or None: the whole split), got {args.eval_limit}",
+    )
+    need(
+        args.format_bonus >= 0 and math.isfinite(args.format_bonus),
+        f"--format-bonus must be a finite number >= 0, got {args.format_bonus}",
+    )
 
     # Rollout
     need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
-    need(args.num_samples_per_prompt >= 2,
-         f"--num-samples-per-prompt must be >= 2 (the GRPO group size: a group of one response has no group mean "
-         f"to compare with, so the advantage falls back to the raw reward, REINFORCE without a baseline), "
-         f"got {args.num_samples_per_prompt}")
-    need(args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
-         f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size ({world_size})")
+    need(
+        args.num_samples_per_prompt >= 2,
+        f"--num-samples-per-prompt must be >= 2 (the GRPO group size: a group of one response has no group mean "
+        f"to compare with, so the advantage falls back to the raw reward, REINFORCE without a baseline), "
+        f"got {args.num_samples_per_prompt}",
+    )
+    need(
+        args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
+        f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size "
+        f"({world_size})",
+    )
     batch = args.num_prompts_per_step // world_size * args.num_samples_per_prompt
-    need(args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
-         f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})")
+    need(
+        args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+        f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})",
+    )
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    need(args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
-         f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}")
+    need(
+        args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
+        f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}",
+    )
     need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
-    need(args.max_model_len > args.max_response_length,
-         f"--max-model-len must be > --max-response-length ({args.max_response_length}): a prompt and its response "
-         f"must fit in the context, got {args.max_model_len}")
-    need(args.temperature > 0 and math.isfinite(args.temperature),
-         f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}")
+    need(
+        args.max_model_len > args.max_response_length,
+        f"--max-model-len must be > --max-response-length ({args.max_response_length}): a prompt and its response "
+        f"must fit in the context, got {args.max_model_len}",
+    )
+    need(
+        args.temperature > 0 and math.isfinite(args.temperature),
+        f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}",
+    )
     need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
-    need(args.train_dtype != "float16",
-         f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
-         f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32")
+    need(
+        args.train_dtype != "float16",
+        f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
+        f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32",
+    )
     need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
     k = args.max_staleness
     need(k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
     if k or args.rollout_worker:
-        need(args.sync_every == 1,
-             f"--max-staleness {k} loads every new version into the rollout worker: it needs --sync-every 1 (the "
-             f"synchronous loop's own lag dial), got --sync-every {args.sync_every}")
-        need(not torch.cuda.is_available(),
-             f"--max-staleness {k} (a rollout worker process) runs on CPU only: on a GPU the worker's engine would "
-             f"share the device with the trainer while it generates (no sleep mode then) and the weights would need "
-             f"CUDA IPC; neither is built or verified here. Use --max-staleness 0 on GPUs" if k else
-             "--rollout-worker runs on CPU only (no GPU weight hand-over is built): drop it on GPUs")
-    need(0 < args.vllm_gpu_memory_utilization <= 1,
-         f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
-         f"got {args.vllm_gpu_memory_utilization}")
-    need(args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb),
-         f"--vllm-kv-cache-gb must be a finite number > 0, got {args.vllm_kv_cache_gb}")
-    need(0.0 <= args.rollout_corrupt_prob < 1.0,
-         f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}")
-    need(args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
-         f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}")
-    need(args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
-         f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
+        need(
+            args.sync_every == 1,
+            f"--max-staleness {k} loads every new version into the rollout worker: it needs --sync-every 1 (the "
+            f"synchronous loop's own lag dial), got --sync-every {args.sync_every}",
+        )
+        need(
+            not torch.cuda.is_available(),
+            f"--max-staleness {k} (a rollout worker process) runs on CPU only: on a GPU the worker's engine would "
+            f"share the device with the trainer while it generates (no sleep mode then) and the weights would need "
+            f"CUDA IPC; neither is built or verified here. Use --max-staleness 0 on GPUs"
+            if k
+            else "--rollout-worker runs on CPU only (no GPU weight hand-over is built): drop it on GPUs",
+        )
+    need(
+        0 < args.vllm_gpu_memory_utilization <= 1,
+        f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
+        f"got {args.vllm_gpu_memory_utilization}",
+    )
+    need(
+        args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb),
+        f"--vllm-kv-cache-gb must be a finite number > 0, got {args.vllm_kv_cache_gb}",
+    )
+    need(
+        0.0 <= args.rollout_corrupt_prob < 1.0,
+        f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}",
+    )
+    need(
+        args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
+        f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}",
+    )
+    need(
+        args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
+        f"--rollout-temperature must be > 0, got {args.rollout_temperature}",
+    )
     need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
 
     # Optimisation
-    need(args.learning_rate > 0 and math.isfinite(args.learning_rate),
-         f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
-    need(args.weight_decay >= 0 and math.isfinite(args.weight_decay),
-         f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    need(
+        args.learning_rate > 0 and math.isfinite(args.learning_rate),
+        f"--learning-rate must be a finite number > 0, got {args.learning_rate}",
+    )
+    need(
+        args.weight_decay >= 0 and math.isfinite(args.weight_decay),
+        f"--weight-decay must be a finite number >= 0, got {args.weight_decay}",
+    )
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
-    need(args.kl_coef >= 0 and math.isfinite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}")
+    need(
+        args.kl_coef >= 0 and math.isfinite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}"
+    )
     need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
 
     # Evaluation, checkpoints
@@ -292,20 +377,28 @@ def validate_args(args, world_size: int) -> None:
 
     # Engine
     need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
-    need(args.vllm_sleep_level == 1 or args.sync_every == 1,
-         f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
-         f"it needs --sync-every 1, got --sync-every {args.sync_every}")
-    need(args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
-         f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}")
+    need(
+        args.vllm_sleep_level == 1 or args.sync_every == 1,
+        f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
+        f"it needs --sync-every 1, got --sync-every {args.sync_every}",
+    )
+    need(
+        args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
+        f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}",
+    )
     tokens = args.vllm_max_num_batched_tokens
     need(tokens is None or tokens >= 1, f"--vllm-max-num-batched-tokens must be >= 1, got {tokens}")
     if tokens is not None and not torch.cuda.is_available():
         # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
-        need(tokens >= args.max_model_len,
-             f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
-             f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len")
-    need(tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
-         f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}")
+        need(
+            tokens >= args.max_model_len,
+            f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
+            f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len",
+        )
+    need(
+        tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
+        f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}",
+    )
 
     # Loss (rc_core's own checks; the message says which flag gave a clip value that was not set itself)
     if args.kl_coef > 0:
@@ -315,8 +408,14 @@ def validate_args(args, world_size: int) -> None:
     try:
         rc_core.check_loss_settings(low, high, args.clip_ratio_c, args.loss_agg_mode, args.loss_scale_factor)
     except ValueError as e:
-        side = next((s for s in ("low", "high") if str(e).startswith(f"clip_ratio_{s}")
-                     and getattr(args, f"clip_ratio_{s}") is None), None)
+        side = next(
+            (
+                s
+                for s in ("low", "high")
+                if str(e).startswith(f"clip_ratio_{s}") and getattr(args, f"clip_ratio_{s}") is None
+            ),
+            None,
+        )
         if side is None:
             raise
         raise ValueError(f"{e} (--clip-ratio-{side} is unset: it takes --clip-ratio {args.clip_ratio})") from None
@@ -335,20 +434,28 @@ def launcher_settings(args, environ=os.environ) -> None:
     the trainer shards with torch's fully_shard itself, on every device, because Accelerate builds its FSDP2 plugin
     only for GPU distributed types (on CPU it silently drops it and trains DDP). The variable is removed so that
     Accelerate sets up plain data parallelism under the trainer's own sharding."""
+
     def on(name):
         return environ.get(name, "false").lower() in ("1", "true", "yes")
+
     if on("ACCELERATE_USE_DEEPSPEED"):
-        raise ValueError("DeepSpeed is not supported (under Accelerate it steps the optimizer per micro-batch and "
-                         "scales the loss by 1/gradient_accumulation_steps); shard with FSDP2 instead: --fsdp, or "
-                         "accelerate launch --config_file configs/accelerate/fsdp2.yaml")
+        raise ValueError(
+            "DeepSpeed is not supported (under Accelerate it steps the optimizer per micro-batch and "
+            "scales the loss by 1/gradient_accumulation_steps); shard with FSDP2 instead: --fsdp, or "
+            "accelerate launch --config_file configs/accelerate/fsdp2.yaml"
+        )
     if on("ACCELERATE_USE_FSDP"):
         version = environ.get("FSDP_VERSION", "1")
         if version != "2":
-            raise ValueError(f"FSDP version {version} (FSDP1) is not supported: set fsdp_version: 2 in the Accelerate "
-                             f"config (configs/accelerate/fsdp2.yaml)")
+            raise ValueError(
+                f"FSDP version {version} (FSDP1) is not supported: set fsdp_version: 2 in the Accelerate "
+                f"config (configs/accelerate/fsdp2.yaml)"
+            )
         if on("FSDP_OFFLOAD_PARAMS"):
-            raise ValueError("fsdp_offload_params: true is not supported: every weight sync streams the full "
-                             "parameters from the device into the colocated engine")
+            raise ValueError(
+                "fsdp_offload_params: true is not supported: every weight sync streams the full "
+                "parameters from the device into the colocated engine"
+            )
         args.fsdp = True
         environ.pop("ACCELERATE_USE_FSDP")
 
@@ -366,20 +473,28 @@ def check_distributed(accelerator, args) -> None:
     if kind == DistributedType.DEEPSPEED:
         raise ValueError("DeepSpeed is not supported; shard with FSDP2 instead (--fsdp, configs/accelerate/fsdp2.yaml)")
     if kind == DistributedType.FSDP:
-        raise ValueError("Accelerate's FSDP plugin is not used: shard with --fsdp (torch's fully_shard), or launch "
-                         "with configs/accelerate/fsdp2.yaml")
+        raise ValueError(
+            "Accelerate's FSDP plugin is not used: shard with --fsdp (torch's fully_shard), or launch "
+            "with configs/accelerate/fsdp2.yaml"
+        )
     if args.fsdp and accelerator.num_processes < 2:
-        raise ValueError("--fsdp shards over several processes, but this run has 1: launch it with torchrun "
-                         "--nproc_per_node N or accelerate launch --config_file configs/accelerate/fsdp2.yaml")
+        raise ValueError(
+            "--fsdp shards over several processes, but this run has 1: launch it with torchrun "
+            "--nproc_per_node N or accelerate launch --config_file configs/accelerate/fsdp2.yaml"
+        )
     if args.fsdp and args.max_tokens_per_micro_batch:
-        raise ValueError(f"--fsdp needs the same number of micro-batches on every rank: drop "
-                         f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch}")
+        raise ValueError(
+            f"--fsdp needs the same number of micro-batches on every rank: drop "
+            f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch}"
+        )
     if torch.cuda.is_available():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local_world > torch.cuda.device_count():
-            raise ValueError(f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs: each rank's "
-                             f"engine needs a GPU of its own (num_processes of the Accelerate config, or torchrun "
-                             f"--nproc_per_node)")
+            raise ValueError(
+                f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs: each rank's "
+                f"engine needs a GPU of its own (num_processes of the Accelerate config, or torchrun "
+                f"--nproc_per_node)"
+            )
 
 
 class HostGroup:
@@ -493,10 +608,17 @@ def engine_awake(engine: EngineMemory, *tags: str, sleep_after: bool = False):
 def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, placement: dict):
     """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log).
     limits: engine_limits; placement: engine_placement (each rank's engine on its own GPU)."""
-    kwargs = dict(model=model_path, dtype=args.rollout_dtype, seed=seed, max_model_len=args.max_model_len,
-                  # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
-                  logprobs_mode=f"{args.rollout_logprobs}_logprobs",
-                  enable_prefix_caching=True, **limits, **placement)
+    kwargs = dict(
+        model=model_path,
+        dtype=args.rollout_dtype,
+        seed=seed,
+        max_model_len=args.max_model_len,
+        # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
+        logprobs_mode=f"{args.rollout_logprobs}_logprobs",
+        enable_prefix_caching=True,
+        **limits,
+        **placement,
+    )
     if args.rollout_corrupt_prob > 0:  # the veto lab's sampler dial (planted_tokens_processor)
         kwargs["logits_processors"] = [planted_tokens_processor()]
     if torch.cuda.is_available():
@@ -565,7 +687,9 @@ class _BenignReloadWarning(logging.Filter):
     check that the engine's log-probs still match the trainer's to ~1e-8 after every sync."""
 
     def filter(self, record):
-        return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
+        return not (
+            record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage()
+        )
 
 
 @contextlib.contextmanager
@@ -693,6 +817,7 @@ def planted_tokens_processor():
             def prob(params, _prompt, _output):
                 p = (params.extra_args or {}).get(CORRUPT_KEY, 0.0)
                 return float(p) if p else None
+
             process_dict_updates(self.prob, batch_update, prob)
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -797,13 +922,19 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
-    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
-                   and os.path.isfile(os.path.join(root, n, "trainer_state.json")))
+    names = sorted(
+        n
+        for n in os.listdir(root)
+        if n.startswith("step_")
+        and not n.endswith(".tmp")
+        and os.path.isfile(os.path.join(root, n, "trainer_state.json"))
+    )
     return [os.path.join(root, n) for n in names]
 
 
-def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict,
-                    max_staleness: int):
+def save_checkpoint(
+    run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict, max_staleness: int
+):
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
     under FSDP2; replicated DDP tensors are written once), every rank's RNG state and the batches it has in flight
     (--max-staleness k: those of the next k steps, sampled by older versions), the scheduler, and
@@ -820,8 +951,10 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, cou
     accelerator.wait_for_everyone()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "state"))
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               os.path.join(tmp, f"rng_rank{accelerator.process_index}.pt"))
+    torch.save(
+        {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        os.path.join(tmp, f"rng_rank{accelerator.process_index}.pt"),
+    )
     torch.save(in_flight, os.path.join(tmp, f"in_flight_rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -829,8 +962,15 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, cou
         if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
             os.kill(os.getpid(), signal.SIGKILL)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:  # written last
-            json.dump({"step": step, "world_size": accelerator.num_processes,  # the step fixes the data position
-                       "max_staleness": max_staleness, **counters}, f)
+            json.dump(
+                {
+                    "step": step,
+                    "world_size": accelerator.num_processes,  # the step fixes the data position
+                    "max_staleness": max_staleness,
+                    **counters,
+                },
+                f,
+            )
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
 
@@ -899,6 +1039,7 @@ def weights_sha256(weights) -> str:
     """SHA-256 of (name, tensor) pairs in name order: names and a 64-bit fingerprint of each tensor's bits, computed
     on its device (every word of the tensor times a position weight, summed in int64), so a GPU copies 8 bytes per
     tensor to the host, not the weights. Any changed bit changes the fingerprint."""
+
     def fingerprint(t: torch.Tensor) -> int:
         t = t.detach().contiguous()
         words = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(t.element_size())
@@ -919,8 +1060,18 @@ def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids
     rollout = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
     os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
     with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "rollout_sha256": rollout,
-                            "weights_sha256": weights_sha256(weights)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "rank": rank,
+                    "world_size": world,
+                    "rollout_sha256": rollout,
+                    "weights_sha256": weights_sha256(weights),
+                }
+            )
+            + "\n"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -939,11 +1090,15 @@ def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1, m
             state = json.load(f)
         written_by, k = state.get("world_size", 1), state.get("max_staleness", 0)
         if written_by != world:
-            raise ValueError(f"--resume: the checkpoint under {run_dir!r} was written by {written_by} process(es), "
-                             f"this run has {world}: resume with as many")
+            raise ValueError(
+                f"--resume: the checkpoint under {run_dir!r} was written by {written_by} process(es), "
+                f"this run has {world}: resume with as many"
+            )
         if k != max_staleness:
-            raise ValueError(f"--resume: the checkpoint under {run_dir!r} was written with --max-staleness {k}, this "
-                             f"run has --max-staleness {max_staleness}: resume with the same bound")
+            raise ValueError(
+                f"--resume: the checkpoint under {run_dir!r} was written with --max-staleness {k}, this "
+                f"run has --max-staleness {max_staleness}: resume with the same bound"
+            )
     if exists and not (resume or overwrite):
         raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
     return exists and overwrite and not resume
@@ -957,11 +1112,19 @@ def open_run_dir(run_dir: str, replace: bool, accelerator, args, rc_config, **fa
     accelerator.wait_for_everyone()
     os.makedirs(run_dir, exist_ok=True)
     if accelerator.is_main_process:
-        correction = {f.name: (str(v) if isinstance(v := getattr(rc_config, f.name), str) else v)  # str(): an unset
-                      for f in dataclasses.fields(rc_config) if f.init}  # loss_type is a str subclass
-        config = {"args": dataclasses.asdict(args), "world_size": accelerator.num_processes,
-                  "distributed_type": str(accelerator.distributed_type), "model_path": facts.pop("model_path"),
-                  "rollout_correction": correction, **facts}
+        correction = {
+            f.name: (str(v) if isinstance(v := getattr(rc_config, f.name), str) else v)  # str(): an unset
+            for f in dataclasses.fields(rc_config)
+            if f.init
+        }  # loss_type is a str subclass
+        config = {
+            "args": dataclasses.asdict(args),
+            "world_size": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type),
+            "model_path": facts.pop("model_path"),
+            "rollout_correction": correction,
+            **facts,
+        }
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
 
@@ -994,17 +1157,29 @@ class RunLog:
     def start_trackers(self, args, run_name: str) -> None:
         if not args.log_with:
             return
-        init = {"wandb": {"name": run_name, "entity": args.wandb_entity, "dir": self.run_dir, "resume": "allow",
-                          "id": wandb_run_id(self.run_dir, args.resume) if self.main else None}}
-        self.accelerator.init_trackers(args.wandb_project_name, config=flat_config(dataclasses.asdict(args)),
-                                       init_kwargs={k: v for k, v in init.items() if k in args.log_with})
+        init = {
+            "wandb": {
+                "name": run_name,
+                "entity": args.wandb_entity,
+                "dir": self.run_dir,
+                "resume": "allow",
+                "id": wandb_run_id(self.run_dir, args.resume) if self.main else None,
+            }
+        }
+        self.accelerator.init_trackers(
+            args.wandb_project_name,
+            config=flat_config(dataclasses.asdict(args)),
+            init_kwargs={k: v for k, v in init.items() if k in args.log_with},
+        )
 
     def log(self, step: int, metrics: dict, trackers: bool = True) -> None:
         """One line of metrics.jsonl; with `trackers`, keys sorted and the same figures to the trackers."""
         if trackers:
             self.accelerator.log(metrics, step=step)
         if self.main:
-            self.file.write(json.dumps({"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}) + "\n")
+            self.file.write(
+                json.dumps({"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}) + "\n"
+            )
             self.file.flush()
 
     def eval_samples(self, step: int, samples: list[dict]) -> None:
@@ -1014,7 +1189,7 @@ class RunLog:
 
     def close(self) -> None:
         for tracker in self.accelerator.trackers:  # end_training() would also destroy the process group, which the
-            tracker.finish()                       # engine (and exit_cleanly) still need
+            tracker.finish()  # engine (and exit_cleanly) still need
         if self.main:
             self.file.close()
 
@@ -1037,7 +1212,9 @@ def save_log_ratios(run_dir: str, step: int, chunks: list) -> None:
     folder = os.path.join(run_dir, "log_ratio")
     os.makedirs(os.path.join(folder, "lengths"), exist_ok=True)
     flat = torch.cat([ratio[m > 0].cpu() for ratio, m in chunks]).float().numpy() if chunks else np.zeros(0, np.float32)
-    lengths = torch.cat([m.sum(-1).cpu() for _, m in chunks]).to(torch.int32).numpy() if chunks else np.zeros(0, np.int32)
+    lengths = (
+        torch.cat([m.sum(-1).cpu() for _, m in chunks]).to(torch.int32).numpy() if chunks else np.zeros(0, np.int32)
+    )
     np.save(os.path.join(folder, f"step_{step:06d}.npy"), flat)
     np.save(os.path.join(folder, "lengths", f"step_{step:06d}.npy"), lengths)
 

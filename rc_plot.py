@@ -15,6 +15,7 @@ run logged says "not logged" (e.g. IS panels of a run without IS) instead of sho
 Rendering uses matplotlib's Agg canvas on a bare `Figure` (no pyplot global state), so it works
 headless and inside the trainer process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -153,9 +154,7 @@ def run_series(records: Sequence[dict], key: str, smooth: int = 1) -> tuple[np.n
     return steps, smooth_values(values, smooth)
 
 
-def dashboard_series(
-    runs: Sequence[Sequence[dict]], key: str, smooth: int = 1
-) -> list[tuple[np.ndarray, np.ndarray]]:
+def dashboard_series(runs: Sequence[Sequence[dict]], key: str, smooth: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
     """`run_series` for each run: the exact (steps, values) the dashboard draws for `key`."""
     return [run_series(records, key, smooth) for records in runs]
 
@@ -207,18 +206,39 @@ PANELS: tuple[Panel, ...] = (
         smooth=False,
         min_span=(0.0, 1.0),
     ),
-    Panel("IS weight mean", "mean IS weight", (Series("rollout_corr/rollout_is_mean", "IS mean"),),
-          hlines=((1.0, "ideal 1.0"),)),
-    Panel("Effective sample size", "ESS (fraction of batch)",
-          (Series("rollout_corr/rollout_is_eff_sample_size", "ESS"),), hlines=((0.3, "warn < 0.3"),)),
-    Panel("Mismatch KL k1 (rollout vs train)", "k1 KL", (Series("rollout_corr/kl", "k1"),),
-          scale="symlog", hlines=((0.0, ""),)),
+    Panel(
+        "IS weight mean",
+        "mean IS weight",
+        (Series("rollout_corr/rollout_is_mean", "IS mean"),),
+        hlines=((1.0, "ideal 1.0"),),
+    ),
+    Panel(
+        "Effective sample size",
+        "ESS (fraction of batch)",
+        (Series("rollout_corr/rollout_is_eff_sample_size", "ESS"),),
+        hlines=((0.3, "warn < 0.3"),),
+    ),
+    Panel(
+        "Mismatch KL k1 (rollout vs train)",
+        "k1 KL",
+        (Series("rollout_corr/kl", "k1"),),
+        scale="symlog",
+        hlines=((0.0, ""),),
+    ),
     Panel("Mismatch KL k3", "k3 KL", (Series("rollout_corr/k3_kl", "k3"),), scale="log"),
-    Panel("PPL ratio (train / rollout)", "ppl ratio", (Series("rollout_corr/ppl_ratio", "ppl ratio"),),
-          hlines=((1.0, "ideal 1.0"),)),
-    Panel("Chi-squared divergence", "χ²",
-          (Series("rollout_corr/chi2_token", "token"), Series("rollout_corr/chi2_seq", "seq", "--")),
-          scale="symlog", hlines=((0.0, ""),)),
+    Panel(
+        "PPL ratio (train / rollout)",
+        "ppl ratio",
+        (Series("rollout_corr/ppl_ratio", "ppl ratio"),),
+        hlines=((1.0, "ideal 1.0"),),
+    ),
+    Panel(
+        "Chi-squared divergence",
+        "χ²",
+        (Series("rollout_corr/chi2_token", "token"), Series("rollout_corr/chi2_seq", "seq", "--")),
+        scale="symlog",
+        hlines=((0.0, ""),),
+    ),
     Panel(
         "Masked fractions",
         "fraction",
@@ -264,14 +284,30 @@ def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, 
         for (steps, values), color in zip(per_run, colors):
             if len(steps) == 0:
                 continue
-            ax.plot(steps, values, color=color, linestyle=s.style, marker=s.marker,
-                    markersize=4 if s.marker else None, linewidth=1.4 if s.style == "-" else 1.2)
+            ax.plot(
+                steps,
+                values,
+                color=color,
+                linestyle=s.style,
+                marker=s.marker,
+                markersize=4 if s.marker else None,
+                linewidth=1.4 if s.style == "-" else 1.2,
+            )
             drawn_values.append(values)
     ax.set_title(panel.title, fontsize=10, pad=TITLE_PAD)
     ax.tick_params(labelsize=8)
     if not used_series:
-        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center",
-                fontsize=11, color="0.5", style="italic")
+        ax.text(
+            0.5,
+            0.5,
+            "not logged",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=11,
+            color="0.5",
+            style="italic",
+        )
         ax.set_yticks([])
         return False
     for y, _ in panel.hlines:
@@ -293,12 +329,27 @@ def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, 
     ax.set_ylabel(ylabel, fontsize=9)
     # Style key (for panels defined with several metrics: the logged ones; plus named reference
     # lines), drawn in the strip between title and axes so that it never covers data.
-    handles = [Line2D([], [], color="0.25", linestyle=s.style, marker=s.marker, markersize=4, label=s.name)
-               for s in used_series] if len(panel.series) > 1 else []
+    handles = (
+        [
+            Line2D([], [], color="0.25", linestyle=s.style, marker=s.marker, markersize=4, label=s.name)
+            for s in used_series
+        ]
+        if len(panel.series) > 1
+        else []
+    )
     handles += [Line2D([], [], color="0.45", linestyle=":", label=lab) for _, lab in panel.hlines if lab]
     if handles:
-        ax.legend(handles=handles, fontsize=7.5, loc="lower center", bbox_to_anchor=(0.5, 1.0),
-                  ncol=len(handles), frameon=False, handlelength=2.4, borderaxespad=0.1, columnspacing=1.2)
+        ax.legend(
+            handles=handles,
+            fontsize=7.5,
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.0),
+            ncol=len(handles),
+            frameon=False,
+            handlelength=2.4,
+            borderaxespad=0.1,
+            columnspacing=1.2,
+        )
     ax.grid(True, alpha=0.3, linewidth=0.6)
     return True
 
@@ -319,14 +370,13 @@ def build_dashboard(
     if smooth < 1:
         raise ValueError(f"smooth must be >= 1, got {smooth}")
     nrows = math.ceil(len(PANELS) / NCOLS)
-    fig = Figure(figsize=(4.4 * NCOLS, 3.3 * nrows + 0.6 + 0.25 * math.ceil(len(runs) / 3)),
-                 layout="constrained")
+    fig = Figure(figsize=(4.4 * NCOLS, 3.3 * nrows + 0.6 + 0.25 * math.ceil(len(runs) / 3)), layout="constrained")
     FigureCanvasAgg(fig)
     cycle = [f"C{i % 10}" for i in range(len(runs))]
     axes = fig.subplots(nrows, NCOLS, sharex=True, squeeze=False).ravel()
     for ax, panel in zip(axes, PANELS):
         _draw_panel(ax, panel, runs, cycle, smooth)
-    for ax in axes[len(PANELS):]:
+    for ax in axes[len(PANELS) :]:
         ax.set_visible(False)
     for ax in axes[-NCOLS:]:
         ax.set_xlabel("step", fontsize=9)
@@ -339,8 +389,16 @@ def build_dashboard(
     handles = [Line2D([], [], color=c, linewidth=2.5) for c in cycle]
     # The figure title doubles as the run legend's title (a separate suptitle would collide with an
     # "outside" legend under constrained layout).
-    fig.legend(handles, legend_labels, loc="outside upper center", ncol=min(len(runs), 3), fontsize=9,
-               frameon=False, title=title, title_fontsize=13)
+    fig.legend(
+        handles,
+        legend_labels,
+        loc="outside upper center",
+        ncol=min(len(runs), 3),
+        fontsize=9,
+        frameon=False,
+        title=title,
+        title_fontsize=13,
+    )
     return fig
 
 
@@ -377,8 +435,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Rollout-correction dashboard from runs/<name>/metrics.jsonl (several runs are overlaid).",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) holding metrics.jsonl")
-    p.add_argument("--out", default=None, help=f"output PNG (default: RUN_DIR/{DEFAULT_OUT} for one run, "
-                   f"./{DEFAULT_OUT} for several)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output PNG (default: RUN_DIR/{DEFAULT_OUT} for one run, ./{DEFAULT_OUT} for several)",
+    )
     p.add_argument("--labels", nargs="+", default=None, help="legend label per run (default: folder names)")
     p.add_argument("--smooth", type=int, default=1, help="moving-average window in steps (default 1: raw)")
     return p

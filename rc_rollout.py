@@ -27,6 +27,7 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
   thread in the trainer's process pays the GIL during the update (wall 0.86 of rollout + update against 0.77), and
   vLLM's own engine-core process serialises every request and would not take tensors through collective_rpc.
 """
+
 from __future__ import annotations
 
 import gc
@@ -88,9 +89,9 @@ class LocalEngine:
 def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_path: str, requests, results) -> None:
     """The rollout worker process: start the engine, then serve requests in order until ("stop",).
 
-        ("load", version, {name: tensor})  weights in shared memory, owned by this request; reloaded in place
-                                           between two generations, then the prefix cache is dropped
-        ("generate", tag, request)      -> ("result", tag, version, groups, seconds generating, seconds idle before)
+    ("load", version, {name: tensor})  weights in shared memory, owned by this request; reloaded in place
+                                       between two generations, then the prefix cache is dropped
+    ("generate", tag, request)      -> ("result", tag, version, groups, seconds generating, seconds idle before)
     """
     torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))
     try:
@@ -137,9 +138,12 @@ class RolloutWorker:
 
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of the trainer's threads or engine state
         self.requests, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=worker_main, name="rollout-worker", daemon=True,
-                                   args=(args, generate, model_path, seed, limits, log_path, self.requests,
-                                         self.results))
+        self.process = ctx.Process(
+            target=worker_main,
+            name="rollout-worker",
+            daemon=True,
+            args=(args, generate, model_path, seed, limits, log_path, self.requests, self.results),
+        )
         self.process.start()
         self.kept: dict = {}
         message = self._receive()
@@ -173,8 +177,10 @@ class RolloutWorker:
                 return self.results.get(timeout=5)
             except queue.Empty:  # make sure the worker is alive, or say why not
                 if not self.process.is_alive():
-                    raise RuntimeError(f"the rollout worker died (exit code {self.process.exitcode}); "
-                                       f"see {getattr(self, 'log_path', 'the engine log')}") from None
+                    raise RuntimeError(
+                        f"the rollout worker died (exit code {self.process.exitcode}); "
+                        f"see {getattr(self, 'log_path', 'the engine log')}"
+                    ) from None
 
     def close(self) -> None:
         """Stop the worker, then release the queues' semaphores now: a run of several processes ends with os._exit
@@ -244,14 +250,18 @@ class Rollouts:
         """Queue the batch of `step` (nothing past the last step)."""
         if step < self.args.num_steps:
             prompts, first_index = self.prompts_of(step)
-            self.engine.submit(step, (prompts, self.args.num_samples_per_prompt, (self.args.seed, step, 0),
-                                      first_index, False))
+            self.engine.submit(
+                step, (prompts, self.args.num_samples_per_prompt, (self.args.seed, step, 0), first_index, False)
+            )
 
     def take(self, step: int) -> tuple[list, int, dict]:
         """The batch of `step`: (groups of responses, the version that sampled them, timing/* seconds)."""
         version, groups, generating, idle, waited = self.engine.result(step)
-        return groups, version, {"timing/rollout_s": generating, "timing/rollout_wait_s": waited,
-                                 "timing/engine_idle_s": idle}
+        return (
+            groups,
+            version,
+            {"timing/rollout_s": generating, "timing/rollout_wait_s": waited, "timing/engine_idle_s": idle},
+        )
 
     def sync(self, step: int) -> bool:
         """After the update of `step` the trainer holds version step+1: load it when --sync-every says so."""
@@ -278,8 +288,10 @@ class Rollouts:
         """For a checkpoint after the update of `step`: the batches of steps step+1..step+k, already queued and
         sampled by versions <= step (waited for here; they stay queued for the steps that take them). The batch of
         step+k+1 is not among them: the checkpoint's own weights sample it again on resume."""
-        return {t: self.engine.result(t, keep=True)[:4]
-                for t in range(step + 1, min(step + self.k, self.args.num_steps - 1) + 1)}
+        return {
+            t: self.engine.result(t, keep=True)[:4]
+            for t in range(step + 1, min(step + self.k, self.args.num_steps - 1) + 1)
+        }
 
     def close(self) -> None:
         self.engine.close()

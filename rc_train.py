@@ -16,6 +16,7 @@ Two update modes (docs/corrections.md §7.2 decoupled, §7.3/§7.4 bypass):
              pi_old/pi_rollout and the rejection mask are computed once and frozen for all epochs.
 Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT TO MODIFY` marks the plumbing.
 """
+
 import dataclasses
 import os
 import random
@@ -159,24 +160,31 @@ class Args:
     [max_model_len, 65536]). On CPU it must be >= --max-model-len: prefills are never split there
     (docs/running.md "The CPU engine")"""
     vllm_sleep: bool = True
-    """GPU: put the engine to sleep during the update; wake only its weights for a sync, and its KV cache too for rollout"""
+    """GPU: put the engine to sleep during the update;
+    wake only its weights for a sync, and its KV cache too for rollout"""
     vllm_sleep_level: int = 1
     """GPU: 1 = weights offloaded to CPU RAM while asleep; 2 = weights discarded (least memory; needs --sync-every 1)"""
 
     # Mismatch dials (the lab, lab/README.md): each off by default; each makes the engine's
     # policy mu differ from the trainer's pi in one documented way. rollout_dtype and sync_every are dials too.
     rollout_weight_quant: Literal["none", "int8", "int4"] = "none"
-    """engine gets fake-quantised weights (symmetric, per output channel, round to nearest; matrices only): models INT8/INT4 weight-only rollout (FlashRL)"""
+    """engine gets fake-quantised weights (symmetric, per output channel, round to nearest; matrices only):
+    models INT8/INT4 weight-only rollout (FlashRL)"""
     rollout_weight_noise: float = 0.0
-    """engine gets weights + s*rms(W)*eps with a fixed seeded eps per matrix (s = this value): a synthetic, monotone dial for kernel/quantiser error"""
+    """engine gets weights + s*rms(W)*eps with a fixed seeded eps per matrix (s = this value):
+    a synthetic, monotone dial for kernel/quantiser error"""
     rollout_corrupt_prob: float = 0.0
-    """per sampled token, chance that the engine samples a uniformly random token instead, reported with mu = 1: planted catastrophic tokens for the veto (rc_infra.planted_tokens_processor)"""
+    """per sampled token, chance that the engine samples a uniformly random token instead, reported with mu = 1:
+    planted catastrophic tokens for the veto (rc_infra.planted_tokens_processor)"""
     rollout_temperature: float | None = None
-    """engine samples at this temperature while the trainer scores at --temperature (a sampling-config mismatch); None = same"""
+    """engine samples at this temperature while the trainer scores at --temperature (a sampling-config mismatch);
+    None = same"""
     rollout_logprobs: Literal["processed", "raw"] = "processed"
-    """engine log-probs: 'processed' (after temperature/top-p: the sampling distribution) or 'raw' (before: the trl#4159 pitfall; differs only if T != 1 or top-p < 1)"""
+    """engine log-probs: 'processed' (after temperature/top-p: the sampling distribution)
+    or 'raw' (before: the trl#4159 pitfall; differs only if T != 1 or top-p < 1)"""
     dump_log_ratio_every: int = 0
-    """every N steps save log(pi_trainer/pi_rollout) of rank 0's valid tokens to log_ratio/step_N.npy (0 = never; for IS-weight histograms)"""
+    """every N steps save log(pi_trainer/pi_rollout) of rank 0's valid tokens to log_ratio/step_N.npy
+    (0 = never; for IS-weight histograms)"""
 
     # Optimisation
     learning_rate: float = 1e-4
@@ -233,7 +241,8 @@ class Args:
     checkpoint_every: int = 0
     """save model, optimizer, scheduler, RNG, batches in flight and step every N steps (0 = never)"""
     log_rank_checksums: bool = False
-    """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens} to ranks/rank{r}.jsonl (DDP check)"""
+    """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens}
+    to ranks/rank{r}.jsonl (DDP check)"""
     save_final: bool = True
     """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
 
@@ -255,8 +264,11 @@ validate_args = rc_infra.validate_args  # validate_args(args, world_size): every
 
 def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConfig:
     """The preset, with every field the user set replaced; OFF ('none') becomes None. rc_core validates."""
-    set_fields = {k: None if isinstance(v, str) and v.strip().lower() == OFF else v
-                  for k, v in dataclasses.asdict(rc).items() if k != "preset" and v is not None}
+    set_fields = {
+        k: None if isinstance(v, str) and v.strip().lower() == OFF else v
+        for k, v in dataclasses.asdict(rc).items()
+        if k != "preset" and v is not None
+    }
     return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
 
 
@@ -270,14 +282,17 @@ def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[i
     for i, row in enumerate(rows):
         text = task.prompt(row["question"])
         if use_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         else:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) + args.max_response_length > args.max_model_len:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; with --max-response-length "
-                             f"{args.max_response_length} it exceeds --max-model-len {args.max_model_len}")
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with --max-response-length "
+                f"{args.max_response_length} it exceeds --max-model-len {args.max_model_len}"
+            )
         out.append(ids)
     return out
 
@@ -293,14 +308,28 @@ def reward(args: Args, scores: dict) -> float:
 def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
     """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
 
-    Prompt i is seeded with rc_infra.sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU and a
-    prompt gets the same seed whichever rank samples it."""
+    Prompt i is seeded with rc_infra.sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU
+    and a prompt gets the same seed whichever rank samples it."""
     from vllm import SamplingParams
 
-    sampling = dict(temperature=args.rollout_temperature or args.temperature, top_p=args.top_p, logprobs=0,
-                    extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob})  # greedy: the defaults at temperature 0
-    params = [SamplingParams(n=n, max_tokens=args.max_response_length, **({"temperature": 0.0} if greedy else
-                             {**sampling, "seed": rc_infra.sampling_seed(*seed_keys, first_index + i)})) for i in range(len(prompt_ids))]
+    sampling = dict(
+        temperature=args.rollout_temperature or args.temperature,
+        top_p=args.top_p,
+        logprobs=0,
+        extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob},
+    )  # greedy: the defaults at temperature 0
+    params = [
+        SamplingParams(
+            n=n,
+            max_tokens=args.max_response_length,
+            **(
+                {"temperature": 0.0}
+                if greedy
+                else {**sampling, "seed": rc_infra.sampling_seed(*seed_keys, first_index + i)}
+            ),
+        )
+        for i in range(len(prompt_ids))
+    ]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     result = []
     for out in outputs:
@@ -330,20 +359,28 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     rollout_lp = torch.zeros((B, T), dtype=torch.float32)
     mask = torch.zeros((B, T), dtype=torch.float32)
     for i, (p, (ids, lps, _)) in enumerate(zip(prompt_ids, responses)):
-        input_ids[i, P - len(p):P] = torch.tensor(p)
-        attention[i, P - len(p):P] = 1
+        input_ids[i, P - len(p) : P] = torch.tensor(p)
+        attention[i, P - len(p) : P] = 1
         if ids:
-            input_ids[i, P:P + len(ids)] = torch.tensor(ids)
-            attention[i, P:P + len(ids)] = 1
-            rollout_lp[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
-            mask[i, :len(ids)] = 1.0
-    return dict(input_ids=input_ids, attention_mask=attention, responses=input_ids[:, P:], rollout_log_prob=rollout_lp,
-                response_mask=mask, prompt_len=attention[:, :P].sum(-1), response_len=attention[:, P:].sum(-1),
-                group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long))
+            input_ids[i, P : P + len(ids)] = torch.tensor(ids)
+            attention[i, P : P + len(ids)] = 1
+            rollout_lp[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+            mask[i, : len(ids)] = 1.0
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention,
+        responses=input_ids[:, P:],
+        rollout_log_prob=rollout_lp,
+        response_mask=mask,
+        prompt_len=attention[:, :P].sum(-1),
+        response_len=attention[:, P:].sum(-1),
+        group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long),
+    )
 
 
-def micro_batches(rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None,
-                  by_group: bool = False) -> list[torch.Tensor]:
+def micro_batches(
+    rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None, by_group: bool = False
+) -> list[torch.Tensor]:
     """One minibatch's rows, sorted by length and cut into micro-batches of at most `size` sequences and, with a
     token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
     micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
@@ -374,19 +411,33 @@ def trimmed_inputs(batch: dict, rows: torch.Tensor):
     return batch["input_ids"][rows][:, cols], batch["attention_mask"][rows][:, cols], t
 
 
-def sequence_log_probs(model, input_ids, attention_mask, T: int, temperature: float, dtype: str,
-                       with_entropy: bool = False, group: torch.Tensor | None = None):
+def sequence_log_probs(
+    model,
+    input_ids,
+    attention_mask,
+    T: int,
+    temperature: float,
+    dtype: str,
+    with_entropy: bool = False,
+    group: torch.Tensor | None = None,
+):
     """log pi(y_t | y_<t) of the last T tokens at the rollout temperature (processed log-probs).
     With `group` (each row's prompt group), shared_prefix_logits computes each distinct prompt once."""
-    autocast = torch.autocast(device_type=input_ids.device.type, dtype=getattr(torch, dtype),
-                              enabled=dtype != "float32")
+    autocast = torch.autocast(
+        device_type=input_ids.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"
+    )
     with autocast:
         if group is not None:
             logits = shared_prefix_logits(model, input_ids, attention_mask, T, group)
         else:
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=T + 1, use_cache=False).logits[:, :-1]
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=T + 1,
+                use_cache=False,
+            ).logits[:, :-1]
     labels = input_ids[:, -T:]
     log_prob = rc_core.log_probs_from_logits(logits, labels, temperature=temperature)
     entropy = rc_core.entropy_from_logits(logits, temperature) if with_entropy else None  # chunked, no grad
@@ -404,21 +455,31 @@ def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.
     first[row_prompt] = torch.arange(len(group), device=group.device)  # any row of each prompt: they are identical
     prompt_mask = attention_mask[first, :P]
     out = (getattr(model, "module", model) if T > 1 else model)(
-        input_ids=input_ids[first, :P], attention_mask=prompt_mask, logits_to_keep=1, use_cache=True,
-        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0))
+        input_ids=input_ids[first, :P],
+        attention_mask=prompt_mask,
+        logits_to_keep=1,
+        use_cache=True,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+    )
     cache = out.past_key_values
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[row_prompt], layer.values[row_prompt]
     if T == 1:
         return out.logits[row_prompt]
     position_ids = prompt_mask.sum(-1)[row_prompt, None] + torch.arange(T - 1, device=input_ids.device)
-    logits = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids,
-                   past_key_values=cache, use_cache=True).logits
+    logits = model(
+        input_ids=input_ids[:, P:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
     return torch.cat([out.logits[row_prompt], logits], 1)
 
 
-def policy_loss(args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denominators: dict,
-                correction_metrics: bool) -> tuple[torch.Tensor, dict]:
+def policy_loss(
+    args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denominators: dict, correction_metrics: bool
+) -> tuple[torch.Tensor, dict]:
     """ALGO LOGIC: the policy-gradient loss of one micro-batch, and its metrics (actor/*, bypass also rollout_corr/*).
 
     bypass (docs/corrections.md §7.3/§7.4): PPO ratio pi_theta/pi_rollout; rc_core computes the correction inside,
@@ -428,18 +489,32 @@ def policy_loss(args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denomin
     if mask.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
         return (log_prob * 0).sum(), {}
     low, high = (args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
-    common = dict(log_prob=log_prob, rollout_log_prob=mb["rollout_log_prob"], advantages=mb["advantages"],
-                  response_mask=mask, loss_agg_mode=args.loss_agg_mode, clip_ratio_low=low, clip_ratio_high=high,
-                  clip_ratio_c=args.clip_ratio_c, **denominators)
+    common = dict(
+        log_prob=log_prob,
+        rollout_log_prob=mb["rollout_log_prob"],
+        advantages=mb["advantages"],
+        response_mask=mask,
+        loss_agg_mode=args.loss_agg_mode,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=args.clip_ratio_c,
+        **denominators,
+    )
     if rc_config.bypass_mode:
-        return rc_core.compute_policy_loss_bypass_mode(**common, config=rc_config,
-                                                       with_correction_metrics=correction_metrics)
-    return rc_core.compute_policy_loss_vanilla(**common, old_log_prob=mb["old_log_prob"], keep_mask=mb["keep_mask"],
-                                               rollout_is_weights=mb.get("rollout_is_weights"))
+        return rc_core.compute_policy_loss_bypass_mode(
+            **common, config=rc_config, with_correction_metrics=correction_metrics
+        )
+    return rc_core.compute_policy_loss_vanilla(
+        **common,
+        old_log_prob=mb["old_log_prob"],
+        keep_mask=mb["keep_mask"],
+        rollout_is_weights=mb.get("rollout_is_weights"),
+    )
 
 
-def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, mb: dict, bypass: bool, first: bool,
-                        frozen: dict) -> dict:
+def micro_batch_metrics(
+    loss_metrics: dict, log_prob, entropy, mb: dict, bypass: bool, first: bool, frozen: dict
+) -> dict:
     """The loss metrics plus CleanRL's approx_kl (k3 of the PPO ratio, Schulman 2020) and the entropy, over this
     micro-batch's valid tokens. rollout_corr/* are kept from the first minibatch only (first): in bypass mode
     sg(pi_theta) equals pi_old only before the first optimizer step; later the comparison with pi_rollout adds the
@@ -450,12 +525,24 @@ def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, mb: dict, bypass:
     prox = mb["rollout_log_prob"] if bypass else mb["old_log_prob"]
     with torch.no_grad():
         k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
-        out = {**loss_metrics, "actor/ppo_kl_k3": float(k3[mask > 0].mean()), "actor/entropy": float(entropy[mask > 0].mean())}
+        out = {
+            **loss_metrics,
+            "actor/ppo_kl_k3": float(k3[mask > 0].mean()),
+            "actor/entropy": float(entropy[mask > 0].mean()),
+        }
     return {k: v for k, v in out.items() if k not in frozen and (first or not k.startswith("rollout_corr/"))}
 
 
-def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, with_grad: bool,
-                      with_entropy: bool = False, padding: dict | None = None):
+def forward_log_probs(
+    net,
+    batch: dict,
+    rows,
+    args: Args,
+    share_prefix: bool,
+    with_grad: bool,
+    with_entropy: bool = False,
+    padding: dict | None = None,
+):
     """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width.
     `padding` counts the positions computed and the real tokens among them (perf/padding_fraction)."""
     input_ids, attention, t = trimmed_inputs(batch, rows)
@@ -468,8 +555,16 @@ def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, wi
         padding["tokens"] += int(attention[once, :p].sum() + attention[:, p:].sum())
     device = next(net.parameters()).device
     with torch.enable_grad() if with_grad else torch.no_grad():
-        out = sequence_log_probs(net, input_ids.to(device), attention.to(device), t, args.temperature, args.train_dtype,
-                                 with_entropy, None if group is None else group.to(device))
+        out = sequence_log_probs(
+            net,
+            input_ids.to(device),
+            attention.to(device),
+            t,
+            args.temperature,
+            args.train_dtype,
+            with_entropy,
+            None if group is None else group.to(device),
+        )
     width = batch["response_mask"].shape[1] - t
     return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
 
@@ -477,14 +572,29 @@ def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, wi
 def no_grad_pass(net, batch: dict, args: Args, share_prefix: bool) -> torch.Tensor:
     """Log-probs of every row of the batch, without gradients (the decoupled pi_old, the reference model)."""
     out = torch.zeros(batch["response_mask"].shape)
-    for rows in micro_batches(torch.arange(out.shape[0]), batch, args.micro_batch_size,
-                              args.max_tokens_per_micro_batch, share_prefix):
+    for rows in micro_batches(
+        torch.arange(out.shape[0]), batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix
+    ):
         out[rows] = forward_log_probs(net, batch, rows, args, share_prefix, False)[0].cpu()
     return out
 
 
-def update_policy(args: Args, rc_config, accelerator, host, model, optimizer, scheduler, batch: dict, tensors: dict,
-                  gen: torch.Generator, share_prefix: bool, frozen: dict, padding: dict, log_ratios: list | None = None):
+def update_policy(
+    args: Args,
+    rc_config,
+    accelerator,
+    host,
+    model,
+    optimizer,
+    scheduler,
+    batch: dict,
+    tensors: dict,
+    gen: torch.Generator,
+    share_prefix: bool,
+    frozen: dict,
+    padding: dict,
+    log_ratios: list | None = None,
+):
     """ALGO LOGIC: the update on one rollout batch: epochs x minibatches (one optimizer step each) x micro-batches
     (gradient accumulation). `tensors` holds the step's (B, T) tensors (response_mask, advantages, rollout_log_prob,
     and old_log_prob, rollout_is_weights, keep_mask, ref_log_prob when they exist). Returns the micro-batch
@@ -501,40 +611,54 @@ def update_policy(args: Args, rc_config, accelerator, host, model, optimizer, sc
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(B, generator=gen)
         for minibatch in range(args.num_minibatches):
-            rows, first = perm[minibatch * per_minibatch:(minibatch + 1) * per_minibatch], not (epoch or minibatch)
+            rows, first = perm[minibatch * per_minibatch : (minibatch + 1) * per_minibatch], not (epoch or minibatch)
             # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (docs/corrections.md §7.5)
             n_tok, n_seq = host.sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())])
-            denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0),
-                                loss_scale_factor=scale_k)
+            denominators = dict(
+                global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k
+            )
             loss_sum = kl_sum = 0.0
             micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix)
             for j, micro_rows in enumerate(micro):
                 log_prob, entropy = forward_log_probs(model, batch, micro_rows, args, share_prefix, True, True, padding)
                 micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
-                loss, loss_metrics = policy_loss(args, rc_config, log_prob, micro_tensors, denominators,
-                                                 correction_metrics=first)
+                loss, loss_metrics = policy_loss(
+                    args, rc_config, log_prob, micro_tensors, denominators, correction_metrics=first
+                )
                 loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
                 if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
                     kl = rc_core.kl_penalty(log_prob, micro_tensors["ref_log_prob"], args.kl_estimator)
-                    kl_loss = rc_core.agg_loss(kl, micro_tensors["response_mask"], args.loss_agg_mode,
-                                               response_mask=micro_tensors["response_mask"], **denominators)
+                    kl_loss = rc_core.agg_loss(
+                        kl,
+                        micro_tensors["response_mask"],
+                        args.loss_agg_mode,
+                        response_mask=micro_tensors["response_mask"],
+                        **denominators,
+                    )
                     loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
                 with rc_infra.accumulating(accelerator, model, j == len(micro) - 1, args.fsdp):
                     accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
-                step_metrics.add(micro_batch_metrics(loss_metrics, log_prob, entropy, micro_tensors,
-                                                     rc_config.bypass_mode, first, frozen),
-                                 weight=float(micro_tensors["response_mask"].sum()))
+                step_metrics.add(
+                    micro_batch_metrics(
+                        loss_metrics, log_prob, entropy, micro_tensors, rc_config.bypass_mode, first, frozen
+                    ),
+                    weight=float(micro_tensors["response_mask"].sum()),
+                )
                 if first and log_ratios is not None and rc_config.bypass_mode:
-                    log_ratios.append((log_prob.detach() - micro_tensors["rollout_log_prob"],
-                                       micro_tensors["response_mask"]))
+                    log_ratios.append(
+                        (log_prob.detach() - micro_tensors["rollout_log_prob"], micro_tensors["response_mask"])
+                    )
             grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             loss_sums.append(loss_sum)
             kl_sums.append(kl_sum)
-    actor = {"actor/pg_loss": float(np.mean(loss_sums)) * world, "actor/grad_norm": float(np.mean(grad_norms)),
-             "actor/lr": scheduler.get_last_lr()[0],
-             **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if "ref_log_prob" in tensors else {})}
+    actor = {
+        "actor/pg_loss": float(np.mean(loss_sums)) * world,
+        "actor/grad_norm": float(np.mean(grad_norms)),
+        "actor/lr": scheduler.get_last_lr()[0],
+        **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if "ref_log_prob" in tensors else {}),
+    }
     return step_metrics, actor
 
 
@@ -550,7 +674,7 @@ def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[in
     while len(out) < count:
         epoch, offset = divmod(position + len(out), n_rows)
         perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
-        out.extend(perm[offset:offset + count - len(out)].tolist())
+        out.extend(perm[offset : offset + count - len(out)].tolist())
     return out
 
 
@@ -563,14 +687,25 @@ def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, res
     for i, group in zip(shard, outs):
         ids, _, text = group[0]
         scores = task.score(text, rows[i]["gold"])
-        samples.append({"index": i, "question": rows[i]["question"], "gold": rows[i]["gold"], "response": text,
-                        "strict": scores["strict"], "flexible": scores["flexible"], "tokens": len(ids)})
+        samples.append(
+            {
+                "index": i,
+                "question": rows[i]["question"],
+                "gold": rows[i]["gold"],
+                "response": text,
+                "strict": scores["strict"],
+                "flexible": scores["flexible"],
+                "tokens": len(ids),
+            }
+        )
     samples = [s for part in host.gather(samples) for s in part]
     samples.sort(key=lambda r: r["index"])
     n = max(1, len(samples))
-    metrics = {"eval/accuracy_strict": sum(r["strict"] for r in samples) / n,
-               "eval/accuracy_flexible": sum(r["flexible"] for r in samples) / n,
-               "eval/response_length": sum(r["tokens"] for r in samples) / n}
+    metrics = {
+        "eval/accuracy_strict": sum(r["strict"] for r in samples) / n,
+        "eval/accuracy_flexible": sum(r["flexible"] for r in samples) / n,
+        "eval/response_length": sum(r["tokens"] for r in samples) / n,
+    }
     return metrics, samples
 
 
@@ -592,8 +727,9 @@ if __name__ == "__main__":
     run_dir = os.path.join(args.output_dir, run_name)
     try:
         rc_infra.launcher_settings(args)  # DeepSpeed refused; an Accelerate FSDP2 config turns --fsdp on
-        accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.log_with or None,
-                                  project_dir=run_dir)
+        accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(), log_with=args.log_with or None, project_dir=run_dir
+        )
     except (ValueError, ImportError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -608,15 +744,25 @@ if __name__ == "__main__":
         eval_rows, _ = task.problems("test", args.eval_limit)
         with accelerator.main_process_first():  # rank 0 builds (or checks) the cached model, the others reuse it
             say = (lambda m: print(m, flush=True)) if accelerator.is_main_process else (lambda _: None)
-            model_path = tasks.base_model_path(args.task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
+            model_path = (
+                tasks.base_model_path(args.task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
+            )
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     host = rc_infra.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
-    rc_infra.open_run_dir(run_dir, replace_run, accelerator, args, rc_config, model_path=model_path,
-                          train_rows=len(train_rows), train_rows_skipped=n_skipped)
+    rc_infra.open_run_dir(
+        run_dir,
+        replace_run,
+        accelerator,
+        args,
+        rc_config,
+        model_path=model_path,
+        train_rows=len(train_rows),
+        train_rows_skipped=n_skipped,
+    )
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -651,8 +797,9 @@ if __name__ == "__main__":
         placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
         os.environ.update(env)
         llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
-        engine = rc_rollout.LocalEngine(llm, rc_infra.EngineMemory(llm, on_gpu and args.vllm_sleep,
-                                                                   args.vllm_sleep_level), generate, args)
+        engine = rc_rollout.LocalEngine(
+            llm, rc_infra.EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args
+        )
     if args.resume:  # an engine in this process reseeded the global RNGs when it started
         rc_infra.restore_rng(ckpt, rank)
     prompts_per_rank = args.num_prompts_per_step // world
@@ -660,10 +807,15 @@ if __name__ == "__main__":
     def step_indices(step: int) -> list[int]:
         """This rank's share of the step's prompts (the stream depends on seed and step only)."""
         P = args.num_prompts_per_step
-        return prompt_indices(len(train_prompts), args.seed, step * P, P)[rank * prompts_per_rank:][:prompts_per_rank]
+        return prompt_indices(len(train_prompts), args.seed, step * P, P)[rank * prompts_per_rank :][:prompts_per_rank]
 
-    rollouts = rc_rollout.Rollouts(args, engine, unwrapped, lambda step: (
-        [train_prompts[i] for i in step_indices(step)], rank * prompts_per_rank), counters["sync_count"])
+    rollouts = rc_rollout.Rollouts(
+        args,
+        engine,
+        unwrapped,
+        lambda step: ([train_prompts[i] for i in step_indices(step)], rank * prompts_per_rank),
+        counters["sync_count"],
+    )
     log = rc_infra.RunLog(run_dir, accelerator)
 
     def run_eval(step: int, restore: bool = True) -> dict:
@@ -683,8 +835,13 @@ if __name__ == "__main__":
     rollouts.begin(start_step, in_flight)  # the batches of the first k+1 steps are queued
     bound = rc_rollout.staleness_bound(args)  # a sample more versions behind is never trained on
     log.start_trackers(args, run_name)
-    bar = tqdm(range(start_step, args.num_steps), initial=start_step, total=args.num_steps,
-               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    bar = tqdm(
+        range(start_step, args.num_steps),
+        initial=start_step,
+        total=args.num_steps,
+        disable=not accelerator.is_main_process,
+        dynamic_ncols=True,
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # one forward per distinct prompt; not under gradient checkpointing (no KV cache) nor FSDP2 (rc_infra.shard_model)
     share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
@@ -719,8 +876,9 @@ if __name__ == "__main__":
         stale = rc_rollout.stale_rows(versions, step, bound)  # staleness beyond the bound: never trained on
         mask[stale] = 0.0
         scores = torch.tensor(rewards, dtype=torch.float32)
-        advantages = rc_core.compute_grpo_outcome_advantage(scores, torch.tensor(group_ids), response_mask=mask,
-                                                            norm_adv_by_std=args.norm_adv_by_std)
+        advantages = rc_core.compute_grpo_outcome_advantage(
+            scores, torch.tensor(group_ids), response_mask=mask, norm_adv_by_std=args.norm_adv_by_std
+        )
         timing["timing/reward_s"] = time.time() - t0
 
         # ALGO LOGIC: correction -- decoupled: pi_old once per rollout batch, IS weights and rejection mask frozen
@@ -729,7 +887,9 @@ if __name__ == "__main__":
         metrics = {}
         padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
         t_train = time.time()
-        dump_ratios = bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
+        dump_ratios = (
+            bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
+        )
         log_ratios = [] if dump_ratios else None  # (log(pi_trainer/pi_rollout), response mask) pairs
         timing["timing/old_log_prob_s"] = 0.0
         if not rc_config.bypass_mode:
@@ -738,20 +898,45 @@ if __name__ == "__main__":
             old_lp = no_grad_pass(unwrapped, batch, args, share_prefix)
             counters["old_log_prob_passes"] += 1
             is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
-                old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config)
+                old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config
+            )
             if dump_ratios:
                 log_ratios.append((old_lp - rollout_lp, mask))
             timing["timing/old_log_prob_s"] = time.time() - t0
         ref_lp = no_grad_pass(ref_model, batch, args, share_prefix) if ref_model is not None else None
-        step_tensors = {k: v for k, v in dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp,
-                                              old_log_prob=old_lp, rollout_is_weights=is_weights, keep_mask=keep_mask,
-                                              ref_log_prob=ref_lp).items() if v is not None}
+        step_tensors = {
+            k: v
+            for k, v in dict(
+                response_mask=mask,
+                advantages=advantages,
+                rollout_log_prob=rollout_lp,
+                old_log_prob=old_lp,
+                rollout_is_weights=is_weights,
+                keep_mask=keep_mask,
+                ref_log_prob=ref_lp,
+            ).items()
+            if v is not None
+        }
 
         # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (update_policy)
         t0 = time.time()
         gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
-        step_metrics, actor_metrics = update_policy(args, rc_config, accelerator, host, model, optimizer, scheduler,
-                                                    batch, step_tensors, gen, share_prefix, metrics, padding, log_ratios)
+        step_metrics, actor_metrics = update_policy(
+            args,
+            rc_config,
+            accelerator,
+            host,
+            model,
+            optimizer,
+            scheduler,
+            batch,
+            step_tensors,
+            gen,
+            share_prefix,
+            metrics,
+            padding,
+            log_ratios,
+        )
         timing["timing/update_s"] = time.time() - t0
         metrics["perf/padding_fraction"] = 1.0 - padding["tokens"] / max(1, padding["positions"])
         metrics["perf/train_tokens_per_s"] = padding["tokens"] / max(1e-9, time.time() - t_train)
@@ -775,33 +960,55 @@ if __name__ == "__main__":
         # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
         lengths = mask.sum(-1)
         step_metrics.add(metrics, weight=float(mask.sum()))
-        step_metrics.add({
-            "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
-            "reward/correct": float(np.mean(corrects)),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
-            "rollout/nonfinite_logprob_tokens": float(n_bad), **actor_metrics,
-            "rollout/policy_version": float(version), "rollout/staleness_mean": float(staleness.float().mean()),
-            "rollout/staleness_max": float(staleness.max()), "rollout/dropped_samples": float(stale.sum()),
-            "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
-            "actor/sync_count": float(rollouts.sync_count),
-        }, weight=float(len(lengths)))
+        step_metrics.add(
+            {
+                "reward/mean": float(np.mean(rewards)),
+                "reward/std": float(np.std(rewards)),
+                "reward/correct": float(np.mean(corrects)),
+                "response_length/mean": float(lengths.mean()),
+                "response_length/max": float(lengths.max()),
+                "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
+                "rollout/nonfinite_logprob_tokens": float(n_bad),
+                **actor_metrics,
+                "rollout/policy_version": float(version),
+                "rollout/staleness_mean": float(staleness.float().mean()),
+                "rollout/staleness_max": float(staleness.max()),
+                "rollout/dropped_samples": float(stale.sum()),
+                "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
+                "actor/sync_count": float(rollouts.sync_count),
+            },
+            weight=float(len(lengths)),
+        )
         timing["timing/step_s"] = time.time() - t_step
         step_metrics.add(timing, weight=1.0)
         metrics = {**rc_infra.reduce_metrics(step_metrics, host), **eval_metrics}
         log.log(step, metrics)
-        shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}",
-                 **({"eval": f"{last_eval['eval/accuracy_strict']:.3f}"} if last_eval else {})}
-        bar.set_postfix(**shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}")
+        shown = {
+            "reward": f"{metrics['reward/mean']:.3f}",
+            "len": f"{metrics['response_length/mean']:.0f}",
+            **({"eval": f"{last_eval['eval/accuracy_strict']:.3f}"} if last_eval else {}),
+        }
+        bar.set_postfix(
+            **shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}"
+        )
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            rc_infra.log_rank_checksums(run_dir, step, rank, world, [r[0] for r in flat_responses],
-                                        rc_infra.full_weights(unwrapped))
+            rc_infra.log_rank_checksums(
+                run_dir, step, rank, world, [r[0] for r in flat_responses], rc_infra.full_weights(unwrapped)
+            )
 
         # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            rc_infra.save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator,
-                                     {**counters, "sync_count": rollouts.sync_count}, rollouts.in_flight(step),
-                                     args.max_staleness)
+            rc_infra.save_checkpoint(
+                run_dir,
+                step,
+                model,
+                optimizer,
+                scheduler,
+                accelerator,
+                {**counters, "sync_count": rollouts.sync_count},
+                rollouts.in_flight(step),
+                args.max_staleness,
+            )
 
     # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:

@@ -16,6 +16,7 @@ The trainer has no per-task branch: it asks the task for problems, prompts and s
 * gsm8k: the real data set (local JSONL/parquet or a Hugging Face id); the tiny model is a random smoke-test net.
 * add: 'a+b=' -> one digit, the one-token fixture the fast tests learn in seconds.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,8 +84,11 @@ class Task:
 def score_gsm8k_style(response: str, gold: str) -> dict:
     """GSM8K's scorer both ways: strict reads the last '#### N' line, flexible the last number."""
     strict = gsm8k.score_response(response, gold, mode="strict")
-    return {"strict": strict, "flexible": gsm8k.score_response(response, gold, mode="flexible"),
-            "well_formed": float(gsm8k.extract_answer(response, "strict") is not None)}
+    return {
+        "strict": strict,
+        "flexible": gsm8k.score_response(response, gold, mode="flexible"),
+        "well_formed": float(gsm8k.extract_answer(response, "strict") is not None),
+    }
 
 
 def make_task(name: str, mini: MiniGSMArgs | None = None, dataset: str = "auto", dataset_config: str = "main") -> Task:
@@ -92,15 +96,24 @@ def make_task(name: str, mini: MiniGSMArgs | None = None, dataset: str = "auto",
     if name == "minigsm":
         mini = mini or MiniGSMArgs()
         check_mini_args(mini)
-        return Task("minigsm", lambda split, limit=None: (_limit(minigsm_problems(mini, split), limit), 0),
-                    gsm8k.format_prompt, score_gsm8k_style)
+        return Task(
+            "minigsm",
+            lambda split, limit=None: (_limit(minigsm_problems(mini, split), limit), 0),
+            gsm8k.format_prompt,
+            score_gsm8k_style,
+        )
     if name == "gsm8k":
         source = (local_gsm8k_dir() or "openai/gsm8k") if dataset == "auto" else dataset
-        return Task("gsm8k", lambda split, limit=None: gsm8k.load_gsm8k(source, split, limit=limit, config=dataset_config),
-                    gsm8k.format_prompt, score_gsm8k_style)
+        return Task(
+            "gsm8k",
+            lambda split, limit=None: gsm8k.load_gsm8k(source, split, limit=limit, config=dataset_config),
+            gsm8k.format_prompt,
+            score_gsm8k_style,
+        )
     if name == "add":
-        return Task("add", lambda split, limit=None: (_limit(addition_problems(), limit), 0), lambda q: q,
-                    score_addition)
+        return Task(
+            "add", lambda split, limit=None: (_limit(addition_problems(), limit), 0), lambda q: q, score_addition
+        )
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
 
 
@@ -130,24 +143,35 @@ def check_mini_args(mini: MiniGSMArgs) -> None:
     def need(cond, msg):
         if not cond:
             raise ValueError(msg)
+
     need(1 <= mini.max_steps <= 8, f"--mini.max-steps must be in 1..8, got {mini.max_steps}")
-    need(mini.operand_max >= 2, f"--mini.operand-max must be >= 2 (the starting amount is drawn from "
-                                f"2..operand_max), got {mini.operand_max}")
-    need(mini.train_size >= 1 and mini.test_size >= 1,
-         f"--mini.train-size and --mini.test-size must be >= 1, got {mini.train_size} and {mini.test_size}")
+    need(
+        mini.operand_max >= 2,
+        f"--mini.operand-max must be >= 2 (the starting amount is drawn from 2..operand_max), got {mini.operand_max}",
+    )
+    need(
+        mini.train_size >= 1 and mini.test_size >= 1,
+        f"--mini.train-size and --mini.test-size must be >= 1, got {mini.train_size} and {mini.test_size}",
+    )
     need(0.0 <= mini.format_share <= 1.0, f"--mini.format-share must be in [0, 1], got {mini.format_share}")
     need(mini.sft_steps >= 0, f"--mini.sft-steps must be >= 0, got {mini.sft_steps}")
     need(mini.sft_batch_size >= 1, f"--mini.sft-batch-size must be >= 1, got {mini.sft_batch_size}")
-    need(mini.sft_learning_rate > 0 and math.isfinite(mini.sft_learning_rate),
-         f"--mini.sft-learning-rate must be a finite number > 0, got {mini.sft_learning_rate}")
-    need(-2 ** 63 <= mini.model_seed < 2 ** 64,
-         f"--mini.model-seed must be in [-2**63, 2**64) (a torch seed), got {mini.model_seed}")
+    need(
+        mini.sft_learning_rate > 0 and math.isfinite(mini.sft_learning_rate),
+        f"--mini.sft-learning-rate must be a finite number > 0, got {mini.sft_learning_rate}",
+    )
+    need(
+        -(2**63) <= mini.model_seed < 2**64,
+        f"--mini.model-seed must be in [-2**63, 2**64) (a torch seed), got {mini.model_seed}",
+    )
     # Distinct problems the generator can write: names x items x (start amounts) x (step choices)^steps.
     starts, per_step = mini.operand_max - 1, 2 * len(MORE) * mini.operand_max
-    capacity = len(NAMES) * len(ITEMS) * starts * sum(per_step ** k for k in range(1, mini.max_steps + 1))
-    need(capacity >= 4 * (mini.train_size + mini.test_size),
-         f"--mini.operand-max {mini.operand_max} with --mini.max-steps {mini.max_steps} cannot produce "
-         f"{mini.train_size} + {mini.test_size} distinct problems (at most ~{capacity}); raise them or lower the sizes")
+    capacity = len(NAMES) * len(ITEMS) * starts * sum(per_step**k for k in range(1, mini.max_steps + 1))
+    need(
+        capacity >= 4 * (mini.train_size + mini.test_size),
+        f"--mini.operand-max {mini.operand_max} with --mini.max-steps {mini.max_steps} cannot produce "
+        f"{mini.train_size} + {mini.test_size} distinct problems (at most ~{capacity}); raise them or lower the sizes",
+    )
 
 
 def minigsm_problem(rng: random.Random, mini: MiniGSMArgs) -> dict:
@@ -195,8 +219,10 @@ def minigsm_problems(mini: MiniGSMArgs, split: str) -> list[dict]:
             if all(len(out[k]) == want[k] for k in want):
                 break
         else:
-            raise ValueError(f"--mini.operand-max {mini.operand_max} with --mini.max-steps {mini.max_steps} produced "
-                             f"only {len(out['train'])} train / {len(out['test'])} test distinct problems")
+            raise ValueError(
+                f"--mini.operand-max {mini.operand_max} with --mini.max-steps {mini.max_steps} produced "
+                f"only {len(out['train'])} train / {len(out['test'])} test distinct problems"
+            )
         _PROBLEM_CACHE[key] = out
     return _PROBLEM_CACHE[key][split]
 
@@ -240,7 +266,9 @@ def base_model_path(task: str, mini: MiniGSMArgs, seed: int, log: Callable[[str]
     """The model behind `--model tiny`: the warm-started base for minigsm (one per setting of MiniGSMArgs, shared
     by every run seed), a random net initialised from the run seed for add/gsm8k."""
     if task == "minigsm":
-        return cached_build(f"minigsm-base-{settings_hash(mini)}", lambda path: build_minigsm_base(mini, path, log), log)
+        return cached_build(
+            f"minigsm-base-{settings_hash(mini)}", lambda path: build_minigsm_base(mini, path, log), log
+        )
     return cached_build(f"tiny-qwen2-v160-s{seed}", lambda path: build_random_tiny(path, seed), log)
 
 
@@ -296,12 +324,14 @@ def make_tokenizer(texts, vocab_size: int, full_byte_alphabet: bool):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet() if full_byte_alphabet else []
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
@@ -310,10 +340,20 @@ def make_qwen2(vocab_size: int, eos: int, hidden: int, layers: int, intermediate
     """A Qwen2-architecture causal LM with head_dim 64 (vLLM's CPU attention rejects head_dim 16)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=1, head_dim=64,
-                         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=eos)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -349,8 +389,13 @@ def build_minigsm_base(mini: MiniGSMArgs, path: str, log: Callable[[str], None])
     tokenizer = make_tokenizer(prompts + solutions, 512, full_byte_alphabet=True)
     eos = tokenizer.eos_token_id
     model = make_qwen2(len(tokenizer), eos, hidden=128, layers=4, intermediate=512, seed=mini.model_seed)
-    examples = [(tokenizer(p, add_special_tokens=False)["input_ids"], tokenizer(s, add_special_tokens=False)["input_ids"]
-                 + [eos]) for p, s in zip(prompts, solutions)]
+    examples = [
+        (
+            tokenizer(p, add_special_tokens=False)["input_ids"],
+            tokenizer(s, add_special_tokens=False)["input_ids"] + [eos],
+        )
+        for p, s in zip(prompts, solutions)
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=mini.sft_learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
     order = torch.Generator().manual_seed(mini.model_seed)
@@ -377,8 +422,12 @@ def build_minigsm_base(mini: MiniGSMArgs, path: str, log: Callable[[str], None])
         raise RuntimeError(f"warm start diverged (loss {loss})")
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
-    return {"kind": "minigsm base", "settings": asdict(mini), "sft_final_loss": loss,
-            "build_seconds": round(time.time() - t0, 1)}
+    return {
+        "kind": "minigsm base",
+        "settings": asdict(mini),
+        "sft_final_loss": loss,
+        "build_seconds": round(time.time() - t0, 1),
+    }
 
 
 def sft_batch(examples, pad: int):
@@ -387,6 +436,6 @@ def sft_batch(examples, pad: int):
     input_ids = torch.full((len(examples), width), pad, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     for i, (p, s) in enumerate(examples):
-        input_ids[i, :len(p) + len(s)] = torch.tensor(p + s)
-        labels[i, len(p):len(p) + len(s)] = torch.tensor(s)
+        input_ids[i, : len(p) + len(s)] = torch.tensor(p + s)
+        labels[i, len(p) : len(p) + len(s)] = torch.tensor(s)
     return input_ids, labels

@@ -1,4 +1,5 @@
 """bench_async.py's own logic (the benchmark itself runs the default job nine times: minutes, not a test)."""
+
 import argparse
 import json
 
@@ -8,12 +9,27 @@ import bench_async
 
 
 def run(arm, seed, wall, acc, loop=None):
-    return {"arm": arm, "seed": seed, "wall_s": wall, "loop_s": loop or wall - 20, "step_median_s": 1.0,
-            "rollout_wait_s": 5.0, "engine_idle_s": 9.0, "accuracy": acc, "max_staleness": 1 if arm == "async" else 0}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "wall_s": wall,
+        "loop_s": loop or wall - 20,
+        "step_median_s": 1.0,
+        "rollout_wait_s": 5.0,
+        "engine_idle_s": 9.0,
+        "accuracy": acc,
+        "max_staleness": 1 if arm == "async" else 0,
+    }
 
 
-RESULTS = [run("sync", 1, 300, 0.90), run("async", 1, 150, 0.88), run("sync", 2, 320, 0.92),
-           run("async", 2, 200, 0.90), run("sync", 3, 310, 0.91), run("async", 3, 186, 0.92)]
+RESULTS = [
+    run("sync", 1, 300, 0.90),
+    run("async", 1, 150, 0.88),
+    run("sync", 2, 320, 0.92),
+    run("async", 2, 200, 0.90),
+    run("sync", 3, 310, 0.91),
+    run("async", 3, 186, 0.92),
+]
 
 
 def test_report_gives_each_seed_its_ratio_and_ends_with_the_median():
@@ -32,8 +48,10 @@ def test_report_again_from_a_results_file(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().endswith("async/sync wall time: 0.600 (target: <= 0.6)")
 
 
-@pytest.mark.parametrize("argv, bad", [(["--arms", "sync,turbo"], "turbo"), (["--arms", "async"], "include sync"),
-                                       (["--steps", "0"], "got 0")])
+@pytest.mark.parametrize(
+    "argv, bad",
+    [(["--arms", "sync,turbo"], "turbo"), (["--arms", "async"], "include sync"), (["--steps", "0"], "got 0")],
+)
 def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
     with pytest.raises(SystemExit):
         bench_async.parse_args(argv)

@@ -20,8 +20,17 @@ def test_tiny_run_prints_a_json_line_with_positive_figures(capsys):
     assert bench.main(["--tiny", "--repeats", "1"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
-    for key in ("device", "params", "sequences", "micro_batch_size", "dtype", "peak_memory_gib",
-                "seconds_per_optimizer_step", "seconds_per_update", "tokens_per_second"):
+    for key in (
+        "device",
+        "params",
+        "sequences",
+        "micro_batch_size",
+        "dtype",
+        "peak_memory_gib",
+        "seconds_per_optimizer_step",
+        "seconds_per_update",
+        "tokens_per_second",
+    ):
         assert key in result, key
     assert result["params"] > 0
     for key in ("seconds_per_optimizer_step", "seconds_per_update", "tokens_per_second"):
@@ -37,12 +46,15 @@ def _no_model(*_args, **_kwargs):
     raise AssertionError("a model was built before the flags were checked")
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--response-len", "600"], "600"),  # full size: max_response_length is 512 in the default config
-    (["--tiny", "--response-len", "17"], "17"),  # --tiny: max_response_length 16
-    (["--config", "configs/does_not_exist.yaml"], "does_not_exist.yaml"),
-    (["--repeats", "0"], "--repeats"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--response-len", "600"], "600"),  # full size: max_response_length is 512 in the default config
+        (["--tiny", "--response-len", "17"], "17"),  # --tiny: max_response_length 16
+        (["--config", "configs/does_not_exist.yaml"], "does_not_exist.yaml"),
+        (["--repeats", "0"], "--repeats"),
+    ],
+)
 def test_bad_values_exit_nonzero_naming_them_before_any_model(monkeypatch, capsys, argv, named):
     monkeypatch.setattr(bench, "build_model", _no_model)
     monkeypatch.setattr(bench, "setup", _no_model)
@@ -86,10 +98,22 @@ def test_one_update_moves_every_weight(config):
 @pytest.mark.parametrize("flags", [[], ["--fsdp"]])
 def test_two_processes_run_the_update_with_ddp_and_fsdp2(flags):
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(here, "bench_gpu_step.py"), "--tiny", "--repeats", "1", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=here,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(here, "bench_gpu_step.py"),
+        "--tiny",
+        "--repeats",
+        "1",
+        *flags,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=here, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])  # printed once, by the main process
     assert result["processes"] == 2 and result["fsdp"] == bool(flags) and result["sequences"] == 8

@@ -1,4 +1,5 @@
 """bench_trl.py's own logic (the race itself installs TRL and runs for minutes: it is a benchmark, not a test)."""
+
 import argparse
 import json
 
@@ -8,8 +9,11 @@ import bench_trl
 
 
 def result(evals, train_s=10.0, wall_s=15.0):
-    return {"evals": [{"step": s, "train_s": t, "accuracy": a} for s, t, a in evals], "train_s": train_s,
-            "wall_s": wall_s}
+    return {
+        "evals": [{"step": s, "train_s": t, "accuracy": a} for s, t, a in evals],
+        "train_s": train_s,
+        "wall_s": wall_s,
+    }
 
 
 def args(**kw):
@@ -23,10 +27,15 @@ def test_time_to_target_is_the_first_eval_at_or_above_it():
 
 
 def test_every_ratio_per_seed_and_target_then_medians_last_line_the_first_target():
-    runs = {1: {"ours": result([(2, 3.0, 0.6), (4, 6.0, 0.85)]), "trl_vllm": result([(2, 12.0, 0.55), (4, 20.0, 0.8)]),
-                "trl_generate": result([(2, 10.0, 0.51), (4, 30.0, 0.7)])},
-            2: {"ours": result([(2, 4.0, 0.4), (4, 8.0, 0.6)]), "trl_vllm": result([(2, 8.0, 0.5), (4, 16.0, 0.9)])},
-            3: {"ours": result([(2, 2.0, 0.9)]), "trl_vllm": result([(2, 10.0, 0.3)])}}
+    runs = {
+        1: {
+            "ours": result([(2, 3.0, 0.6), (4, 6.0, 0.85)]),
+            "trl_vllm": result([(2, 12.0, 0.55), (4, 20.0, 0.8)]),
+            "trl_generate": result([(2, 10.0, 0.51), (4, 30.0, 0.7)]),
+        },
+        2: {"ours": result([(2, 4.0, 0.4), (4, 8.0, 0.6)]), "trl_vllm": result([(2, 8.0, 0.5), (4, 16.0, 0.9)])},
+        3: {"ours": result([(2, 2.0, 0.9)]), "trl_vllm": result([(2, 10.0, 0.3)])},
+    }
     lines = bench_trl.report(args(), runs)
     # seed 1: 3/10 (the faster TRL variant) and 6/20; seed 2: 8/8 and never; seed 3: TRL never reached either
     assert "ours/TRL at 0.5: per seed 0.300, 1.000, 0.000; median 0.300" in lines
@@ -44,11 +53,18 @@ def test_from_results_reports_again_at_other_targets(tmp_path, capsys):
     assert out[0].startswith("miniature GSM8K, 2 rollout steps") and out[-1] == "ours/TRL time-to-accuracy: 0.250"
 
 
-@pytest.mark.parametrize("argv, bad", [
-    (["--variants", "ours,trl_fast"], "trl_fast"), (["--variants", "trl_vllm"], "need ours"),
-    (["--targets", "0.5,1.5"], "1.5"), (["--steps", "0"], "got 0"), (["--seeds", "1,x"], "integers"),
-    (["--max-staleness", "-1"], "got -1"), (["--trl-threads", "0"], "--trl-threads must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, bad",
+    [
+        (["--variants", "ours,trl_fast"], "trl_fast"),
+        (["--variants", "trl_vllm"], "need ours"),
+        (["--targets", "0.5,1.5"], "1.5"),
+        (["--steps", "0"], "got 0"),
+        (["--seeds", "1,x"], "integers"),
+        (["--max-staleness", "-1"], "got -1"),
+        (["--trl-threads", "0"], "--trl-threads must be >= 1, got 0"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
     with pytest.raises(SystemExit):
         bench_trl.parse_args(argv)

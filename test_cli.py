@@ -4,6 +4,7 @@ value, before the engine starts (rc_infra.validate_args; the task settings in ta
 Unit tests call validate_args on an Args with one bad value (milliseconds each); one subprocess test checks that
 the real script stops before its engine and writes nothing.
 """
+
 import dataclasses
 import glob
 import os
@@ -70,7 +71,7 @@ BAD = [
     (dict(max_staleness=2, sync_every=0), "--max-staleness 2", "--sync-every 0"),
     (dict(rollout_worker=True, sync_every=3), "--max-staleness 0", "--sync-every 3"),
     (dict(seed=-1), "--seed", "got -1"),
-    (dict(seed=2 ** 32), "--seed", f"got {2 ** 32}"),
+    (dict(seed=2**32), "--seed", f"got {2**32}"),
     (dict(exp_name=""), "--exp-name", "''"),
     (dict(exp_name="a/b"), "--exp-name", "'a/b'"),
     (dict(run_name=""), "--run-name", "''"),
@@ -124,8 +125,8 @@ def test_paths_that_exist_but_cannot_work(tmp_path):
 
 
 def test_seed_range_depends_on_world_size():
-    rc_infra.validate_args(with_(seed=2 ** 32 - 2, num_prompts_per_step=32), world_size=2)
-    assert "--seed" in refused(with_(seed=2 ** 32 - 1, num_prompts_per_step=32), world_size=2)
+    rc_infra.validate_args(with_(seed=2**32 - 2, num_prompts_per_step=32), world_size=2)
+    assert "--seed" in refused(with_(seed=2**32 - 1, num_prompts_per_step=32), world_size=2)
 
 
 def test_tracker_whose_package_is_missing_is_refused():
@@ -140,25 +141,30 @@ def test_tracker_whose_package_is_missing_is_refused():
 
 
 def test_bad_yaml_values_name_the_key(tmp_path):
-    for text, flag, value in [("num_steps: ten\n", "--num-steps", "'ten'"),
-                              ("reward_mode: strik\n", "--reward-mode", "'strik'"),
-                              ("learning_rate: .inf\n", "--learning-rate", "inf"),
-                              ("eval_every: -1\n", "--eval-every", "-1"),
-                              ("num_samples_per_prompt: 1\n", "--num-samples-per-prompt", "1"),
-                              ("vllm_sleep_level: 1.0\n", "--vllm-sleep-level", "1.0"),
-                              ("mini:\n  max_steps: '3'\n", "--mini.max-steps", "'3'")]:
+    for text, flag, value in [
+        ("num_steps: ten\n", "--num-steps", "'ten'"),
+        ("reward_mode: strik\n", "--reward-mode", "'strik'"),
+        ("learning_rate: .inf\n", "--learning-rate", "inf"),
+        ("eval_every: -1\n", "--eval-every", "-1"),
+        ("num_samples_per_prompt: 1\n", "--num-samples-per-prompt", "1"),
+        ("vllm_sleep_level: 1.0\n", "--vllm-sleep-level", "1.0"),
+        ("mini:\n  max_steps: '3'\n", "--mini.max-steps", "'3'"),
+    ]:
         path = tmp_path / "bad.yaml"
         path.write_text(text)
         message = refused(rc_train.load_yaml_defaults(str(path)))
         assert flag in message and value in message, (text, message)
 
 
-@pytest.mark.parametrize("changes, flag", [
-    (dict(sft_learning_rate=INF), "--mini.sft-learning-rate"),
-    (dict(sft_learning_rate=NAN), "--mini.sft-learning-rate"),
-    (dict(model_seed=2 ** 64), "--mini.model-seed"),
-    (dict(model_seed=-2 ** 63 - 1), "--mini.model-seed"),
-])
+@pytest.mark.parametrize(
+    "changes, flag",
+    [
+        (dict(sft_learning_rate=INF), "--mini.sft-learning-rate"),
+        (dict(sft_learning_rate=NAN), "--mini.sft-learning-rate"),
+        (dict(model_seed=2**64), "--mini.model-seed"),
+        (dict(model_seed=-(2**63) - 1), "--mini.model-seed"),
+    ],
+)
 def test_bad_task_setting_is_refused(changes, flag):
     mini = tasks.MiniGSMArgs(**changes)
     with pytest.raises(ValueError) as info:
@@ -175,14 +181,16 @@ GOOD = [
     dict(rollout_dtype="float16"),
     dict(train_dtype="bfloat16", rollout_dtype="bfloat16"),
     dict(num_samples_per_prompt=2, num_minibatches=4),
-    dict(seed=0), dict(seed=2 ** 32 - 1),
+    dict(seed=0),
+    dict(seed=2**32 - 1),
     dict(train_limit=1, eval_limit=None),
     dict(eval_every=0, checkpoint_every=0, warmup_steps=0, weight_decay=0.0, kl_coef=0.0),
     dict(max_grad_norm=INF),  # no clipping
     dict(vllm_gpu_memory_utilization=1.0, vllm_kv_cache_gb=0.5),
     dict(learning_rate=1),  # a YAML integer for a float field
     dict(run_name="my_run.v2", resume=False, exp_name="exp.1"),
-    dict(log_with=[]), dict(log_with=["all"]),
+    dict(log_with=[]),
+    dict(log_with=["all"]),
     dict(mini=tasks.MiniGSMArgs(model_seed=-1)),
 ]
 
@@ -202,8 +210,7 @@ def test_tiny_is_never_read_as_a_path(tmp_path, monkeypatch):
     rc_infra.validate_args(with_(model="tiny", output_dir=str(tmp_path / "runs")), world_size=1)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml"))),
-                         ids=os.path.basename)
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml"))), ids=os.path.basename)
 def test_shipped_configs_pass(path):
     args = rc_train.load_yaml_defaults(path)
     rc_infra.validate_args(args, world_size=1)
@@ -211,14 +218,26 @@ def test_shipped_configs_pass(path):
 
 
 # ---- the real script: refused before the engine, nothing written ---------------------------------------------
-@pytest.mark.parametrize("flags, needle", [
-    (["--num-samples-per-prompt", "1"], "--num-samples-per-prompt"),
-    (["--model", "/path/that/does/not/exist"], "/path/that/does/not/exist"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--num-samples-per-prompt", "1"], "--num-samples-per-prompt"),
+        (["--model", "/path/that/does/not/exist"], "/path/that/does/not/exist"),
+    ],
+)
 def test_refused_before_engine_and_run_folder(tmp_path, flags, needle):
     env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path / "cache"))
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--config", os.path.join(HERE, "configs", "cpu_add.yaml"),
-           "--output-dir", str(tmp_path), "--run-name", "run", *flags]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "rc_train.py"),
+        "--config",
+        os.path.join(HERE, "configs", "cpu_add.yaml"),
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        *flags,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=HERE)
     assert proc.returncode != 0
     assert "error" in proc.stderr and needle in proc.stderr and flags[0] in proc.stderr, proc.stderr[-2000:]

@@ -8,6 +8,7 @@ Runs in seconds and starts no engine: the rollout_corr/* and actor/* names come 
 small random batch (every preset, every RS option, batch normalisation, the veto, both loss modes), the trainer's own
 names from the string literals of its files.
 """
+
 import functools
 import os
 import re
@@ -33,8 +34,10 @@ DYNAMIC_CONCAT = re.compile(r"""["']""" + PREFIX + r"""["']\s*\+""")
 # The files whose string literals name metrics (rc_core's rollout_corr/* names are built at run time: see below).
 LITERAL_FILES = ("rc_train.py", "rc_infra.py", "rc_rollout.py", "rc_core.py")
 # Metric names built at run time, each handled on purpose: (file, the start of its f-string) -> how it is collected.
-DYNAMIC = {("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
-                                               "calls rc_core for every preset, RS option, batch norm and the veto"}
+DYNAMIC = {
+    ("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
+    "calls rc_core for every preset, RS option, batch norm and the veto"
+}
 # The one placeholder docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
 # rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_...").
 OPTION = "<option>"
@@ -71,8 +74,7 @@ def section(text: str, number: str) -> str:
         m = re.match(r"(#+) " + re.escape(number) + r"\b", line)
         if m:
             level = len(m.group(1))
-            end = next((j for j in range(i + 1, len(lines))
-                        if re.match(rf"#{{1,{level}}} ", lines[j])), len(lines))
+            end = next((j for j in range(i + 1, len(lines)) if re.match(rf"#{{1,{level}}} ", lines[j])), len(lines))
             return "\n".join(lines[i:end])
     raise AssertionError(f"no section {number} in docs/corrections.md")
 
@@ -110,8 +112,10 @@ def preset_problems(corrections_text: str) -> list[str]:
     heading = section(corrections_text, "9.2").splitlines()[0]
     counts = re.search(r"\((\d+) current names, (\d+) aliases\)", heading)
     if counts and (int(counts[1]), int(counts[2])) != (len(rc.PRESETS), len(getattr(rc, "PRESET_ALIASES", {}))):
-        problems.append(f"§9.2 heading {heading!r} does not match rc_core's {len(rc.PRESETS)} presets and "
-                        f"{len(getattr(rc, 'PRESET_ALIASES', {}))} aliases")
+        problems.append(
+            f"§9.2 heading {heading!r} does not match rc_core's {len(rc.PRESETS)} presets and "
+            f"{len(getattr(rc, 'PRESET_ALIASES', {}))} aliases"
+        )
     return problems
 
 
@@ -124,8 +128,9 @@ def test_no_other_page_holds_a_second_preset_table():
     for page in OTHER_PAGES:
         for table in tables(read(page)):
             listed = {n for row in table if row for n in re.findall(r"`(\w+)`", row[0]) if n in rc.PRESET_NAMES}
-            assert len(listed) <= len(rc.PRESET_NAMES) // 2, \
+            assert len(listed) <= len(rc.PRESET_NAMES) // 2, (
                 f"{page} has a preset table ({len(listed)} presets); the one table is docs/corrections.md §9.2"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,8 +141,11 @@ def correction_configs() -> list:
     on every metric rc_core's correction can log (a --rc.* override can reach each of them)."""
     configs = [rc.RolloutCorrectionConfig.from_name(n) for n in rc.PRESET_NAMES]
     for option in rc.RS_OPTIONS:
-        configs.append(rc.RolloutCorrectionConfig(
-            rollout_rs=option, rollout_rs_threshold="0.5_2.0" if option.endswith("_k1") else 0.01))
+        configs.append(
+            rc.RolloutCorrectionConfig(
+                rollout_rs=option, rollout_rs_threshold="0.5_2.0" if option.endswith("_k1") else 0.01
+            )
+        )
     for level in rc.IS_LEVELS:
         configs.append(rc.RolloutCorrectionConfig(rollout_is=level, rollout_is_batch_normalize=True))
     configs.append(rc.RolloutCorrectionConfig(rollout_token_veto_threshold=1e-4))
@@ -161,12 +169,19 @@ def core_metrics() -> frozenset:
             weights, keep, metrics = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, config)
             names |= set(metrics)
             if config.bypass_mode:
-                _, metrics = rc.compute_policy_loss_bypass_mode(train.clone().requires_grad_(), rollout, adv, mask,
-                                                                config)
+                _, metrics = rc.compute_policy_loss_bypass_mode(
+                    train.clone().requires_grad_(), rollout, adv, mask, config
+                )
             else:
-                _, metrics = rc.compute_policy_loss_vanilla(train, train.clone().requires_grad_(), adv, mask,
-                                                            rollout_is_weights=weights, keep_mask=keep,
-                                                            rollout_log_prob=rollout)
+                _, metrics = rc.compute_policy_loss_vanilla(
+                    train,
+                    train.clone().requires_grad_(),
+                    adv,
+                    mask,
+                    rollout_is_weights=weights,
+                    keep_mask=keep,
+                    rollout_log_prob=rollout,
+                )
             names |= set(metrics)
     for option in rc.RS_OPTIONS:  # the per-option names exist for every option, not only those of the presets
         assert any(n.startswith(f"rollout_corr/rollout_rs_{option}_") for n in names), option
@@ -207,21 +222,33 @@ def pattern(name: str) -> re.Pattern:
 
 def metric_problems(metrics_text: str, logged: frozenset) -> list[str]:
     documented = doc_metrics(metrics_text)
-    problems = [f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION})"
-                for n in sorted(documented) if set("<>") & set(n.replace(OPTION, ""))]
+    problems = [
+        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION})"
+        for n in sorted(documented)
+        if set("<>") & set(n.replace(OPTION, ""))
+    ]
     # The name column of every table spells each name out: no shorthand such as `_max` or `rollout_is_*`.
     for table in tables(metrics_text):
         for row in table:
             spans = re.findall(r"`([^`]+)`", row[0])
             if not spans:
                 problems.append(f"docs/metrics.md: a table row names no metric: {row[0]!r}")
-            problems += [f"docs/metrics.md: {s!r} in a name column is not a full metric name" for s in spans
-                         if not re.fullmatch(NAME, s)]
+            problems += [
+                f"docs/metrics.md: {s!r} in a name column is not a full metric name"
+                for s in spans
+                if not re.fullmatch(NAME, s)
+            ]
     patterns = {n: pattern(n) for n in documented}
-    problems += [f"{n!r} is logged but not in docs/metrics.md" for n in sorted(logged)
-                 if not any(p.fullmatch(n) for p in patterns.values())]
-    problems += [f"docs/metrics.md lists {n!r}, which the trainer never logs" for n, p in sorted(patterns.items())
-                 if not any(p.fullmatch(m) for m in logged)]
+    problems += [
+        f"{n!r} is logged but not in docs/metrics.md"
+        for n in sorted(logged)
+        if not any(p.fullmatch(n) for p in patterns.values())
+    ]
+    problems += [
+        f"docs/metrics.md lists {n!r}, which the trainer never logs"
+        for n, p in sorted(patterns.items())
+        if not any(p.fullmatch(m) for m in logged)
+    ]
     return problems
 
 

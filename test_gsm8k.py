@@ -30,9 +30,7 @@ from gsm8k import (
 )
 
 DATA_DIR = Path("/work/shared/data/gsm8k")
-needs_real_data = pytest.mark.skipif(
-    not (DATA_DIR / "test.jsonl").is_file(), reason="real GSM8K files not available"
-)
+needs_real_data = pytest.mark.skipif(not (DATA_DIR / "test.jsonl").is_file(), reason="real GSM8K files not available")
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -204,9 +202,7 @@ TRICKY_RESPONSES = [
     pytest.param("so x = -5", "-5", 0.0, 1.0, id="negative-in-text"),
     pytest.param("version 1.2.3", "3", 0.0, 0.0, id="dotted-version"),
     pytest.param("#### 12345678901234567890", "12345678901234567890", 1.0, 1.0, id="huge"),
-    pytest.param(
-        "#### 12345678901234567891", "12345678901234567890", 0.0, 0.0, id="huge-off-by-one"
-    ),
+    pytest.param("#### 12345678901234567891", "12345678901234567890", 0.0, 0.0, id="huge-off-by-one"),
 ]
 
 

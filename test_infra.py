@@ -1,6 +1,7 @@
 """Unit tests of rc_infra.py on CPU: engine placement and sleep order, metric reduction across ranks (real gloo
 processes, and an NCCL-like group that serves only CUDA tensors), launcher settings (DeepSpeed and FSDP1 refused,
 FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
+
 import os
 import socket
 import types
@@ -43,13 +44,19 @@ def test_engine_wakes_weights_for_a_sync_and_kv_cache_for_generation(monkeypatch
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
     engine = rc_infra.EngineMemory(FakeEngine(log), enabled=True, level=2)
     engine.wake("weights", "kv_cache")  # a new engine is awake: nothing to do
-    engine.sleep()                      # after the rollout, before the update
-    engine.wake("weights")              # weight sync
+    engine.sleep()  # after the rollout, before the update
+    engine.wake("weights")  # weight sync
     engine.wake("weights", "kv_cache")  # next rollout: only the KV cache is still asleep
     engine.sleep()
-    engine.sleep()                      # already asleep: no second call
-    assert log == [("sleep", 2), "empty_cache", ("wake", ("weights",)), "empty_cache", ("wake", ("kv_cache",)),
-                   ("sleep", 2)]
+    engine.sleep()  # already asleep: no second call
+    assert log == [
+        ("sleep", 2),
+        "empty_cache",
+        ("wake", ("weights",)),
+        "empty_cache",
+        ("wake", ("kv_cache",)),
+        ("sleep", 2),
+    ]
 
 
 def test_engine_never_sleeps_on_cpu(monkeypatch):
@@ -140,20 +147,26 @@ def test_reduction_across_unequal_ranks_with_unequal_keys(backend):
 def _accelerator(kind, processes=2):
     from accelerate.utils import DistributedType
 
-    return types.SimpleNamespace(distributed_type=getattr(DistributedType, kind), num_processes=processes,
-                                 no_sync=lambda model: ("no_sync", model))
+    return types.SimpleNamespace(
+        distributed_type=getattr(DistributedType, kind),
+        num_processes=processes,
+        no_sync=lambda model: ("no_sync", model),
+    )
 
 
 def _args(**kw):
     return types.SimpleNamespace(**{"fsdp": False, "max_tokens_per_micro_batch": None, **kw})
 
 
-@pytest.mark.parametrize("env, refused", [
-    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed is not supported"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
-    ({"ACCELERATE_USE_FSDP": "true"}, "FSDP version 1"),  # Accelerate's default version is 1
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
-])
+@pytest.mark.parametrize(
+    "env, refused",
+    [
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed is not supported"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
+        ({"ACCELERATE_USE_FSDP": "true"}, "FSDP version 1"),  # Accelerate's default version is 1
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
+    ],
+)
 def test_launcher_settings_refuse_what_cannot_work(env, refused):
     with pytest.raises(ValueError, match=refused):
         rc_infra.launcher_settings(_args(), dict(env))
@@ -168,10 +181,18 @@ def test_an_accelerate_fsdp2_config_switches_on_the_trainers_own_sharding():
     assert not args.fsdp
 
 
-@pytest.mark.parametrize("kind, processes, args, refused", [
-    ("DEEPSPEED", 2, _args(), "DeepSpeed"), ("FSDP", 2, _args(), "fully_shard"),
-    ("NO", 1, _args(fsdp=True), "has 1"), ("MULTI_CPU", 2, _args(fsdp=True, max_tokens_per_micro_batch=512), "512"),
-    ("MULTI_CPU", 2, _args(fsdp=True), None), ("MULTI_GPU", 2, _args(), None), ("NO", 1, _args(), None)])
+@pytest.mark.parametrize(
+    "kind, processes, args, refused",
+    [
+        ("DEEPSPEED", 2, _args(), "DeepSpeed"),
+        ("FSDP", 2, _args(), "fully_shard"),
+        ("NO", 1, _args(fsdp=True), "has 1"),
+        ("MULTI_CPU", 2, _args(fsdp=True, max_tokens_per_micro_batch=512), "512"),
+        ("MULTI_CPU", 2, _args(fsdp=True), None),
+        ("MULTI_GPU", 2, _args(), None),
+        ("NO", 1, _args(), None),
+    ],
+)
 def test_check_distributed(kind, processes, args, refused):
     if refused:
         with pytest.raises(ValueError, match=refused):
@@ -189,8 +210,9 @@ def test_micro_batches_accumulate_without_all_reduce_except_the_last():
     calls = []
     model = types.SimpleNamespace(set_requires_gradient_sync=calls.append)
     for last in (False, False, True):  # FSDP2: no reduce-scatter until the last micro-batch
-        assert isinstance(rc_infra.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True),
-                          contextlib.nullcontext)
+        assert isinstance(
+            rc_infra.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True), contextlib.nullcontext
+        )
     assert calls == [False, False, True]
 
 
@@ -221,8 +243,10 @@ def test_restore_rng_after_an_engine_reseeds(tmp_path):
     torch.manual_seed(123)
     random.seed(123)
     np.random.seed(123)
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               tmp_path / "rng_rank0.pt")
+    torch.save(
+        {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        tmp_path / "rng_rank0.pt",
+    )
     expected = (torch.rand(3), random.random(), np.random.rand())
     torch.manual_seed(1)  # what vLLM's start-up does to the global generators
     rc_infra.restore_rng(str(tmp_path), 0)
@@ -285,8 +309,9 @@ def test_resume_with_another_staleness_bound_is_refused(tmp_path):
 
     ckpt = tmp_path / "checkpoints" / "step_000001"
     ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1,
-                                                         "max_staleness": 2}))
+    (ckpt / "trainer_state.json").write_text(
+        json.dumps({"step": 1, "position": 8, "world_size": 1, "max_staleness": 2})
+    )
     assert rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=2) is False
     with pytest.raises(ValueError, match="--max-staleness 2, this run has --max-staleness 1"):
         rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
@@ -307,8 +332,10 @@ def test_stale_rows_and_the_bound():
     assert rc_rollout.stale_rows(versions, 5, 2).tolist() == [False, False, False, True, False]
     assert rc_rollout.stale_rows(versions, 5, 0).tolist() == [False, True, True, True, False]
     assert not rc_rollout.stale_rows(versions, 5, None).any()
-    bound = [rc_rollout.staleness_bound(dataclasses.replace(rc_train.Args(), **c)) for c in (
-        dict(), dict(max_staleness=3), dict(sync_every=4), dict(sync_every=0))]
+    bound = [
+        rc_rollout.staleness_bound(dataclasses.replace(rc_train.Args(), **c))
+        for c in (dict(), dict(max_staleness=3), dict(sync_every=4), dict(sync_every=0))
+    ]
     assert bound == [0, 3, 3, None]
 
 
@@ -386,7 +413,9 @@ def test_torch_threads_follow_the_mode_unless_omp_num_threads_is_set(monkeypatch
     OMP_NUM_THREADS, when set, wins (the tests and the lab set it to 1)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert rc_infra.torch_threads(0, environ={}) == 4
-    assert rc_infra.torch_threads(1, environ={}) == 2 and rc_infra.torch_threads(3, environ={"OMP_NUM_THREADS": ""}) == 2
+    assert (
+        rc_infra.torch_threads(1, environ={}) == 2 and rc_infra.torch_threads(3, environ={"OMP_NUM_THREADS": ""}) == 2
+    )
     assert rc_infra.torch_threads(0, environ={"OMP_NUM_THREADS": "1"}) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert rc_infra.torch_threads(1, environ={}) == 1

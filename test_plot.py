@@ -1,7 +1,8 @@
 """Tests for rc_plot.py: loading metrics.jsonl, the dashboard's panel data, the PNG, and the CLI.
 
-    .venv/bin/python -m pytest test_plot.py -q
+.venv/bin/python -m pytest test_plot.py -q
 """
+
 import json
 import os
 import subprocess
@@ -330,8 +331,13 @@ def test_script_entry_point(tmp_path):
     script = os.path.join(HERE, "rc_plot.py")
     killed = write_run(tmp_path, "killed", records_is(4), tail='{"step": 4, "rew')
     out = tmp_path / "cli.png"
-    ok = subprocess.run([sys.executable, script, str(killed), "--out", str(out)],
-                        capture_output=True, text=True, timeout=60, check=False)
+    ok = subprocess.run(
+        [sys.executable, script, str(killed), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
     assert out.read_bytes()[:8] == PNG_MAGIC
     assert "rc_plot: warning:" in ok.stderr and "truncated" in ok.stderr

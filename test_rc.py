@@ -19,8 +19,7 @@ import rc_core as rc
 
 F64 = torch.float64
 NAN = math.nan
-PROPS = settings(max_examples=30, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ------------------------------------------------------------------------------------------
@@ -50,9 +49,11 @@ def logs(rows, garbage=NAN):
 
 
 def corr(train, rollout, mask, **kw):
-    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(train, rollout, mask, rc.RolloutCorrectionConfig(**kw))
+    w, m2, met = rc.compute_rollout_correction_and_rejection_mask(
+        train, rollout, mask, rc.RolloutCorrectionConfig(**kw)
+    )
     assert all(k.startswith("rollout_corr/") for k in met)
-    return w, m2, {k[len("rollout_corr/"):]: v for k, v in met.items()}
+    return w, m2, {k[len("rollout_corr/") :]: v for k, v in met.items()}
 
 
 def approx(x, rel=1e-9, abs_=1e-12):
@@ -89,8 +90,7 @@ def batches(draw, min_rows=1, max_rows=5, max_len=6, scale=None):
     rollout = -torch.rand((b, t), generator=gen, dtype=F64) * 3
     train = rollout + torch.randn((b, t), generator=gen, dtype=F64) * sc
     lengths = torch.randint(0, t + 1, (b,), generator=gen)
-    lengths[torch.randint(0, b, (1,), generator=gen)] = torch.randint(1, t + 1, (1,),
-                                                                      generator=gen)
+    lengths[torch.randint(0, b, (1,), generator=gen)] = torch.randint(1, t + 1, (1,), generator=gen)
     mask = (torch.arange(t)[None, :] < lengths[:, None]).to(F64)
     train = torch.where(mask.bool(), train, torch.full_like(train, NAN))
     rollout = torch.where(mask.bool(), rollout, torch.full_like(rollout, NAN))
@@ -233,8 +233,9 @@ def test_bypass_loss_without_correction_metrics_is_the_same_loss():
     adv, mask = torch.randn(6, 9, generator=gen, dtype=F64), (torch.rand(6, 9, generator=gen) > 0.2).double()
     config = rc.RolloutCorrectionConfig.bypass_ppo_clip_geo_rs()
     full, with_metrics = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, config)
-    bare, without = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, config,
-                                                       with_correction_metrics=False)
+    bare, without = rc.compute_policy_loss_bypass_mode(
+        log_prob, rollout, adv, mask, config, with_correction_metrics=False
+    )
     assert bare.item() == full.item()
     assert any(k.startswith("rollout_corr/") for k in with_metrics)
     assert not any(k.startswith("rollout_corr/") for k in without) and set(without) < set(with_metrics)
@@ -276,7 +277,7 @@ def test_token_tis_weights_and_metrics_by_hand():
     assert met["rollout_is_seq_fraction_high"] == 0.0  # raw row means 5/3 and 0.8
     assert met["rollout_is_seq_fraction_low"] == 0.0
     raw = [0.5, 3.0, 1.5, 1.2, 0.4]
-    for name, q in [("p25", .25), ("p50", .5), ("p75", .75), ("p95", .95), ("p99", .99)]:
+    for name, q in [("p25", 0.25), ("p50", 0.5), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99)]:
         assert met[f"rollout_is_{name}"] == approx(quantile(raw, q))
     assert met["rollout_is_p95"] == approx(1.5 + 0.8 * 1.5)  # h = 3.8
 
@@ -341,18 +342,21 @@ def test_safety_bound_placement_token_vs_sequence():
 
 def test_batch_normalization_token_and_sequence():
     train, rollout, mask = make([[0.5, 3.0, 1.5], [1.2, 0.4]])
-    w, _, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
-                     rollout_is_batch_normalize=True)
+    w, _, met = corr(
+        train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True
+    )
     z = 5.6 / 5
     assert met["rollout_is_batch_norm_factor"] == approx(z)
     assert met["rollout_is_mean"] == approx(z)  # metrics describe un-normalised weights
     assert w[0].tolist() == [approx(v / z) for v in [0.5, 2.0, 1.5]]
-    w, _, _ = corr(*make([[0.2, 0.2, 3.0]]), rollout_is="token", rollout_is_threshold=2.0,
-                   rollout_is_batch_normalize=True)
+    w, _, _ = corr(
+        *make([[0.2, 0.2, 3.0]]), rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True
+    )
     assert w[0].tolist() == [approx(v) for v in [0.25, 0.25, 2.5]]  # Z = 0.8; 2.5 > U intended
     train, rollout, mask = make([[2.0, 1.5], [0.5, 0.8, 1.0], []])
-    w, _, met = corr(train, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0,
-                     rollout_is_batch_normalize=True)
+    w, _, met = corr(
+        train, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True
+    )
     z = (2.0 + 0.4) / 2  # valid rows only, one value per sequence
     assert met["rollout_is_batch_norm_factor"] == approx(z)
     assert w[0, 0].item() == approx(2.0 / z)
@@ -362,8 +366,9 @@ def test_batch_normalization_token_and_sequence():
 
 def test_all_weights_zeroed_gives_zero_ess_and_unit_factor():
     train, rollout, mask = make([[1.0, 1.1], [0.9, 1.0]])
-    w, _, met = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold="3_5",
-                     rollout_is_batch_normalize=True)
+    w, _, met = corr(
+        train, rollout, mask, rollout_is="token", rollout_is_threshold="3_5", rollout_is_batch_normalize=True
+    )
     assert w.abs().sum().item() == 0.0
     assert met["rollout_is_eff_sample_size"] == 0.0
     assert met["rollout_is_batch_norm_factor"] == 1.0
@@ -396,31 +401,41 @@ def _k3(v):
 
 RS_CASES = [
     # option, threshold, rows of log-ratios, expected per-row keep (token list or row bool)
-    ("token_k1", "0.5_2.0", [[math.log(0.4), math.log(0.6), math.log(1.9), math.log(2.1)]],
-     [[0, 1, 1, 0]]),
+    ("token_k1", "0.5_2.0", [[math.log(0.4), math.log(0.6), math.log(1.9), math.log(2.1)]], [[0, 1, 1, 0]]),
     ("token_k2", 0.5, [[0.9, -0.9, 1.1, -1.1]], [[1, 1, 0, 0]]),  # |l| <= sqrt(2 U) = 1
-    ("token_k3", 0.1, [[0.4, -0.45, 0.45, -0.5]],
-     [[int(_k3(v) <= 0.1) for v in (0.4, -0.45, 0.45, -0.5)]]),
-    ("seq_sum_k1", "0.5_2.0",
-     [[math.log(1.5)] * 2, [math.log(1.5), math.log(1.2)], [math.log(0.7)] * 2,
-      [math.log(0.8), math.log(0.7)]], [0, 1, 0, 1]),  # products 2.25 1.8 0.49 0.56
+    ("token_k3", 0.1, [[0.4, -0.45, 0.45, -0.5]], [[int(_k3(v) <= 0.1) for v in (0.4, -0.45, 0.45, -0.5)]]),
+    (
+        "seq_sum_k1",
+        "0.5_2.0",
+        [[math.log(1.5)] * 2, [math.log(1.5), math.log(1.2)], [math.log(0.7)] * 2, [math.log(0.8), math.log(0.7)]],
+        [0, 1, 0, 1],
+    ),  # products 2.25 1.8 0.49 0.56
     ("seq_sum_k2", 0.5, [[0.6, 0.6], [0.8, 0.7]], [1, 0]),  # 0.36 / 0.565
-    ("seq_sum_k3", 0.1, [[0.2, 0.2], [0.4, 0.2]],  # 0.043 / 0.113
-     [int(_k3(.2) * 2 <= .1), int(_k3(.4) + _k3(.2) <= .1)]),
-    ("seq_mean_k1", "0.9_1.1",
-     [[math.log(1.2), math.log(0.95)], [math.log(1.3), 0.0], [math.log(0.8), math.log(0.9)]],
-     [1, 0, 0]),  # geometric means 1.068 1.140 0.849
+    (
+        "seq_sum_k3",
+        0.1,
+        [[0.2, 0.2], [0.4, 0.2]],  # 0.043 / 0.113
+        [int(_k3(0.2) * 2 <= 0.1), int(_k3(0.4) + _k3(0.2) <= 0.1)],
+    ),
+    (
+        "seq_mean_k1",
+        "0.9_1.1",
+        [[math.log(1.2), math.log(0.95)], [math.log(1.3), 0.0], [math.log(0.8), math.log(0.9)]],
+        [1, 0, 0],
+    ),  # geometric means 1.068 1.140 0.849
     ("seq_mean_k2", 0.1, [[0.4, 0.0], [0.6, 0.5]], [1, 0]),  # (0.08 + 0)/2, (0.18 + 0.125)/2
-    ("seq_mean_k3", 0.02, [[0.2, 0.1], [0.3, 0.2]],
-     [int((_k3(.2) + _k3(.1)) / 2 <= .02), int((_k3(.3) + _k3(.2)) / 2 <= .02)]),
+    (
+        "seq_mean_k3",
+        0.02,
+        [[0.2, 0.1], [0.3, 0.2]],
+        [int((_k3(0.2) + _k3(0.1)) / 2 <= 0.02), int((_k3(0.3) + _k3(0.2)) / 2 <= 0.02)],
+    ),
     ("seq_max_k2", 0.125, [[0.4, -0.5], [0.1, -0.6]], [1, 0]),  # max 0.125 (inclusive) / 0.18
-    ("seq_max_k3", 0.05, [[0.3, -0.2], [0.35, 0.0]],
-     [int(max(_k3(.3), _k3(-.2)) <= .05), int(_k3(.35) <= .05)]),
+    ("seq_max_k3", 0.05, [[0.3, -0.2], [0.35, 0.0]], [int(max(_k3(0.3), _k3(-0.2)) <= 0.05), int(_k3(0.35) <= 0.05)]),
 ]
 
 
-@pytest.mark.parametrize("option,threshold,rows,expected", RS_CASES,
-                         ids=[c[0] for c in RS_CASES])
+@pytest.mark.parametrize("option,threshold,rows,expected", RS_CASES, ids=[c[0] for c in RS_CASES])
 def test_each_rs_option_keep_mask_by_hand(option, threshold, rows, expected):
     train, rollout, mask = logs(rows)
     w, m2, met = corr(train, rollout, mask, rollout_rs=option, rollout_rs_threshold=threshold)
@@ -442,8 +457,7 @@ def test_k1_bounds_apply_to_rho_in_ratio_space(option):
     _, m2, _ = corr(*make(rows), rollout_rs=option, rollout_rs_threshold="0.8_1.5")
     assert m2[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
     # inclusive on exactly representable bounds
-    _, m2, _ = corr(*make([[0.5], [2.0], [0.25]]), rollout_rs=option,
-                    rollout_rs_threshold="0.5_2.0")
+    _, m2, _ = corr(*make([[0.5], [2.0], [0.25]]), rollout_rs=option, rollout_rs_threshold="0.5_2.0")
     assert m2[:, 0].tolist() == [1.0, 1.0, 0.0]
 
 
@@ -499,8 +513,7 @@ def test_rs_broadcast_and_per_option_thresholds():
     _, m2, _ = corr(*logs(rows), rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold=2.0)
     # token_k1 [0.5, 2]: rejects token (1, 0) and (2, 0); seq_max_k2 U = 2: |l| <= 2 keeps all
     assert m2.tolist() == [[1, 1], [0, 1], [0, 1]]
-    _, m2, _ = corr(*logs(rows), rollout_rs="token_k1, seq_max_k2",
-                    rollout_rs_threshold="3.0, 1.0")
+    _, m2, _ = corr(*logs(rows), rollout_rs="token_k1, seq_max_k2", rollout_rs_threshold="3.0, 1.0")
     # token_k1 [1/3, 3] rejects only (2, 0) (rho = e^1.9); seq_max_k2 U = 1 rejects row 2
     # (0.5 * 1.9^2 = 1.805), and keeps row 1 (0.5 * log(2.1)^2 = 0.275)
     assert m2.tolist() == [[1, 1], [1, 1], [0, 0]]
@@ -512,10 +525,10 @@ def test_legacy_names_map_to_canonical_options():
     cases = [("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")]
     rows = [[1.3, 0.9], [0.7, 0.75], [1.1, 1.25], [1.0, 0.8]]
     for legacy, canonical in cases:
-        _, m_legacy, met = corr(*make(rows), rollout_rs=legacy, rollout_rs_threshold=1.2,
-                                rollout_rs_threshold_lower=0.8)
-        _, m_canon, met_c = corr(*make(rows), rollout_rs=canonical,
-                                 rollout_rs_threshold="0.8_1.2")
+        _, m_legacy, met = corr(
+            *make(rows), rollout_rs=legacy, rollout_rs_threshold=1.2, rollout_rs_threshold_lower=0.8
+        )
+        _, m_canon, met_c = corr(*make(rows), rollout_rs=canonical, rollout_rs_threshold="0.8_1.2")
         assert torch.equal(m_legacy, m_canon)
         same_metrics(met, met_c)
         assert f"rollout_rs_{canonical}_mean" in met
@@ -530,8 +543,15 @@ def test_legacy_names_map_to_canonical_options():
 def test_rs_does_not_change_is_weights():
     train, rollout, mask = make([[0.5, 3.0, 1.5], [1.2, 0.4]])
     w1, _, _ = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
-    w2, m2, _ = corr(train, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
-                     rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    w2, m2, _ = corr(
+        train,
+        rollout,
+        mask,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="token_k1",
+        rollout_rs_threshold=2.0,
+    )
     assert torch.equal(w1, w2)  # rejected tokens keep their IS weight
     assert m2.tolist() == [[1, 0, 1], [1, 0, 0]]
 
@@ -557,8 +577,7 @@ def test_veto_uses_unclipped_ratios_and_rejects_whole_rows():
 
 def test_veto_is_anded_after_rs():
     rows = [[1.0, 3.0], [1.0, 1e-5], [1.0, 1.0]]
-    _, m2, met = corr(*make(rows), rollout_rs="token_k1", rollout_rs_threshold=2.0,
-                      rollout_token_veto_threshold=1e-4)
+    _, m2, met = corr(*make(rows), rollout_rs="token_k1", rollout_rs_threshold=2.0, rollout_token_veto_threshold=1e-4)
     assert m2.tolist() == [[1, 0], [0, 0], [1, 1]]
     # the global RS metric excludes the veto
     assert met["rollout_rs_masked_fraction"] == approx(2 / 6)
@@ -581,8 +600,10 @@ def test_chi2_token_estimate_is_negative_when_every_ratio_is_below_one():
 def test_raising_the_veto_threshold_vetoes_more_rows():
     # the veto fires when a ratio falls below tau: relaxing it means a smaller tau (docs/corrections.md §4.5)
     rows = [[1.0, 1.0], [0.9, 1.0], [1.0, 0.5], [0.05, 1.0], [1.0, 2.0]]
-    fractions = [corr(*make(rows), rollout_token_veto_threshold=tau)[2]["rollout_is_veto_fraction"]
-                 for tau in (1e-4, 1e-3, 1e-2, 0.1)]
+    fractions = [
+        corr(*make(rows), rollout_token_veto_threshold=tau)[2]["rollout_is_veto_fraction"]
+        for tau in (1e-4, 1e-3, 1e-2, 0.1)
+    ]
     assert fractions == approx([0.0, 0.0, 0.0, 0.2])
 
 
@@ -660,24 +681,72 @@ def test_consistency_and_tv_metrics_by_hand():
 # metric key sets (§6)
 # ------------------------------------------------------------------------------------------
 
-IS_KEYS = {f"rollout_is_{k}" for k in (
-    "mean", "std", "eff_sample_size", "max", "min", "ratio_fraction_high",
-    "ratio_fraction_low", "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
-    "seq_fraction_high", "seq_fraction_low", "p25", "p50", "p75", "p95", "p99")}
+IS_KEYS = {
+    f"rollout_is_{k}"
+    for k in (
+        "mean",
+        "std",
+        "eff_sample_size",
+        "max",
+        "min",
+        "ratio_fraction_high",
+        "ratio_fraction_low",
+        "seq_mean",
+        "seq_std",
+        "seq_max",
+        "seq_min",
+        "seq_max_deviation",
+        "seq_fraction_high",
+        "seq_fraction_low",
+        "p25",
+        "p50",
+        "p75",
+        "p95",
+        "p99",
+    )
+}
 OFFPOLICY_KEYS = {
-    "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "kl", "k3_kl",
-    "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
-    "chi2_token", "chi2_seq"}
+    "training_ppl",
+    "training_log_ppl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "kl",
+    "k3_kl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+    "chi2_token",
+    "chi2_seq",
+}
 ALWAYS_KEYS = OFFPOLICY_KEYS | {
-    "rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std",
-    "rollout_actor_probs_pearson_corr", "tv_mismatch"}
+    "rollout_probs_diff_max",
+    "rollout_probs_diff_mean",
+    "rollout_probs_diff_std",
+    "rollout_actor_probs_pearson_corr",
+    "tv_mismatch",
+}
 VETO_KEYS = {"rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction"}
 
 
 def rs_keys(option):
-    suffixes = ["mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean",
-                "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
-                "masked_fraction", "seq_masked_fraction"]
+    suffixes = [
+        "mean",
+        "max",
+        "min",
+        "fraction_high",
+        "fraction_low",
+        "std",
+        "seq_mean",
+        "seq_std",
+        "seq_max",
+        "seq_min",
+        "seq_max_deviation",
+        "seq_fraction_high",
+        "masked_fraction",
+        "seq_masked_fraction",
+    ]
     if option.endswith("k1"):
         suffixes.append("seq_fraction_low")
     return {f"rollout_rs_{option}_{s}" for s in suffixes}
@@ -687,19 +756,29 @@ RS_GLOBAL = {"rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"}
 KEY_CASES = [
     ({}, ALWAYS_KEYS),
     ({"rollout_is": "token"}, ALWAYS_KEYS | IS_KEYS),
-    ({"rollout_is": "sequence", "rollout_is_threshold": "0.5_5",
-      "rollout_is_batch_normalize": True},
-     ALWAYS_KEYS | IS_KEYS | {"rollout_is_oob_ratio", "rollout_is_batch_norm_factor"}),
-    ({"rollout_rs": "token_k1,seq_max_k3", "rollout_rs_threshold": 2.0},
-     ALWAYS_KEYS | rs_keys("token_k1") | rs_keys("seq_max_k3") | RS_GLOBAL),
-    ({"rollout_rs": "geometric", "rollout_rs_threshold": 1.01,
-      "rollout_token_veto_threshold": 1e-4},
-     ALWAYS_KEYS | rs_keys("seq_mean_k1") | RS_GLOBAL | VETO_KEYS),
+    (
+        {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5", "rollout_is_batch_normalize": True},
+        ALWAYS_KEYS | IS_KEYS | {"rollout_is_oob_ratio", "rollout_is_batch_norm_factor"},
+    ),
+    (
+        {"rollout_rs": "token_k1,seq_max_k3", "rollout_rs_threshold": 2.0},
+        ALWAYS_KEYS | rs_keys("token_k1") | rs_keys("seq_max_k3") | RS_GLOBAL,
+    ),
+    (
+        {"rollout_rs": "geometric", "rollout_rs_threshold": 1.01, "rollout_token_veto_threshold": 1e-4},
+        ALWAYS_KEYS | rs_keys("seq_mean_k1") | RS_GLOBAL | VETO_KEYS,
+    ),
     ({"rollout_token_veto_threshold": 1e-4}, ALWAYS_KEYS | VETO_KEYS),
-    ({"rollout_is": "token", "rollout_is_threshold": "0.5_2", "rollout_rs": "seq_mean_k2",
-      "rollout_rs_threshold": 0.1, "rollout_token_veto_threshold": 1e-3},
-     ALWAYS_KEYS | IS_KEYS | {"rollout_is_oob_ratio"} | rs_keys("seq_mean_k2") | RS_GLOBAL
-     | VETO_KEYS),
+    (
+        {
+            "rollout_is": "token",
+            "rollout_is_threshold": "0.5_2",
+            "rollout_rs": "seq_mean_k2",
+            "rollout_rs_threshold": 0.1,
+            "rollout_token_veto_threshold": 1e-3,
+        },
+        ALWAYS_KEYS | IS_KEYS | {"rollout_is_oob_ratio"} | rs_keys("seq_mean_k2") | RS_GLOBAL | VETO_KEYS,
+    ),
 ]
 
 
@@ -734,7 +813,8 @@ def test_ppo_loss_asymmetric_dual_clip_and_is_after_clipping():
     w = torch.tensor([[1.0, 2.0, 0.5, 1.0, 1.0]], dtype=F64)
     rollout = old - math.log(2.0)  # pi_old / mu = 2 everywhere
     loss, met = rc.compute_policy_loss_vanilla(
-        old, log_prob, adv, mask, "token-mean", 0.2, 0.28, 3.0, w, rollout_log_prob=rollout)
+        old, log_prob, adv, mask, "token-mean", 0.2, 0.28, 3.0, w, rollout_log_prob=rollout
+    )
     # per token: -1.28 (clip high), -0.5, 0.8 (clip low), 3.0 (dual clip), 2.2
     phi = [-1.28, -0.5, 0.8, 3.0, 2.2]
     assert loss.item() == approx(sum(p * wi for p, wi in zip(phi, w[0].tolist())) / 5)
@@ -749,20 +829,17 @@ def test_ppo_loss_asymmetric_dual_clip_and_is_after_clipping():
     assert log_prob.grad[0].tolist() == [approx(g) for g in grad]
     _, met = rc.compute_policy_loss_vanilla(old, log_prob.detach(), adv, mask)
     assert "actor/tv_update" not in met
-    assert set(met) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
-                        "actor/ppo_kl"}
+    assert set(met) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
 
 
 def test_reinforce_loss_value_gradient_and_detached_weights():
-    log_prob = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, NAN]], dtype=F64,
-                            requires_grad=True)
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, NAN]], dtype=F64, requires_grad=True)
     rollout = torch.tensor([[-1.2, -1.5, -0.5], [-0.3, -1.0, NAN]], dtype=F64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
     adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]], dtype=F64)
     keep = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=F64)
     weights = torch.exp(log_prob - rollout)  # carries a graph: must be detached inside
-    loss, met = rc.compute_policy_loss_reinforce(log_prob, rollout, adv, mask, "token-mean",
-                                                 weights, keep_mask=keep)
+    loss, met = rc.compute_policy_loss_reinforce(log_prob, rollout, adv, mask, "token-mean", weights, keep_mask=keep)
     wv = [[math.exp(0.2), math.exp(-0.5), 1.0], [1.0, math.exp(0.3), 0.0]]
     lp = [[-1.0, -2.0, -0.5], [-0.3, -0.7]]
     kept = [(0, 0), (0, 2), (1, 0), (1, 1)]
@@ -794,8 +871,15 @@ def test_agg_loss_modes_with_original_mask_denominators(mode, scale, local, glob
     effective = torch.tensor([[1, 0, 1], [1, 1, 0], [0, 0, 0]], dtype=F64)
     got = rc.agg_loss(loss_mat, effective, mode, response_mask=mask, loss_scale_factor=scale)
     assert got.item() == approx(local)
-    got = rc.agg_loss(loss_mat, effective, mode, response_mask=mask, global_token_count=10,
-                      global_seq_count=torch.tensor(4.0), loss_scale_factor=scale)
+    got = rc.agg_loss(
+        loss_mat,
+        effective,
+        mode,
+        response_mask=mask,
+        global_token_count=10,
+        global_seq_count=torch.tensor(4.0),
+        loss_scale_factor=scale,
+    )
     assert got.item() == approx(global_)
 
 
@@ -803,8 +887,7 @@ def test_no_kept_token_contributes_exactly_zero():
     _, adv, old, log_prob, mask = _ppo_example()
     keep = torch.zeros_like(mask)
     for mode in rc.LOSS_AGG_MODES:
-        loss, met = rc.compute_policy_loss_vanilla(old, log_prob, adv, mask, mode,
-                                                   keep_mask=keep, loss_scale_factor=8)
+        loss, met = rc.compute_policy_loss_vanilla(old, log_prob, adv, mask, mode, keep_mask=keep, loss_scale_factor=8)
         assert loss.item() == 0.0
         assert met["actor/pg_clipfrac"] == 0.0 and met["actor/ppo_kl"] == 0.0
         loss.backward()
@@ -820,10 +903,11 @@ def test_nan_padding_does_not_leak_into_loss_or_gradient():
     adv = torch.tensor([[1.0, NAN], [-1.0, 1.0]], dtype=F64)
     mask = torch.tensor([[1, 0], [1, 1]], dtype=F64)
     cfg = rc.RolloutCorrectionConfig.bypass_pg_is()
-    for fn in (lambda: rc.compute_policy_loss_vanilla(old, log_prob, adv, mask,
-                                                      rollout_log_prob=rollout),
-               lambda: rc.compute_policy_loss_reinforce(log_prob, rollout, adv, mask),
-               lambda: rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg)):
+    for fn in (
+        lambda: rc.compute_policy_loss_vanilla(old, log_prob, adv, mask, rollout_log_prob=rollout),
+        lambda: rc.compute_policy_loss_reinforce(log_prob, rollout, adv, mask),
+        lambda: rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg),
+    ):
         loss, met = fn()
         loss.backward()
         assert math.isfinite(loss.item())
@@ -840,8 +924,7 @@ def test_bypass_ppo_clip_ignores_is_weights_but_reports_them():
     mask = torch.ones((3, 4), dtype=F64)
     plain = rc.RolloutCorrectionConfig.bypass_ppo_clip()
     with pytest.warns(UserWarning, match="only adds"):
-        with_is = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.01,
-                                             bypass_mode=True)
+        with_is = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.01, bypass_mode=True)
     loss_a, met_a = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, plain)
     loss_b, met_b = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, with_is)
     assert loss_a.item() == loss_b.item()
@@ -875,8 +958,9 @@ def test_icepop_is_metrics_only_in_bypass_ppo_clip():
 def test_bypass_reinforce_uses_weights_from_current_policy():
     # token ratios pi_theta / mu per row: products 1.1, 1.5 (over the cap 1.2) and 0.9
     ratios = [[1.1, 1.0, 1.0, 1.0], [1.5, 1.0], [0.9]]
-    log_prob = torch.tensor([[-0.5, -1.0, -0.2, -2.0], [-0.3, -0.8, NAN, NAN], [-1.2, NAN, NAN, NAN]],
-                            dtype=F64, requires_grad=True)
+    log_prob = torch.tensor(
+        [[-0.5, -1.0, -0.2, -2.0], [-0.3, -0.8, NAN, NAN], [-1.2, NAN, NAN, NAN]], dtype=F64, requires_grad=True
+    )
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=F64)
     rollout = log_prob.detach().clone()
     for i, row in enumerate(ratios):
@@ -884,8 +968,7 @@ def test_bypass_reinforce_uses_weights_from_current_policy():
             rollout[i, t] -= math.log(r)
     adv = torch.tensor([[0.5], [-1.0], [2.0]], dtype=F64).expand(3, 4)
     cfg = rc.RolloutCorrectionConfig.bypass_pg_is(threshold=1.2)
-    loss, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg,
-                                                   "seq-mean-token-sum")
+    loss, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg, "seq-mean-token-sum")
     loss.backward()
     seq = [1.1, 1.2, 0.9]  # row 1 truncated at U = 1.2
     want = torch.tensor([[-0.5 * 1.1] * 4, [1.0 * 1.2] * 2 + [0, 0], [-2.0 * 0.9, 0, 0, 0]], dtype=F64) / 3
@@ -920,7 +1003,7 @@ def test_grpo_by_hand_singleton_and_equal_groups():
     index = ["a", "a", "a", "a", "solo", "b", "b", "b"]
     adv = rc.compute_grpo_outcome_advantage(scores, index)
     std_a = math.sqrt(1.0 / 3.0)
-    assert adv[:4].tolist() == [approx(v) for v in [.5 / (std_a + 1e-6), -.5 / (std_a + 1e-6)] * 2]
+    assert adv[:4].tolist() == [approx(v) for v in [0.5 / (std_a + 1e-6), -0.5 / (std_a + 1e-6)] * 2]
     assert adv[4].item() == approx(0.7 / (1 + 1e-6))  # singleton keeps its raw score
     assert adv[5:].tolist() == [0.0, 0.0, 0.0]  # exactly zero, not rounding noise
     dr = rc.compute_grpo_outcome_advantage(scores, index, norm_adv_by_std=False)
@@ -944,13 +1027,14 @@ def test_grpo_matches_loop_reference_with_tensor_ids_token_scores_and_mask():
 
 
 @PROPS
-@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 1.0, 0.5, 2.0])),
-                min_size=1, max_size=20), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 1.0, 0.5, 2.0])), min_size=1, max_size=20),
+    st.booleans(),
+)
 def test_grpo_property_matches_loop(pairs, norm):
     index = [p[0] for p in pairs]
     scores = [p[1] for p in pairs]
-    got = rc.compute_grpo_outcome_advantage(torch.tensor(scores, dtype=F64), index,
-                                            norm_adv_by_std=norm)
+    got = rc.compute_grpo_outcome_advantage(torch.tensor(scores, dtype=F64), index, norm_adv_by_std=norm)
     ref = grpo_loop(scores, index, norm=norm)
     assert got.tolist() == [approx(v, rel=1e-9, abs_=1e-9) for v in ref]
 
@@ -965,8 +1049,15 @@ def test_kl_penalty_estimators_by_hand_and_straight_through():
     ref = torch.tensor([[-1.5, -1.7, -10.0]], dtype=F64)
     d = [0.5, -0.3, -30.0]
     k3 = [min(math.exp(-v) + v - 1, 10.0) for v in d[:2]] + [10.0]  # kappa clipped at 20
-    expect = {"kl": d, "k1": d, "abs": [abs(v) for v in d], "mse": [0.5 * v * v for v in d],
-              "k2": [0.5 * v * v for v in d], "low_var_kl": k3, "k3": k3}
+    expect = {
+        "kl": d,
+        "k1": d,
+        "abs": [abs(v) for v in d],
+        "mse": [0.5 * v * v for v in d],
+        "k2": [0.5 * v * v for v in d],
+        "low_var_kl": k3,
+        "k3": k3,
+    }
     for name, values in expect.items():
         assert rc.kl_penalty(logp, ref, name)[0].tolist() == [approx(v) for v in values]
         leaf = logp.clone().requires_grad_()
@@ -1009,14 +1100,12 @@ CONFIG_ERRORS = [
     ({"rollout_rs": " , ,"}, ValueError, "' , ,'"),
     ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 1}, ValueError, "'seq_max_k1'"),
     ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1}, ValueError, "'token_k4'"),
-    ({"rollout_rs": "token_k1,token_k1", "rollout_rs_threshold": 2}, ValueError,
-     "duplicate option 'token_k1'"),
+    ({"rollout_rs": "token_k1,token_k1", "rollout_rs_threshold": 2}, ValueError, "duplicate option 'token_k1'"),
     ({"rollout_rs": "token,token_k1", "rollout_rs_threshold": 2}, ValueError, "'token,token_k1'"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": None}, ValueError, "(got None)"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": True}, TypeError, "True"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": [2]}, TypeError, "[2]"),
-    ({"rollout_rs": "token_k1,token_k2,token_k3", "rollout_rs_threshold": "2,0.1"}, ValueError,
-     "2 entries"),
+    ({"rollout_rs": "token_k1,token_k2,token_k3", "rollout_rs_threshold": "2,0.1"}, ValueError, "2 entries"),
     ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_0.5"}, ValueError, "'0.1_0.5'"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": "abc"}, ValueError, "'abc'"),
     ({"rollout_rs": "token_k2", "rollout_rs_threshold": "nan"}, ValueError, "'nan'"),
@@ -1024,12 +1113,9 @@ CONFIG_ERRORS = [
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": "2_1"}, ValueError, "'2_1'"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": 0.5}, ValueError, "0.5"),
     ({"rollout_rs_threshold_lower": 0.25}, ValueError, "0.25"),
-    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": 0.25},
-     ValueError, "0.25"),
-    ({"rollout_rs": "token", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": -0.25},
-     ValueError, "-0.25"),
-    ({"rollout_rs": "token", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": 2.5},
-     ValueError, "2.5"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": 0.25}, ValueError, "0.25"),
+    ({"rollout_rs": "token", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": -0.25}, ValueError, "-0.25"),
+    ({"rollout_rs": "token", "rollout_rs_threshold": 2, "rollout_rs_threshold_lower": 2.5}, ValueError, "2.5"),
     ({"rollout_rs": "sequence", "rollout_rs_threshold": 0.5}, ValueError, "0.5"),
     ({"rollout_rs": "geometric", "rollout_rs_threshold": "0.9_1.1"}, ValueError, "'0.9_1.1'"),
     ({"rollout_token_veto_threshold": True}, TypeError, "True"),
@@ -1040,17 +1126,14 @@ CONFIG_ERRORS = [
     ({"bypass_mode": "yes"}, TypeError, "'yes'"),
     ({"loss_type": "ppo"}, ValueError, "'ppo'"),
     ({"loss_type": "reinforce"}, ValueError, "'reinforce'"),
-    ({"bypass_mode": True, "loss_type": "reinforce", "use_policy_gradient": False}, ValueError,
-     "False"),
-    ({"bypass_mode": True, "loss_type": "ppo_clip", "use_policy_gradient": True}, ValueError,
-     "'ppo_clip'"),
+    ({"bypass_mode": True, "loss_type": "reinforce", "use_policy_gradient": False}, ValueError, "False"),
+    ({"bypass_mode": True, "loss_type": "ppo_clip", "use_policy_gradient": True}, ValueError, "'ppo_clip'"),
     ({"use_policy_gradient": True}, ValueError, "use_policy_gradient=True"),
     ({"use_policy_gradient": "yes", "bypass_mode": True}, TypeError, "'yes'"),
 ]
 
 
-@pytest.mark.parametrize("kwargs,exc,fragment", CONFIG_ERRORS,
-                         ids=[repr(c[0])[:60] for c in CONFIG_ERRORS])
+@pytest.mark.parametrize("kwargs,exc,fragment", CONFIG_ERRORS, ids=[repr(c[0])[:60] for c in CONFIG_ERRORS])
 def test_config_errors_name_the_bad_value(kwargs, exc, fragment):
     with pytest.raises(exc) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -1071,19 +1154,23 @@ def test_config_accepts_valid_edge_cases():
     assert C(rollout_is="token", rollout_is_threshold="2_2").is_spec.lower == 2.0
     assert C(bypass_mode=True, use_policy_gradient=True).loss_type == "reinforce"
     assert C(bypass_mode=True, use_policy_gradient=False).loss_type == "ppo_clip"
-    assert C(bypass_mode=True, loss_type="reinforce", use_policy_gradient=True).loss_type == \
-        "reinforce"
+    assert C(bypass_mode=True, loss_type="reinforce", use_policy_gradient=True).loss_type == "reinforce"
     assert C(bypass_mode=True, loss_type=None, use_policy_gradient=True).loss_type == "reinforce"
     assert C(loss_type=None).loss_type == "ppo_clip"
     cfg = C(rollout_rs="token_k1, seq_mean_k3", rollout_rs_threshold="0.5_2.0, 0.01")
-    assert cfg.rs_specs == (rc.RSOption("token_k1", "k1", "token", 0.5, 2.0),
-                            rc.RSOption("seq_mean_k3", "k3", "seq_mean", None, 0.01))
+    assert cfg.rs_specs == (
+        rc.RSOption("token_k1", "k1", "token", 0.5, 2.0),
+        rc.RSOption("seq_mean_k3", "k3", "seq_mean", None, 0.01),
+    )
 
 
 LOSS_SETTING_ERRORS = [
-    ((1.0, 0.2, 3.0, "token-mean"), "1.0"), ((-0.1, 0.2, 3.0, "token-mean"), "-0.1"),
-    ((0.2, -0.1, 3.0, "token-mean"), "-0.1"), ((0.2, 0.2, 1.0, "token-mean"), "1.0"),
-    ((0.2, 0.2, 3.0, "mean"), "'mean'"), ((0.2, 0.2, 3.0, "token-mean", 0), "loss_scale_factor=0 "),
+    ((1.0, 0.2, 3.0, "token-mean"), "1.0"),
+    ((-0.1, 0.2, 3.0, "token-mean"), "-0.1"),
+    ((0.2, -0.1, 3.0, "token-mean"), "-0.1"),
+    ((0.2, 0.2, 1.0, "token-mean"), "1.0"),
+    ((0.2, 0.2, 3.0, "mean"), "'mean'"),
+    ((0.2, 0.2, 3.0, "token-mean", 0), "loss_scale_factor=0 "),
     ((0.2, 0.2, 3.0, "seq-mean-token-sum-norm", -4.0), "-4.0"),
 ]
 
@@ -1142,14 +1229,10 @@ PRESET_TABLE = {
     "bypass_pg_is": ("sequence", 2.0, None, None, True, "reinforce", None),
     "bypass_pg_token_icepop": ("token", "0.5_5.0", None, None, True, "reinforce", None),
     "bypass_pg_geo_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce", None),
-    "decoupled_geo_rs_seq_tis": ("sequence", 2.0, "seq_mean_k1", "0.999_1.001", False,
-                                 "ppo_clip", None),
-    "decoupled_geo_rs_token_tis": ("token", 2.0, "seq_mean_k1", "0.999_1.001", False,
-                                   "ppo_clip", None),
-    "bypass_pg_geo_rs_seq_tis": ("sequence", 2.0, "seq_mean_k1", "0.999_1.001", True,
-                                 "reinforce", None),
-    "bypass_pg_geo_rs_token_tis": ("token", 2.0, "seq_mean_k1", "0.999_1.001", True,
-                                   "reinforce", None),
+    "decoupled_geo_rs_seq_tis": ("sequence", 2.0, "seq_mean_k1", "0.999_1.001", False, "ppo_clip", None),
+    "decoupled_geo_rs_token_tis": ("token", 2.0, "seq_mean_k1", "0.999_1.001", False, "ppo_clip", None),
+    "bypass_pg_geo_rs_seq_tis": ("sequence", 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce", None),
+    "bypass_pg_geo_rs_token_tis": ("token", 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce", None),
     "decoupled_k3_rs": (None, 2.0, "seq_mean_k3", 0.01, False, "ppo_clip", None),
     "decoupled_k3_rs_seq_tis": ("sequence", 2.0, "seq_mean_k3", 0.01, False, "ppo_clip", None),
     "decoupled_k3_rs_token_tis": ("token", 2.0, "seq_mean_k3", 0.01, False, "ppo_clip", None),
@@ -1162,8 +1245,15 @@ PRESET_TABLE = {
 }
 
 
-FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode",
-          "loss_type", "rollout_token_veto_threshold")
+FIELDS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "bypass_mode",
+    "loss_type",
+    "rollout_token_veto_threshold",
+)
 
 
 @pytest.mark.parametrize("name", list(PRESET_TABLE))
@@ -1183,19 +1273,22 @@ def test_every_preset_matches_the_spec_table(name):
 def test_preset_names_and_lookup():
     assert len(rc.PRESET_NAMES) == 26 and set(rc.PRESET_NAMES) == set(PRESET_TABLE)
     assert C.from_name("decoupled_seq_is", threshold=3.0) == C(rollout_is="sequence", rollout_is_threshold=3.0)
-    assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25
-                       ).is_spec == rc.ISThreshold("icepop", 0.25, 4.0)
+    assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25).is_spec == rc.ISThreshold(
+        "icepop", 0.25, 4.0
+    )
     assert C.bypass_pg_seq_mis(threshold=3.0).rs_specs == (rc.RSOption("seq_sum_k1", "k1", "seq_sum", None, 3.0),)
-    assert C.pg_is(threshold=1.5) == C(rollout_is="sequence", rollout_is_threshold=1.5, bypass_mode=True,
-                                       loss_type="reinforce")
+    assert C.pg_is(threshold=1.5) == C(
+        rollout_is="sequence", rollout_is_threshold=1.5, bypass_mode=True, loss_type="reinforce"
+    )
     with pytest.raises(ValueError) as info:
         C.from_name("decoupled_k1_rs")
     assert "'decoupled_k1_rs'" in str(info.value) and "bypass_pg_geo_rs" in str(info.value)
     with pytest.raises(TypeError, match="is_threshold; its arguments are threshold$"):
         C.decoupled_seq_is(is_threshold=3.0)  # a misspelt argument is refused, never ignored
     # naive and disabled are the same no-correction arm: decoupled PPO, every correction off
-    off = C(rollout_is=None, rollout_rs=None, rollout_token_veto_threshold=None, bypass_mode=False,
-            loss_type="ppo_clip")
+    off = C(
+        rollout_is=None, rollout_rs=None, rollout_token_veto_threshold=None, bypass_mode=False, loss_type="ppo_clip"
+    )
     assert C.naive() == off and C.disabled() == off
     assert C.naive().is_spec is None and C.naive().rs_specs == () and C.naive().veto_tau is None
 
@@ -1240,8 +1333,7 @@ CORR_CONFIGS = [
     {"rollout_is": "sequence", "rollout_is_threshold": "0.5_3", "rollout_is_batch_normalize": True},
     {"rollout_is": "token", "rollout_is_threshold": "0.7_1.3", "rollout_is_batch_normalize": True},
     {"rollout_rs": "token_k1,seq_mean_k3,seq_max_k2", "rollout_rs_threshold": "0.6_1.6,0.05,0.3"},
-    {"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 1.5,
-     "rollout_token_veto_threshold": 0.3},
+    {"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 1.5, "rollout_token_veto_threshold": 0.3},
 ]
 
 
@@ -1263,11 +1355,10 @@ def test_padding_invariance(batch, kwargs, extra):
         assert w_p[b:].abs().sum() == 0 and w_p[:, t:].abs().sum() == 0
     adv = torch.linspace(-1, 1, b * t, dtype=F64).reshape(b, t)
     for mode in rc.LOSS_AGG_MODES:
-        loss, _ = rc.compute_policy_loss_vanilla(rollout, train, adv, mask, mode, keep_mask=m2,
-                                                 loss_scale_factor=7)
-        loss_p, _ = rc.compute_policy_loss_vanilla(pad(rollout, 0.0), pad(train, 0.0),
-                                                   pad(adv, 5.0), pad(mask, 0.0), mode,
-                                                   keep_mask=m2_p, loss_scale_factor=7)
+        loss, _ = rc.compute_policy_loss_vanilla(rollout, train, adv, mask, mode, keep_mask=m2, loss_scale_factor=7)
+        loss_p, _ = rc.compute_policy_loss_vanilla(
+            pad(rollout, 0.0), pad(train, 0.0), pad(adv, 5.0), pad(mask, 0.0), mode, keep_mask=m2_p, loss_scale_factor=7
+        )
         assert loss_p.item() == approx(loss.item())
 
 
@@ -1301,8 +1392,9 @@ def test_tis_never_exceeds_cap_and_pads_with_zero(batch, level, cap):
 
 
 @PROPS
-@given(batches(), st.sampled_from(CORR_CONFIGS[4:] + [
-    {"rollout_rs": "seq_sum_k2,token_k3", "rollout_rs_threshold": 0.05}]))
+@given(
+    batches(), st.sampled_from(CORR_CONFIGS[4:] + [{"rollout_rs": "seq_sum_k2,token_k3", "rollout_rs_threshold": 0.05}])
+)
 def test_rs_never_adds_tokens(batch, kwargs):
     train, rollout, mask = batch
     _, m2, _ = corr(train, rollout, mask, **kwargs)
@@ -1313,8 +1405,9 @@ def test_rs_never_adds_tokens(batch, kwargs):
 @given(batches(), st.sampled_from(["token", "sequence"]), st.sampled_from([1.2, "0.5_2.0"]))
 def test_batch_normalization_gives_mean_one(batch, level, threshold):
     train, rollout, mask = batch
-    w, _, met = corr(train, rollout, mask, rollout_is=level, rollout_is_threshold=threshold,
-                     rollout_is_batch_normalize=True)
+    w, _, met = corr(
+        train, rollout, mask, rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=True
+    )
     m = mask.bool()
     if met["rollout_is_batch_norm_factor"] == 1.0 and w[m].sum() == 0:
         return  # everything zeroed by IcePop: factor 1, weights unchanged
@@ -1337,17 +1430,18 @@ def test_micro_batch_split_independence(batch, mode, data):
     n_tok, n_seq = mask.sum(), (mask.sum(-1) > 0).sum()
     current = (train + 0.01).requires_grad_()
     kw = {"global_token_count": n_tok, "global_seq_count": n_seq, "loss_scale_factor": 9.0}
-    full, _ = rc.compute_policy_loss_vanilla(train, current, adv, mask, mode,
-                                             rollout_is_weights=w, keep_mask=keep, **kw)
+    full, _ = rc.compute_policy_loss_vanilla(
+        train, current, adv, mask, mode, rollout_is_weights=w, keep_mask=keep, **kw
+    )
     full.backward()
     grad_full, current.grad = current.grad.clone(), None
     total = 0.0
     for sl in (slice(0, cut), slice(cut, b)):
         if mask[sl].sum() == 0:
             continue  # an all-padded micro-batch contributes nothing
-        part, _ = rc.compute_policy_loss_vanilla(train[sl], current[sl], adv[sl], mask[sl], mode,
-                                                 rollout_is_weights=w[sl], keep_mask=keep[sl],
-                                                 **kw)
+        part, _ = rc.compute_policy_loss_vanilla(
+            train[sl], current[sl], adv[sl], mask[sl], mode, rollout_is_weights=w[sl], keep_mask=keep[sl], **kw
+        )
         part.backward()
         total += part.item()
     assert total == approx(full.item(), rel=1e-9, abs_=1e-12)
@@ -1364,17 +1458,14 @@ def test_rs_equals_zeroing_rejected_token_losses(batch, mode, bypass):
     zeroed_adv = torch.where(keep.bool(), adv, torch.zeros_like(adv))  # phi(A = 0) = 0
     if bypass:
         with_rs = C(bypass_mode=True, **rs)
-        loss, _ = rc.compute_policy_loss_bypass_mode(train, rollout, adv, mask, with_rs, mode,
-                                                     loss_scale_factor=5)
-        ref, _ = rc.compute_policy_loss_bypass_mode(train, rollout, zeroed_adv, mask,
-                                                    C.bypass_ppo_clip(), mode,
-                                                    loss_scale_factor=5)
+        loss, _ = rc.compute_policy_loss_bypass_mode(train, rollout, adv, mask, with_rs, mode, loss_scale_factor=5)
+        ref, _ = rc.compute_policy_loss_bypass_mode(
+            train, rollout, zeroed_adv, mask, C.bypass_ppo_clip(), mode, loss_scale_factor=5
+        )
     else:
         current = train + 0.05
-        loss, _ = rc.compute_policy_loss_vanilla(train, current, adv, mask, mode, keep_mask=keep,
-                                                 loss_scale_factor=5)
-        ref, _ = rc.compute_policy_loss_vanilla(train, current, zeroed_adv, mask, mode,
-                                                loss_scale_factor=5)
+        loss, _ = rc.compute_policy_loss_vanilla(train, current, adv, mask, mode, keep_mask=keep, loss_scale_factor=5)
+        ref, _ = rc.compute_policy_loss_vanilla(train, current, zeroed_adv, mask, mode, loss_scale_factor=5)
     assert loss.item() == approx(ref.item(), rel=1e-12, abs_=1e-15)
 
 
@@ -1405,11 +1496,11 @@ def test_reinforce_gradient_is_minus_a_w_over_n(batch):
     lp = torch.where(mask.bool(), train, torch.zeros_like(train)).requires_grad_()
     weights = torch.exp(lp - torch.where(mask.bool(), rollout, torch.zeros_like(rollout)))
     keep = (torch.arange(mask.numel()).reshape(mask.shape) % 3 != 0).to(F64)
-    loss, _ = rc.compute_policy_loss_reinforce(lp, rollout, adv, mask, "token-mean",
-                                               rollout_is_weights=weights, keep_mask=keep)
+    loss, _ = rc.compute_policy_loss_reinforce(
+        lp, rollout, adv, mask, "token-mean", rollout_is_weights=weights, keep_mask=keep
+    )
     loss.backward()
-    expected = torch.where((mask * keep).bool(), -adv * weights.detach() / mask.sum(),
-                           torch.zeros_like(adv))
+    expected = torch.where((mask * keep).bool(), -adv * weights.detach() / mask.sum(), torch.zeros_like(adv))
     torch.testing.assert_close(lp.grad, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -1417,39 +1508,44 @@ def test_reinforce_gradient_is_minus_a_w_over_n(batch):
 @given(batches(scale=1.0), st.floats(0.3, 0.95), st.floats(1.05, 3.0))
 def test_k1_direction_with_asymmetric_bounds(batch, lower, upper):
     train, rollout, mask = batch
-    _, m2, _ = corr(train, rollout, mask, rollout_rs="token_k1",
-                    rollout_rs_threshold=f"{lower}_{upper}")
-    expected = [[bool(mask[i, t]) and lower <= math.exp(train[i, t].item() - rollout[i, t].item()) <= upper
-                 for t in range(mask.shape[1])] for i in range(mask.shape[0])]  # ratio space, |l| << 20
+    _, m2, _ = corr(train, rollout, mask, rollout_rs="token_k1", rollout_rs_threshold=f"{lower}_{upper}")
+    expected = [
+        [
+            bool(mask[i, t]) and lower <= math.exp(train[i, t].item() - rollout[i, t].item()) <= upper
+            for t in range(mask.shape[1])
+        ]
+        for i in range(mask.shape[0])
+    ]  # ratio space, |l| << 20
     assert m2.bool().tolist() == expected
 
 
 @PROPS
-@given(batches(scale=0.3), st.lists(st.sampled_from(rc.RS_OPTIONS), min_size=2, max_size=4,
-                                    unique=True))
+@given(batches(scale=0.3), st.lists(st.sampled_from(rc.RS_OPTIONS), min_size=2, max_size=4, unique=True))
 def test_chaining_is_product_of_single_masks(batch, options):
     train, rollout, mask = batch
     thresholds = ["0.7_1.4" if o.endswith("k1") else "0.03" for o in options]
-    _, chained, _ = corr(train, rollout, mask, rollout_rs=",".join(options),
-                         rollout_rs_threshold=",".join(thresholds))
+    _, chained, _ = corr(train, rollout, mask, rollout_rs=",".join(options), rollout_rs_threshold=",".join(thresholds))
     product = mask.clone()
     for option, threshold in zip(options, thresholds):
-        _, single, _ = corr(train, rollout, mask, rollout_rs=option,
-                            rollout_rs_threshold=threshold)
+        _, single, _ = corr(train, rollout, mask, rollout_rs=option, rollout_rs_threshold=threshold)
         product = product * single
     assert torch.equal(chained, product)
 
 
 @PROPS
-@given(batches(scale=0.3), st.sampled_from(list(rc.LEGACY_RS_NAMES)), st.floats(1.01, 2.0),
-       st.one_of(st.none(), st.floats(0.5, 0.99)))
+@given(
+    batches(scale=0.3),
+    st.sampled_from(list(rc.LEGACY_RS_NAMES)),
+    st.floats(1.01, 2.0),
+    st.one_of(st.none(), st.floats(0.5, 0.99)),
+)
 def test_legacy_names_equal_canonical_mapping(batch, legacy, upper, lower):
     train, rollout, mask = batch
-    _, m_legacy, met = corr(train, rollout, mask, rollout_rs=legacy, rollout_rs_threshold=upper,
-                            rollout_rs_threshold_lower=lower)
+    _, m_legacy, met = corr(
+        train, rollout, mask, rollout_rs=legacy, rollout_rs_threshold=upper, rollout_rs_threshold_lower=lower
+    )
     spec = f"{1 / upper if lower is None else lower}_{upper}"
-    _, m_canon, met_c = corr(train, rollout, mask, rollout_rs=rc.LEGACY_RS_NAMES[legacy],
-                             rollout_rs_threshold=spec)
+    _, m_canon, met_c = corr(train, rollout, mask, rollout_rs=rc.LEGACY_RS_NAMES[legacy], rollout_rs_threshold=spec)
     assert torch.equal(m_legacy, m_canon)
     same_metrics(met, met_c)
 
@@ -1472,8 +1568,9 @@ def test_veto_on_unclipped_ratios(batch, tau):
 @given(batches(scale=0.05), st.sampled_from(["token", "sequence"]))
 def test_ess_is_zero_when_icepop_zeroes_everything(batch, level):
     train, rollout, mask = batch
-    w, m2, met = corr(train, rollout, mask, rollout_is=level, rollout_is_threshold="1e3_1e4",
-                      rollout_is_batch_normalize=True)
+    w, m2, met = corr(
+        train, rollout, mask, rollout_is=level, rollout_is_threshold="1e3_1e4", rollout_is_batch_normalize=True
+    )
     assert w.abs().sum().item() == 0.0
     assert torch.equal(m2, mask)
     assert met["rollout_is_eff_sample_size"] == 0.0
@@ -1534,18 +1631,25 @@ def test_bypass_pg_seq_mis_loss_by_hand():
     rollout = log_prob.detach() - torch.log(torch.tensor(ratios, dtype=F64))
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [0.5, 0.5]], dtype=F64)
     mask = torch.ones((3, 2), dtype=F64)
-    loss, _ = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, C.bypass_pg_seq_mis(),
-                                                 "seq-mean-token-sum")
+    loss, _ = rc.compute_policy_loss_bypass_mode(
+        log_prob, rollout, adv, mask, C.bypass_pg_seq_mis(), "seq-mean-token-sum"
+    )
     # -(1/V) sum_i 1[rho_i <= 2] rho_i A_i sum_t log pi, V = 3 (the rejected row still counts)
     assert loss.item() == approx(-(1.8 * 1.0 * -1.4 + 0.05 * 0.5 * -2.5) / 3)
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    ({"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0_2.0"}, "lower bound of '0' is"),
-    ({"rollout_rs": "token_k1", "rollout_rs_threshold": " 0.0 _1.5"}, "lower bound of '0.0' is"),
-    ({"rollout_rs": "seq_mean_k2,seq_mean_k1", "rollout_rs_threshold": "0.1,0e0_1.01"}, "lower bound of '0e0' is"),
-    ({"rollout_rs": "sequence", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0}, "lower bound of 0 is"),
-])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0_2.0"}, "lower bound of '0' is"),
+        ({"rollout_rs": "token_k1", "rollout_rs_threshold": " 0.0 _1.5"}, "lower bound of '0.0' is"),
+        ({"rollout_rs": "seq_mean_k2,seq_mean_k1", "rollout_rs_threshold": "0.1,0e0_1.01"}, "lower bound of '0e0' is"),
+        (
+            {"rollout_rs": "sequence", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0},
+            "lower bound of 0 is",
+        ),
+    ],
+)
 def test_k1_lower_bound_of_zero_is_refused(kwargs, named):
     with pytest.raises(ValueError, match="log\\(0\\) = -inf") as info:
         C(**kwargs)
@@ -1560,8 +1664,10 @@ def test_k1_single_upper_bound_form():
     assert rc.parse_rs_options("token_k1", 1.5)[0].lower == 1 / 1.5  # a plain number stays [1/u, u]
     _, m2, _ = corr(*make([[1e-6, 0.5, 1.5, 1.6]]), rollout_rs="token_k1", rollout_rs_threshold="_1.5")
     assert m2.tolist() == [[1, 1, 1, 0]]
-    for bad in ({"rollout_rs": "token_k2", "rollout_rs_threshold": "_0.5"},  # k2/k3: one upper bound only
-                {"rollout_is": "token", "rollout_is_threshold": "_2.0"}):  # IcePop needs both sides
+    for bad in (
+        {"rollout_rs": "token_k2", "rollout_rs_threshold": "_0.5"},  # k2/k3: one upper bound only
+        {"rollout_is": "token", "rollout_is_threshold": "_2.0"},
+    ):  # IcePop needs both sides
         with pytest.raises(ValueError, match="'_"):
             C(**bad)
 
@@ -1582,17 +1688,25 @@ def test_k3_and_chi2_metrics_clip_log_ratios_beyond_twenty():
 # ---- Bypass REINFORCE with RS, veto, IcePop and batch normalisation together (§7.4, §3.7) ---------------
 def test_bypass_reinforce_with_rs_veto_icepop_and_batch_norm_by_hand():
     ratios = [[1.0, 3.0, 1.5], [0.4, 1.2], [1.1, 0.001], [0.8]]
-    log_prob = torch.tensor([[-1.0, -0.2, -0.7], [-1.5, -0.3, NAN], [-0.1, -3.0, NAN], [-0.9, NAN, NAN]],
-                            dtype=F64, requires_grad=True)
+    log_prob = torch.tensor(
+        [[-1.0, -0.2, -0.7], [-1.5, -0.3, NAN], [-0.1, -3.0, NAN], [-0.9, NAN, NAN]], dtype=F64, requires_grad=True
+    )
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=F64)
     rollout = log_prob.detach().clone()
     for i, row in enumerate(ratios):
         for t, r in enumerate(row):
             rollout[i, t] -= math.log(r)
     adv = torch.tensor([[1.0], [-0.5], [2.0], [1.5]], dtype=F64).expand(4, 3)
-    cfg = C(rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True,
-            rollout_rs="token_k1", rollout_rs_threshold="0.3_2.5", rollout_token_veto_threshold=0.01,
-            bypass_mode=True, loss_type="reinforce")
+    cfg = C(
+        rollout_is="token",
+        rollout_is_threshold="0.5_2.0",
+        rollout_is_batch_normalize=True,
+        rollout_rs="token_k1",
+        rollout_rs_threshold="0.3_2.5",
+        rollout_token_veto_threshold=0.01,
+        bypass_mode=True,
+        loss_type="reinforce",
+    )
     loss, met = rc.compute_policy_loss_bypass_mode(log_prob, rollout, adv, mask, cfg)
     # IcePop [0.5, 2] zeroes 3.0, 0.4, 0.001: applied [1, 0, 1.5 | 0, 1.2 | 1.1, 0 | 0.8], Z = 5.6 / 8 = 0.7
     # RS token_k1 [0.3, 2.5] rejects 3.0 and 0.001; the veto (rho < 0.01) rejects all of row 2
@@ -1620,11 +1734,19 @@ def test_sequence_is_over_micro_batches_equals_the_whole_batch(mode):
     gen = torch.Generator().manual_seed(7)
     rollout = -torch.rand((6, 5), generator=gen, dtype=F64) * 2
     theta = rollout + 0.2 * torch.randn((6, 5), generator=gen, dtype=F64)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0],
-                         [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=F64)
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]],
+        dtype=F64,
+    )
     adv = torch.randn((6, 1), generator=gen, dtype=F64).expand(6, 5)
-    cfg = C(rollout_is="sequence", rollout_is_threshold=1.3, rollout_rs="seq_mean_k3",
-            rollout_rs_threshold=0.014, bypass_mode=True, loss_type="reinforce")
+    cfg = C(
+        rollout_is="sequence",
+        rollout_is_threshold=1.3,
+        rollout_rs="seq_mean_k3",
+        rollout_rs_threshold=0.014,
+        bypass_mode=True,
+        loss_type="reinforce",
+    )
     w, keep, _ = rc.compute_rollout_correction_and_rejection_mask(theta, rollout, mask, cfg)
     assert keep.sum(-1).tolist() == [0, 3, 1, 4, 2, 0] and w[5, 0].item() == 1.3  # RS and the cap both act
     counts = {"global_token_count": mask.sum(), "global_seq_count": 6}
@@ -1632,15 +1754,19 @@ def test_sequence_is_over_micro_batches_equals_the_whole_batch(mode):
     whole, _ = rc.compute_policy_loss_bypass_mode(whole_in, rollout, adv, mask, cfg, mode, **counts)
     whole.backward()
     parts_in = theta.clone().requires_grad_()
-    total = sum(rc.compute_policy_loss_bypass_mode(parts_in[rows], rollout[rows], adv[rows], mask[rows], cfg,
-                                                   mode, **counts)[0] for rows in (slice(0, 2), slice(2, 6)))
+    total = sum(
+        rc.compute_policy_loss_bypass_mode(parts_in[rows], rollout[rows], adv[rows], mask[rows], cfg, mode, **counts)[0]
+        for rows in (slice(0, 2), slice(2, 6))
+    )
     total.backward()
     assert total.item() == approx(whole.item(), rel=1e-12)
     torch.testing.assert_close(parts_in.grad, whole_in.grad, rtol=1e-12, atol=1e-14)
     assert whole_in.grad.abs().sum() > 0
     # without the global count a micro-batch divides by its own tokens: the sum is then another number
-    local = sum(rc.compute_policy_loss_bypass_mode(theta[rows], rollout[rows], adv[rows], mask[rows], cfg,
-                                                   mode)[0] for rows in (slice(0, 2), slice(2, 6)))
+    local = sum(
+        rc.compute_policy_loss_bypass_mode(theta[rows], rollout[rows], adv[rows], mask[rows], cfg, mode)[0]
+        for rows in (slice(0, 2), slice(2, 6))
+    )
     assert local.item() != approx(whole.item(), rel=1e-6)
 
 
@@ -1657,8 +1783,9 @@ def test_bf16_log_probs_match_float32_within_bf16_tolerance():
     assert w16.dtype == torch.float32 and m16.dtype == mask.dtype
     assert all(isinstance(v, float) and math.isfinite(v) for k, v in met16.items() if "pearson" not in k)
     # the correction runs in fp32: bf16 inputs give exactly what fp32 copies of the same values give
-    w_same, m_same, met_same = rc.compute_rollout_correction_and_rejection_mask(train16.float(), rollout16.float(),
-                                                                                mask, cfg)
+    w_same, m_same, met_same = rc.compute_rollout_correction_and_rejection_mask(
+        train16.float(), rollout16.float(), mask, cfg
+    )
     assert torch.equal(w16, w_same) and torch.equal(m16, m_same) and met16.keys() == met_same.keys()
     # and the fp32 originals within bf16 rounding (|l| error ~ 2^-8 |log p| per token)
     w32, _, met32 = rc.compute_rollout_correction_and_rejection_mask(train32, rollout32, mask, cfg)

@@ -1,4 +1,5 @@
 """Tests of tasks.py: the miniature GSM8K generator, the task interface and the model cache (no engine)."""
+
 import dataclasses
 import json
 import os
@@ -60,14 +61,17 @@ def test_warm_start_format_share():
     assert all(tasks.warm_start_solution(p, rng, 1.0) == p["answer"] for _ in range(50))
 
 
-@pytest.mark.parametrize("change, needle", [
-    (dict(max_steps=0), "--mini.max-steps"),
-    (dict(operand_max=1), "--mini.operand-max must be >= 2"),
-    (dict(train_size=0), "--mini.train-size"),
-    (dict(format_share=1.5), "1.5"),
-    (dict(operand_max=2, max_steps=1, train_size=5000), "cannot produce"),
-    (dict(sft_learning_rate=0.0), "--mini.sft-learning-rate"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(max_steps=0), "--mini.max-steps"),
+        (dict(operand_max=1), "--mini.operand-max must be >= 2"),
+        (dict(train_size=0), "--mini.train-size"),
+        (dict(format_share=1.5), "1.5"),
+        (dict(operand_max=2, max_steps=1, train_size=5000), "cannot produce"),
+        (dict(sft_learning_rate=0.0), "--mini.sft-learning-rate"),
+    ],
+)
 def test_impossible_settings_are_refused(change, needle):
     with pytest.raises(ValueError) as e:
         tasks.make_task("minigsm", dataclasses.replace(MINI, **change))
@@ -79,7 +83,9 @@ def test_task_interface_and_unknown_name():
         task = tasks.make_task(name, MINI)
         rows, skipped = task.problems("test", 5)
         assert len(rows) == 5 and skipped == 0 and set(rows[0]) >= {"question", "gold"}
-        assert task.score(rows[0]["gold"] if name == "add" else f"#### {rows[0]['gold']}", rows[0]["gold"])["strict"] == 1
+        assert (
+            task.score(rows[0]["gold"] if name == "add" else f"#### {rows[0]['gold']}", rows[0]["gold"])["strict"] == 1
+        )
     assert tasks.make_task("minigsm", MINI).prompt("Q?") == gsm8k.format_prompt("Q?")  # the GSM8K code path
     with pytest.raises(ValueError, match="'nope'.*minigsm, gsm8k, add"):
         tasks.make_task("nope")
@@ -102,6 +108,7 @@ def _counting_build(calls):
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({"n": len(calls)}, f)
         return {"kind": "test"}
+
     return build
 
 

@@ -3,6 +3,7 @@
 Each test starts `python rc_train.py ...` in a subprocess and reads the run's metrics.jsonl.
 Engine start-up (~15 s) dominates; steps take well under a second with the tiny local model.
 """
+
 import json
 import math
 import os
@@ -45,8 +46,7 @@ def run_train(tmp_path, *flags, name="run", check=True, timeout=600):
     """Run rc_train.py; return (metrics rows of the training steps, completed process). The evaluation before
     training (step -1) is left out of the rows; read metrics.jsonl for it."""
     env = train_env(tmp_path)
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", name,
-           *flags]
+    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", name, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE)
     if check and proc.returncode != 0:
         raise AssertionError(f"rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -58,8 +58,9 @@ def run_train(tmp_path, *flags, name="run", check=True, timeout=600):
 # ---- 0. The default job: the miniature GSM8K learns (builds the cached base model on first use) ----------
 def test_default_run_learns_multi_token_answers(tmp_path):
     # The default job (configs/cpu_demo.yaml), shortened: SHORT_STEPS steps, eval on 100 test problems.
-    rows, proc = run_train(tmp_path, "--num-steps", str(SHORT_STEPS), "--eval-limit", "100", "--no-save-final",
-                           timeout=1500)
+    rows, proc = run_train(
+        tmp_path, "--num-steps", str(SHORT_STEPS), "--eval-limit", "100", "--no-save-final", timeout=1500
+    )
     everything = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r for r in everything if "eval/accuracy_strict" in r]
     assert evals[0]["step"] == -1 and everything[0] is evals[0]  # the evaluation before any update comes first
@@ -85,8 +86,7 @@ def test_default_run_learns_multi_token_answers(tmp_path):
 # ---- 1. Mismatch is ~0 when nothing differs (fp32/fp32, sync every step); bf16 rollout shows it ----------
 @pytest.mark.parametrize("preset", ["bypass_ppo_clip", "decoupled_token_is"])
 def test_fp32_mismatch_is_near_zero_and_old_log_prob_passes(tmp_path, preset):
-    rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "4", "--max-response-length", "4",
-                        "--rc.preset", preset)
+    rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "4", "--max-response-length", "4", "--rc.preset", preset)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
         assert abs(r["rollout_corr/kl"]) < 1e-4 and abs(r["rollout_corr/k3_kl"]) < 1e-4, r
@@ -100,8 +100,9 @@ def test_fp32_mismatch_is_near_zero_and_old_log_prob_passes(tmp_path, preset):
 
 
 def test_bf16_rollout_shows_mismatch(tmp_path):
-    rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "2", "--max-response-length", "4",
-                        "--rollout-dtype", "bfloat16")
+    rows, _ = run_train(
+        tmp_path, *QUICK, "--num-steps", "2", "--max-response-length", "4", "--rollout-dtype", "bfloat16"
+    )
     ref, _ = run_train(tmp_path, *QUICK, "--num-steps", "2", "--max-response-length", "4", name="fp32")
     bf16_diff = max(r["rollout_corr/rollout_probs_diff_max"] for r in rows)
     fp32_diff = max(r["rollout_corr/rollout_probs_diff_max"] for r in ref)
@@ -113,8 +114,18 @@ def test_bf16_rollout_shows_mismatch(tmp_path):
 
 # ---- 2. A stale engine: mismatch grows until the next sync, then returns to ~0 ---------------------------
 def test_stale_engine_mismatch_grows_then_resets(tmp_path):
-    rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "6", "--max-response-length", "4", "--sync-every", "4",
-                        "--learning-rate", "5e-3")
+    rows, _ = run_train(
+        tmp_path,
+        *QUICK,
+        "--num-steps",
+        "6",
+        "--max-response-length",
+        "4",
+        "--sync-every",
+        "4",
+        "--learning-rate",
+        "5e-3",
+    )
     k3 = [r["rollout_corr/k3_kl"] for r in rows]
     assert k3[0] < 1e-6 and k3[4] < 1e-6, k3  # fresh engine at steps 0 and 4 (synced after step 3)
     # measured (seeded, deterministic on CPU): 0, 0.207, 0.401, 0.338, 0, 0.355: three stale steps > one
@@ -124,17 +135,31 @@ def test_stale_engine_mismatch_grows_then_resets(tmp_path):
 
 
 # ---- 2b. Mismatch dials (the lab): each dial's mismatch grows with its level; level 0 is exact -----------
-@pytest.mark.parametrize("dial, levels", [
-    ("--rollout-weight-noise", ["0", "0.3", "1.0"]),
-    ("--rollout-weight-quant", ["none", "int8", "int4"]),
-    ("--rollout-temperature", ["1.0", "1.3", "2.0"]),
-    ("--top-p", ["1.0", "0.9", "0.5"]),
-])
+@pytest.mark.parametrize(
+    "dial, levels",
+    [
+        ("--rollout-weight-noise", ["0", "0.3", "1.0"]),
+        ("--rollout-weight-quant", ["none", "int8", "int4"]),
+        ("--rollout-temperature", ["1.0", "1.3", "2.0"]),
+        ("--top-p", ["1.0", "0.9", "0.5"]),
+    ],
+)
 def test_mismatch_dials_are_monotone(tmp_path, dial, levels):
     k3, tv = [], []
     for i, level in enumerate(levels):
-        rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "2", "--max-response-length", "4",
-                            "--rc.preset", "decoupled_token_is", dial, level, name=f"level{i}")
+        rows, _ = run_train(
+            tmp_path,
+            *QUICK,
+            "--num-steps",
+            "2",
+            "--max-response-length",
+            "4",
+            "--rc.preset",
+            "decoupled_token_is",
+            dial,
+            level,
+            name=f"level{i}",
+        )
         k3.append(sum(r["rollout_corr/k3_kl"] for r in rows) / len(rows))
         tv.append(sum(r["rollout_corr/tv_mismatch"] for r in rows) / len(rows))
     assert k3[0] < 1e-6 and 1e-6 < k3[1] < k3[2], (dial, k3)  # measured int8: 4.8e-6, int4: 1.2e-3
@@ -147,17 +172,42 @@ def test_planted_tokens_are_caught_by_the_veto(tmp_path):
     # ones (an honest token has rho ~ 1): the catastrophic-token fraction estimates p, and a response is vetoed
     # iff it holds one. Greedy evaluation is never corrupted.
     p = 0.25
-    rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "3", "--eval-every", "1",
-                        "--eval-limit", "55", "--rollout-corrupt-prob", str(p), "--rc.preset", "decoupled_token_is",
-                        "--rc.rollout-token-veto-threshold", "0.05")
+    rows, _ = run_train(
+        tmp_path,
+        *QUICK,
+        "--num-steps",
+        "3",
+        "--eval-every",
+        "1",
+        "--eval-limit",
+        "55",
+        "--rollout-corrupt-prob",
+        str(p),
+        "--rc.preset",
+        "decoupled_token_is",
+        "--rc.rollout-token-veto-threshold",
+        "0.05",
+    )
     catastrophic = sum(r["rollout_corr/rollout_is_catastrophic_token_fraction"] for r in rows) / len(rows)
     vetoed = sum(r["rollout_corr/rollout_is_veto_fraction"] for r in rows) / len(rows)
     # 3 steps x 64 responses x 1 token: p +- 4 standard errors (0.031)
     assert abs(catastrophic - p) < 0.13, catastrophic
     assert abs(vetoed - catastrophic) < 1e-6, (vetoed, catastrophic)  # one-token answers: a response is its token
-    ref, _ = run_train(tmp_path, *QUICK, "--num-steps", "3", "--eval-every", "1",
-                       "--eval-limit", "55", "--rc.preset", "decoupled_token_is",
-                       "--rc.rollout-token-veto-threshold", "0.05", name="clean")
+    ref, _ = run_train(
+        tmp_path,
+        *QUICK,
+        "--num-steps",
+        "3",
+        "--eval-every",
+        "1",
+        "--eval-limit",
+        "55",
+        "--rc.preset",
+        "decoupled_token_is",
+        "--rc.rollout-token-veto-threshold",
+        "0.05",
+        name="clean",
+    )
     assert all(r["rollout_corr/rollout_is_veto_fraction"] == 0 for r in ref)
     # the planted token's rho is tiny, so the token-level mismatch metrics jump; evaluation is greedy and uncorrupted
     assert min(r["rollout_corr/k3_kl"] for r in rows) > 100 * max(r["rollout_corr/k3_kl"] for r in ref)
@@ -171,8 +221,21 @@ def test_raw_engine_log_probs_show_the_temperature_pitfall(tmp_path):
     # untempered model's, so the "mismatch" is the trl#4159 bug the raw mode reproduces.
     k3 = {}
     for mode in ("processed", "raw"):
-        rows, _ = run_train(tmp_path, *QUICK, "--num-steps", "1", "--max-response-length", "4", "--temperature", "0.7",
-                            "--rollout-logprobs", mode, "--rc.preset", "decoupled_token_is", name=mode)
+        rows, _ = run_train(
+            tmp_path,
+            *QUICK,
+            "--num-steps",
+            "1",
+            "--max-response-length",
+            "4",
+            "--temperature",
+            "0.7",
+            "--rollout-logprobs",
+            mode,
+            "--rc.preset",
+            "decoupled_token_is",
+            name=mode,
+        )
         k3[mode] = rows[0]["rollout_corr/k3_kl"]
     assert k3["processed"] < 1e-6 and k3["raw"] > 1e-4, k3
 
@@ -182,8 +245,9 @@ def test_raw_engine_log_probs_show_the_temperature_pitfall(tmp_path):
 def test_reward_rises(tmp_path, preset):
     # Measured (seed 1, both modes): reward 0.016 over steps 0-4, 0.74 at step 20, ~0.8 over steps
     # 150-199. A sign error in the loss drives the reward to 0 instead; a broken sampler or sync stalls it.
-    rows, _ = run_train(tmp_path, *ADD, "--num-steps", "30", "--eval-limit", "10", "--no-save-final",
-                        "--rc.preset", preset)
+    rows, _ = run_train(
+        tmp_path, *ADD, "--num-steps", "30", "--eval-limit", "10", "--no-save-final", "--rc.preset", preset
+    )
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert first < 0.1 and last > 0.5 and last > first + 0.4, (first, last)
@@ -193,9 +257,23 @@ def test_reward_rises(tmp_path, preset):
 @pytest.mark.parametrize("preset", rc_core.PRESET_NAMES)
 def test_every_preset_runs(tmp_path, preset):
     # bf16 rollout against the fp32 trainer: a real mismatch, so sequence- and token-level statistics differ.
-    rows, _ = run_train(tmp_path, "--num-prompts-per-step", "4", "--num-samples-per-prompt", "4", "--num-steps", "2",
-                        "--eval-limit", "4", "--no-eval-before", "--no-save-final", "--rollout-dtype", "bfloat16",
-                        "--rc.preset", preset)
+    rows, _ = run_train(
+        tmp_path,
+        "--num-prompts-per-step",
+        "4",
+        "--num-samples-per-prompt",
+        "4",
+        "--num-steps",
+        "2",
+        "--eval-limit",
+        "4",
+        "--no-eval-before",
+        "--no-save-final",
+        "--rollout-dtype",
+        "bfloat16",
+        "--rc.preset",
+        preset,
+    )
     assert len(rows) == 2
     config = rc_core.RolloutCorrectionConfig.from_name(preset)
     for r in rows:
@@ -211,20 +289,23 @@ def test_every_preset_runs(tmp_path, preset):
 
 
 # ---- 6. Bad configuration: a clear message, before any engine starts, nothing written --------------------
-@pytest.mark.parametrize("flags, needle", [
-    (["--rc.preset", "no_such_preset"], "no_such_preset"),
-    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "-1"], "-1"),
-    (["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs", "seq_max_k1"], "seq_max_k1"),
-    (["--task", "gsm8k", "--dataset", "/nonexistent/gsm8k.jsonl"], "/nonexistent/gsm8k.jsonl"),
-    (["--max-model-len", "4"], "--max-model-len 4"),
-    (["--max-model-len", "512", "--vllm-max-num-batched-tokens", "256"], "--vllm-max-num-batched-tokens 256"),
-    (["--vllm-max-num-seqs", "0"], "--vllm-max-num-seqs"),
-    (["--num-prompts-per-step", "0"], "--num-prompts-per-step"),
-    (["--loss-agg-mode", "seq-mean"], "seq-mean"),
-    (["--rollout-weight-noise", "-0.5"], "-0.5"),
-    (["--rollout-temperature", "0"], "--rollout-temperature"),
-    (["--rollout-corrupt-prob", "1.5"], "--rollout-corrupt-prob must be in [0, 1), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--rc.preset", "no_such_preset"], "no_such_preset"),
+        (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "-1"], "-1"),
+        (["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs", "seq_max_k1"], "seq_max_k1"),
+        (["--task", "gsm8k", "--dataset", "/nonexistent/gsm8k.jsonl"], "/nonexistent/gsm8k.jsonl"),
+        (["--max-model-len", "4"], "--max-model-len 4"),
+        (["--max-model-len", "512", "--vllm-max-num-batched-tokens", "256"], "--vllm-max-num-batched-tokens 256"),
+        (["--vllm-max-num-seqs", "0"], "--vllm-max-num-seqs"),
+        (["--num-prompts-per-step", "0"], "--num-prompts-per-step"),
+        (["--loss-agg-mode", "seq-mean"], "seq-mean"),
+        (["--rollout-weight-noise", "-0.5"], "-0.5"),
+        (["--rollout-temperature", "0"], "--rollout-temperature"),
+        (["--rollout-corrupt-prob", "1.5"], "--rollout-corrupt-prob must be in [0, 1), got 1.5"),
+    ],
+)
 def test_bad_config_fails_before_engine(tmp_path, flags, needle):
     _, proc = run_train(tmp_path, *ADD, *flags, check=False, timeout=180)
     assert proc.returncode != 0
@@ -250,17 +331,35 @@ def test_bad_yaml_key_and_existing_run_are_refused(tmp_path):
 LAUNCHERS = {  # two processes on this CPU machine; rc_train.py finds no GPU and runs them on gloo
     "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
     # the shipped Accelerate configs must start 2 processes here, like torchrun
-    "accelerate": ["-m", "accelerate.commands.launch", "--config_file",
-                   os.path.join(HERE, "configs", "accelerate", "multi_cpu.yaml")],
-    "accelerate-fsdp2": ["-m", "accelerate.commands.launch", "--config_file",
-                         os.path.join(HERE, "configs", "accelerate", "fsdp2.yaml"), "--num_processes", "2"],
+    "accelerate": [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(HERE, "configs", "accelerate", "multi_cpu.yaml"),
+    ],
+    "accelerate-fsdp2": [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(HERE, "configs", "accelerate", "fsdp2.yaml"),
+        "--num_processes",
+        "2",
+    ],
 }
 
 
 def launch(tmp_path, launcher, name, *flags, env=None, check=True):
     """rc_train.py in two processes; returns (metrics rows of the training steps, completed process)."""
-    cmd = [sys.executable, *LAUNCHERS[launcher], os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path),
-           "--run-name", name, *flags]
+    cmd = [
+        sys.executable,
+        *LAUNCHERS[launcher],
+        os.path.join(HERE, "rc_train.py"),
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        name,
+        *flags,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env or train_env(tmp_path), timeout=600, cwd=HERE)
     if check and proc.returncode != 0:
         raise AssertionError(f"{launcher} rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -268,13 +367,32 @@ def launch(tmp_path, launcher, name, *flags, env=None, check=True):
     return ([r for r in read_jsonl(path) if r["step"] >= 0] if path.exists() else []), proc
 
 
-@pytest.mark.parametrize("launcher, flags", [("torchrun", []), ("accelerate", ["--log-with", "tensorboard"]),
-                                             ("torchrun", ["--fsdp"]), ("accelerate-fsdp2", []),
-                                             ("torchrun", ["--max-staleness", "1"])])
+@pytest.mark.parametrize(
+    "launcher, flags",
+    [
+        ("torchrun", []),
+        ("accelerate", ["--log-with", "tensorboard"]),
+        ("torchrun", ["--fsdp"]),
+        ("accelerate-fsdp2", []),
+        ("torchrun", ["--max-staleness", "1"]),
+    ],
+)
 def test_two_processes_same_weights_different_samples(tmp_path, launcher, flags):
     # responses of up to 3 tokens: shared prompts then take both passes, the prompt's through the inner module
-    launch(tmp_path, launcher, "ddp", *QUICK, "--num-steps", "3", "--log-rank-checksums", "--rc.preset",
-           "decoupled_token_is", "--max-response-length", "3", *flags)
+    launch(
+        tmp_path,
+        launcher,
+        "ddp",
+        *QUICK,
+        "--num-steps",
+        "3",
+        "--log-rank-checksums",
+        "--rc.preset",
+        "decoupled_token_is",
+        "--max-response-length",
+        "3",
+        *flags,
+    )
     ranks = [read_jsonl(tmp_path / "ddp" / "ranks" / f"rank{r}.jsonl") for r in (0, 1)]
     assert [len(r) for r in ranks] == [3, 3]
     for a, b in zip(*ranks):
@@ -308,17 +426,40 @@ def test_fsdp2_matches_one_process(tmp_path):
     """Two FSDP2 processes and one unsharded process on the same batch: the same samples (rollout seeds follow the
     prompt, not the rank), so the same loss and gradient norm to float32 rounding, and the same weights after the
     optimizer step. One minibatch, so both split the batch into the same optimizer steps."""
-    flags = [*ADD, "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10",
-             "--num-steps", "1", "--num-minibatches", "1", "--ppo-epochs", "1", "--max-response-length", "3",
-             "--rc.preset", "decoupled_token_is", "--kl-coef", "0.01"]  # the pi_old pass and the reference model
+    flags = [
+        *ADD,
+        "--num-prompts-per-step",
+        "8",
+        "--num-samples-per-prompt",
+        "8",
+        "--eval-limit",
+        "10",
+        "--num-steps",
+        "1",
+        "--num-minibatches",
+        "1",
+        "--ppo-epochs",
+        "1",
+        "--max-response-length",
+        "3",
+        "--rc.preset",
+        "decoupled_token_is",
+        "--kl-coef",
+        "0.01",
+    ]  # the pi_old pass and the reference model
     one, _ = run_train(tmp_path, *flags, name="one")
     two, _ = launch(tmp_path, "torchrun", "two", *flags, "--fsdp")
     a, b = one[0], two[0]
     for k in ("reward/mean", "response_length/mean", "rollout_corr/rollout_is_mean"):
         assert a[k] == pytest.approx(b[k], rel=1e-6), k  # the same responses and engine log-probs
     # pg_loss is ~0 at the first step (ratio 1, group-centred advantages) and k3_kl ~1e-14: their rounding is absolute
-    for k, tol in (("actor/grad_norm", 0), ("actor/entropy", 0), ("actor/pg_loss", 1e-7), ("rollout_corr/k3_kl", 1e-10),
-                   ("actor/kl_loss", 1e-10)):  # KL to the reference model: 0 before the first step
+    for k, tol in (
+        ("actor/grad_norm", 0),
+        ("actor/entropy", 0),
+        ("actor/pg_loss", 1e-7),
+        ("rollout_corr/k3_kl", 1e-10),
+        ("actor/kl_loss", 1e-10),
+    ):  # KL to the reference model: 0 before the first step
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=tol), k
     from safetensors.torch import load_file
 
@@ -335,14 +476,29 @@ def test_fsdp2_matches_one_process(tmp_path):
 def test_two_processes_sigkill_during_checkpoint_then_resume(tmp_path, mode):
     """Rank 0 is killed inside the step-3 checkpoint (after the model and optimizer shards, before trainer_state.json):
     --resume loads step 1 and reproduces the uninterrupted run exactly, every rank's RNG and shard included."""
-    flags = [*QUICK, "--num-steps", "4", "--checkpoint-every", "2", "--rc.preset", "decoupled_token_is",
-             "--max-response-length", "3", *(["--fsdp"] if mode == "fsdp" else [])]
+    flags = [
+        *QUICK,
+        "--num-steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--rc.preset",
+        "decoupled_token_is",
+        "--max-response-length",
+        "3",
+        *(["--fsdp"] if mode == "fsdp" else []),
+    ]
     reference, _ = launch(tmp_path, "torchrun", "reference", *flags)
-    _, killed = launch(tmp_path, "torchrun", "killed", *flags, check=False,
-                       env={**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"})
+    _, killed = launch(
+        tmp_path,
+        "torchrun",
+        "killed",
+        *flags,
+        check=False,
+        env={**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"},
+    )
     assert killed.returncode != 0
-    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step_000001",
-                                                                                       "step_000003.tmp"]
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step_000001", "step_000003.tmp"]
     rows, out = launch(tmp_path, "torchrun", "killed", *flags, "--resume")
     assert "resumed from" in out.stdout + out.stderr and "step_000001" in out.stdout + out.stderr
     assert [r["step"] for r in rows] == list(range(4))
@@ -369,8 +525,15 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
     env = train_env(tmp_path)
     if kill == "during_checkpoint":
         env["RC_TRAIN_KILL_IN_CHECKPOINT"] = "3"  # the process SIGKILLs itself inside the step-3 checkpoint
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "killed",
-           *flags]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "rc_train.py"),
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "killed",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=HERE)
     metrics = tmp_path / "killed" / "metrics.jsonl"
     if kill == "between_checkpoints":  # after step 2 is logged: step_000001 is complete, step_000003 not begun
@@ -396,8 +559,17 @@ def test_bound_zero_in_the_rollout_worker_is_the_synchronous_loop(tmp_path):
     loop's samples, metrics, evaluations and final weights bit for bit. A weight dial and three evaluations exercise
     every kind of load: perturbed weights, the unperturbed ones for evaluation, the perturbed ones back."""
     flags = [f for f in QUICK if f != "--no-save-final"] + [
-        "--num-steps", "4", "--max-response-length", "3", "--eval-every", "2", "--rollout-weight-noise", "0.3",
-        "--rc.preset", "decoupled_token_is"]
+        "--num-steps",
+        "4",
+        "--max-response-length",
+        "3",
+        "--eval-every",
+        "2",
+        "--rollout-weight-noise",
+        "0.3",
+        "--rc.preset",
+        "decoupled_token_is",
+    ]
     run_train(tmp_path, *flags, name="local")
     run_train(tmp_path, *flags, "--rollout-worker", name="worker")
     local, worker = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("local", "worker"))
@@ -406,7 +578,9 @@ def test_bound_zero_in_the_rollout_worker_is_the_synchronous_loop(tmp_path):
         assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
     assert [r["rollout/policy_version"] for r in worker[1:]] == [0, 1, 2, 3]  # every batch from the current version
     assert all(r["rollout/staleness_max"] == 0 and r["rollout/dropped_samples"] == 0 for r in worker[1:])
-    assert (tmp_path / "local" / "eval_samples.jsonl").read_text() == (tmp_path / "worker" / "eval_samples.jsonl").read_text()
+    assert (tmp_path / "local" / "eval_samples.jsonl").read_text() == (
+        tmp_path / "worker" / "eval_samples.jsonl"
+    ).read_text()
     final = [(tmp_path / n / "final" / "model.safetensors").read_bytes() for n in ("local", "worker")]
     assert final[0] == final[1]
 
@@ -415,12 +589,25 @@ def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path):
     """k = 2: the batch of step t comes from version max(0, t - 2), whatever the timing (two runs agree exactly), no
     sample is beyond the bound, and the decoupled correction sees the lag: alpha_1 (pi_old recomputed vs mu) is
     rounding noise while the engine holds the trainer's weights (step 0) and clearly not afterwards."""
-    flags = [*QUICK, "--num-steps", "6", "--max-response-length", "3", "--max-staleness", "2", "--learning-rate",
-             "5e-3", "--rc.preset", "decoupled_token_is"]
+    flags = [
+        *QUICK,
+        "--num-steps",
+        "6",
+        "--max-response-length",
+        "3",
+        "--max-staleness",
+        "2",
+        "--learning-rate",
+        "5e-3",
+        "--rc.preset",
+        "decoupled_token_is",
+    ]
     rows, _ = run_train(tmp_path, *flags, name="a")
     again, _ = run_train(tmp_path, *flags, name="b")
     assert [r["rollout/policy_version"] for r in rows] == [0, 0, 0, 1, 2, 3]
-    assert [r["rollout/staleness_max"] for r in rows] == [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2, 2]
+    assert (
+        [r["rollout/staleness_max"] for r in rows] == [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2, 2]
+    )
     assert all(r["rollout/dropped_samples"] == 0 for r in rows)
     assert [r["actor/sync_count"] for r in rows] == [1, 2, 3, 4, 5, 6]  # one load per update
     k3 = [r["rollout_corr/k3_kl"] for r in rows]
@@ -436,13 +623,38 @@ def test_resume_with_staleness_continues_exactly(tmp_path):
     uninterrupted run exactly. Resuming with another bound is refused before the engine starts."""
     import time
 
-    flags = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--max-staleness", "2", "--max-response-length",
-             "3", "--learning-rate", "5e-3", "--rc.preset", "decoupled_token_is"]
+    flags = [
+        *QUICK,
+        "--num-steps",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--max-staleness",
+        "2",
+        "--max-response-length",
+        "3",
+        "--learning-rate",
+        "5e-3",
+        "--rc.preset",
+        "decoupled_token_is",
+    ]
     reference, _ = run_train(tmp_path, *flags, name="reference")
     env = {**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"}
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path),
-                             "--run-name", "killed", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env, cwd=HERE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(HERE, "rc_train.py"),
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "killed",
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=HERE,
+    )
     children = set()  # the rollout worker: a child of the trainer (Linux lists children under /proc)
     while proc.poll() is None:
         for task in (f"/proc/{proc.pid}/task/{t}/children" for t in os.listdir(f"/proc/{proc.pid}/task")):
@@ -466,8 +678,9 @@ def test_resume_with_staleness_continues_exactly(tmp_path):
     ckpt = tmp_path / "killed" / "checkpoints" / "step_000001"
     in_flight = torch.load(ckpt / "in_flight_rank0.pt", weights_only=False)
     assert sorted(in_flight) == [2, 3] and [in_flight[t][0] for t in (2, 3)] == [0, 1]  # (version, groups, ...)
-    _, refused = run_train(tmp_path, *[f if f != "2" else "1" for f in flags], "--resume", name="killed",
-                           check=False, timeout=120)
+    _, refused = run_train(
+        tmp_path, *[f if f != "2" else "1" for f in flags], "--resume", name="killed", check=False, timeout=120
+    )
     assert refused.returncode != 0 and "--max-staleness 2, this run has --max-staleness 1" in refused.stderr
     rows, out = run_train(tmp_path, *flags, "--resume", name="killed")
     assert "step_000001" in out.stdout + out.stderr
@@ -493,8 +706,23 @@ def test_malformed_gsm8k_rows_are_counted_and_an_all_bad_file_fails(tmp_path):
     good = [{"question": f"What is {i} plus 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
     bad = [{"question": "no answer field"}, {"question": "q", "answer": "#### seven"}, {"answer": "#### 3"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
-    flags = ["--task", "gsm8k", "--dataset", str(data), "--num-steps", "1", "--num-prompts-per-step", "2",
-             "--num-samples-per-prompt", "2", "--max-response-length", "8", "--eval-limit", "2", "--no-save-final"]
+    flags = [
+        "--task",
+        "gsm8k",
+        "--dataset",
+        str(data),
+        "--num-steps",
+        "1",
+        "--num-prompts-per-step",
+        "2",
+        "--num-samples-per-prompt",
+        "2",
+        "--max-response-length",
+        "8",
+        "--eval-limit",
+        "2",
+        "--no-save-final",
+    ]
     rows, proc = run_train(tmp_path, *flags)
     import yaml
 
@@ -507,8 +735,9 @@ def test_malformed_gsm8k_rows_are_counted_and_an_all_bad_file_fails(tmp_path):
     assert ENGINE_STARTED not in proc.stdout + proc.stderr and not engine_started(tmp_path / "all_bad")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    _, proc = run_train(tmp_path, *[f if f != str(data) else str(empty) for f in flags], name="empty", check=False,
-                        timeout=180)
+    _, proc = run_train(
+        tmp_path, *[f if f != str(data) else str(empty) for f in flags], name="empty", check=False, timeout=180
+    )
     assert proc.returncode != 0 and "empty" in proc.stderr and not engine_started(tmp_path / "empty")
 
 
@@ -532,8 +761,14 @@ llm = LLM(model={str(final)!r}, dtype="float32", enforce_eager=True, max_model_l
 outs = llm.generate({[s["question"] for s in samples]!r}, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 print("RESULT", json.dumps({{"sha": sha, "responses": [o.outputs[0].text for o in outs]}}))
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert result["sha"] == trained_sha  # transformers loads exactly the trainer's last weights
@@ -544,9 +779,25 @@ print("RESULT", json.dumps({{"sha": sha, "responses": [o.outputs[0].text for o i
 def test_gsm8k_length_prompts_at_32x8_are_reproducible(tmp_path):
     if tasks.local_gsm8k_dir() is None:
         pytest.skip("no local GSM8K copy (./data/gsm8k or ../shared/data/gsm8k)")
-    flags = ["--config", os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"), "--num-prompts-per-step", "32",
-             "--num-samples-per-prompt", "8", "--num-steps", "1", "--no-eval-before", "--eval-limit", "4",
-             "--ppo-epochs", "1", "--num-minibatches", "1", "--log-rank-checksums", "--no-save-final"]
+    flags = [
+        "--config",
+        os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"),
+        "--num-prompts-per-step",
+        "32",
+        "--num-samples-per-prompt",
+        "8",
+        "--num-steps",
+        "1",
+        "--no-eval-before",
+        "--eval-limit",
+        "4",
+        "--ppo-epochs",
+        "1",
+        "--num-minibatches",
+        "1",
+        "--log-rank-checksums",
+        "--no-save-final",
+    ]
     first, _ = run_train(tmp_path, *flags, name="a")
     second, _ = run_train(tmp_path, *flags, name="b")
     assert first[0]["timing/rollout_s"] < 60, first[0]["timing/rollout_s"]  # measured: ~2.4 s for 256 responses
@@ -567,25 +818,35 @@ def test_engine_limits_never_split_a_prefill_on_cpu():
     assert cpu["enable_chunked_prefill"] is False and cpu["max_num_seqs"] == 256
     assert cpu["max_num_batched_tokens"] == 32 * 8 * 140  # the whole batch's prefill in one engine step
     assert rc_infra.engine_limits(args, world=2, longest_prompt=140, on_gpu=False)["max_num_seqs"] == 128
-    small = rc_infra.engine_limits(rc_train.Args(num_prompts_per_step=1, num_samples_per_prompt=1, max_model_len=512),
-                                   world=1, longest_prompt=10, on_gpu=False)
+    small = rc_infra.engine_limits(
+        rc_train.Args(num_prompts_per_step=1, num_samples_per_prompt=1, max_model_len=512),
+        world=1,
+        longest_prompt=10,
+        on_gpu=False,
+    )
     assert small["max_num_batched_tokens"] == 512  # never below the longest sequence
     huge = rc_infra.engine_limits(rc_train.Args(num_prompts_per_step=512, num_samples_per_prompt=64), 1, 500, False)
     assert huge["max_num_batched_tokens"] == 65536
     gpu = rc_infra.engine_limits(args, world=1, longest_prompt=140, on_gpu=True)
     assert gpu == {"max_num_seqs": 256}  # GPU: vLLM's own token budget and chunked prefill
     custom = rc_train.Args(vllm_max_num_seqs=64, vllm_max_num_batched_tokens=4096)
-    assert rc_infra.engine_limits(custom, 1, 140, False) == {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
-                                                             "enable_chunked_prefill": False}
+    assert rc_infra.engine_limits(custom, 1, 140, False) == {
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 4096,
+        "enable_chunked_prefill": False,
+    }
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--task", "nope"], "'nope'"),
-    (["--task", "minigsm", "--mini.max-steps", "0"], "--mini.max-steps must be in 1..8, got 0"),
-    (["--task", "minigsm", "--mini.operand-max", "1"], "--mini.operand-max must be >= 2"),
-    (["--task", "minigsm", "--mini.operand-max", "2", "--mini.max-steps", "1"], "cannot produce"),
-    (["--task", "minigsm", "--max-model-len", "96", "--max-response-length", "64"], "--max-model-len 96"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--task", "nope"], "'nope'"),
+        (["--task", "minigsm", "--mini.max-steps", "0"], "--mini.max-steps must be in 1..8, got 0"),
+        (["--task", "minigsm", "--mini.operand-max", "1"], "--mini.operand-max must be >= 2"),
+        (["--task", "minigsm", "--mini.operand-max", "2", "--mini.max-steps", "1"], "cannot produce"),
+        (["--task", "minigsm", "--max-model-len", "96", "--max-response-length", "64"], "--max-model-len 96"),
+    ],
+)
 def test_bad_task_settings_fail_before_engine(tmp_path, flags, needle):
     existing = tmp_path / "run"
     existing.mkdir()
@@ -605,17 +866,35 @@ def test_cpu_demo_config_spells_out_the_defaults():
     assert dataclasses.replace(spelled, config=None) == rc_train.Args()
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "3"], {"rollout_is_threshold": 3.0}),
-    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "0.5_5"], {"rollout_is_threshold": "0.5_5"}),
-    (["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs-threshold", "0.999_1.001"],
-     {"rollout_rs_threshold": "0.999_1.001"}),
-    (["--rc.preset", "decoupled_token_is", "--rc.rollout-is", "none"], {"rollout_is": None}),
-    (["--rc.preset", "decoupled_seq_is_rs", "--rc.rollout-rs", "none"], {"rollout_rs": None}),
-    (["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml")], {"rollout_token_veto_threshold": 1e-4}),
-    (["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml"), "--rc.rollout-token-veto-threshold",
-      "none"], {"rollout_token_veto_threshold": None}),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "3"], {"rollout_is_threshold": 3.0}),
+        (
+            ["--rc.preset", "decoupled_token_is", "--rc.rollout-is-threshold", "0.5_5"],
+            {"rollout_is_threshold": "0.5_5"},
+        ),
+        (
+            ["--rc.preset", "decoupled_geo_rs", "--rc.rollout-rs-threshold", "0.999_1.001"],
+            {"rollout_rs_threshold": "0.999_1.001"},
+        ),
+        (["--rc.preset", "decoupled_token_is", "--rc.rollout-is", "none"], {"rollout_is": None}),
+        (["--rc.preset", "decoupled_seq_is_rs", "--rc.rollout-rs", "none"], {"rollout_rs": None}),
+        (
+            ["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml")],
+            {"rollout_token_veto_threshold": 1e-4},
+        ),
+        (
+            [
+                "--config",
+                os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml"),
+                "--rc.rollout-token-veto-threshold",
+                "none",
+            ],
+            {"rollout_token_veto_threshold": None},
+        ),
+    ],
+)
 def test_correction_flags_reach_the_config_with_their_types(monkeypatch, flags, expected):
     import rc_infra
     import rc_train
@@ -637,7 +916,9 @@ def test_length_batching_gives_the_same_loss_and_gradients():
     torch.manual_seed(0)
     model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 50, (int(n),), generator=gen).tolist() for n in torch.randint(3, 12, (10,), generator=gen)]
+    prompts = [
+        torch.randint(1, 50, (int(n),), generator=gen).tolist() for n in torch.randint(3, 12, (10,), generator=gen)
+    ]
     responses = []
     for n in torch.randint(1, 9, (10,), generator=gen):
         ids = torch.randint(1, 50, (int(n),), generator=gen).tolist()
@@ -658,8 +939,9 @@ def test_length_batching_gives_the_same_loss_and_gradients():
                 ids, att, t = batch["input_ids"][rows], batch["attention_mask"][rows], mask.shape[1]
             lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
             lp = torch.nn.functional.pad(lp, (0, mask.shape[1] - t))
-            loss, _ = rc_core.compute_policy_loss_bypass_mode(lp, rollout[rows], advantages[rows], mask[rows], config,
-                                                              **counts)
+            loss, _ = rc_core.compute_policy_loss_bypass_mode(
+                lp, rollout[rows], advantages[rows], mask[rows], config, **counts
+            )
             loss.backward()
             total += float(loss.detach())
         return total, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -685,7 +967,10 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
     gen = torch.Generator().manual_seed(2)
     n_prompts, n = 4, 3
-    prompts = [torch.randint(1, 50, (int(k),), generator=gen).tolist() for k in torch.randint(3, 12, (n_prompts,), generator=gen)]
+    prompts = [
+        torch.randint(1, 50, (int(k),), generator=gen).tolist()
+        for k in torch.randint(3, 12, (n_prompts,), generator=gen)
+    ]
     flat_prompts, responses, group_ids = [], [], []
     for g, prompt in enumerate(prompts):
         for length in torch.randint(1, 9, (n,), generator=gen):
@@ -704,11 +989,13 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
         total, log_probs = 0.0, torch.zeros(mask.shape, dtype=torch.float64)
         for rows in micro:
             ids, att, t = rc_train.trimmed_inputs(batch, rows)
-            lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32",
-                                                group=batch["group"][rows] if shared else None)
+            lp, _ = rc_train.sequence_log_probs(
+                model, ids, att, t, 1.0, "float32", group=batch["group"][rows] if shared else None
+            )
             lp = torch.nn.functional.pad(lp, (0, mask.shape[1] - t))
-            loss, _ = rc_core.compute_policy_loss_bypass_mode(lp, rollout[rows], advantages[rows], mask[rows], config,
-                                                              **counts)
+            loss, _ = rc_core.compute_policy_loss_bypass_mode(
+                lp, rollout[rows], advantages[rows], mask[rows], config, **counts
+            )
             loss.backward()
             total += float(loss.detach())
             log_probs[rows] = lp.detach() * mask[rows]

@@ -4,7 +4,7 @@
     python rc_lab.py sweep --out runs/lab --presets naive,decoupled_token_is,bypass_ppo_clip \\
         --dial rollout_weight_noise --levels 0,0.1,0.3 --seeds 1,2,3 --jobs 2 --steps 40 -- --eval-every 10
     python rc_lab.py report runs/lab --reward-level 0.5      # summary.md/.csv, reward/k3/alpha/is_hist PNGs
-    python rc_lab.py export runs/lab lab/my_sweep             # metrics, configs, dumps + report: committable
+    python rc_lab.py export runs/lab lab/my_sweep             # the compact form (below) + report: committable
 
 `--dial mismatch` sweeps several dials at once: each level is `none` or FIELD=VALUE[+FIELD=VALUE] of rc_train.py
 (`--levels none,rollout_dtype=bfloat16,rollout_weight_quant=int4`); a preset entry may add correction fields
@@ -19,15 +19,27 @@ folder is re-run with --overwrite. The alpha plot shows the estimates of the thr
 (docs/corrections.md §12.6): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`, alpha_1 = D_TV(mu, pi_old) ~
 `rollout_corr/tv_mismatch` (in bypass presets the latter estimates beta = D_TV(mu, pi_theta) instead and
 tv_update is not logged; see rc_core.compute_rollout_correction_and_rejection_mask).
+
+`report` reads a sweep folder in either of two forms (load_sweep):
+* as `sweep` writes it: sweep.json, RUN.log and each run's rc_train.py folder (RUN/config.yaml, RUN/metrics.jsonl,
+  RUN/log_ratio/step_N.npy and RUN/log_ratio/lengths/step_N.npy when dumped);
+* the compact form `export` writes, a few files that regenerate every table and plot: sweep.json; runs.jsonl.gz, one
+  JSON line per run {"name", "config": config.yaml text, "metrics": the metrics.jsonl records cut down to
+  EXPORT_KEYS}; log_ratio.npz, every dump exactly as dumped (dtype and values), keyed RUN/step_N and
+  RUN/lengths/step_N (N zero-padded to 6 digits); and the report's own files. No absolute path of the machine is
+  kept: in sweep.json and the configs, paths are relative to the repository root (`portable`).
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
 import glob
+import gzip
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -86,7 +98,10 @@ def _trainer_fields() -> tuple[set, set] | tuple[None, None]:
     import dataclasses
 
     import rc_train
-    return {f.name for f in dataclasses.fields(rc_train.Args)}, {f.name for f in dataclasses.fields(rc_train.CorrectionArgs)}
+
+    return {f.name for f in dataclasses.fields(rc_train.Args)}, {
+        f.name for f in dataclasses.fields(rc_train.CorrectionArgs)
+    }
 
 
 def preset_flags(preset: str, rc_fields: set | None = None) -> list[str]:
@@ -124,10 +139,15 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         raise LabError(f"unknown preset(s) {', '.join(bad)}; known: {', '.join(rc_core.PRESET_NAMES)}")
     fields, rc_fields = _trainer_fields()
     dial_flag = "--" + args.dial.replace("_", "-")
-    if not args.dial.isidentifier() or dial_flag in RESERVED or (
-            fields is not None and args.dial != MISMATCH and args.dial not in fields):
-        raise LabError(f"--dial must be an rc_train.py Args field name like rollout_weight_noise (not one the "
-                       f"sweep sets itself) or `{MISMATCH}`, got {args.dial!r}")
+    if (
+        not args.dial.isidentifier()
+        or dial_flag in RESERVED
+        or (fields is not None and args.dial != MISMATCH and args.dial not in fields)
+    ):
+        raise LabError(
+            f"--dial must be an rc_train.py Args field name like rollout_weight_noise (not one the "
+            f"sweep sets itself) or `{MISMATCH}`, got {args.dial!r}"
+        )
     levels = _split(args.levels, "levels")
     level_flags_of = {lv: level_flags(args.dial, lv, fields) for lv in levels}
     preset_flags_of = {p: preset_flags(p, rc_fields) for p in presets}
@@ -154,11 +174,33 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         for level in levels:
             for seed in seeds:
                 name = run_name(preset, args.dial, level, seed)
-                cmd = [sys.executable, RC_TRAIN, "--output-dir", out, "--run-name", name, *preset_flags_of[preset],
-                       "--seed", str(seed), *level_flags_of[level], "--num-steps", str(args.steps), *extra]
+                cmd = [
+                    sys.executable,
+                    RC_TRAIN,
+                    "--output-dir",
+                    out,
+                    "--run-name",
+                    name,
+                    *preset_flags_of[preset],
+                    "--seed",
+                    str(seed),
+                    *level_flags_of[level],
+                    "--num-steps",
+                    str(args.steps),
+                    *extra,
+                ]
                 runs.append({"name": name, "preset": preset, "level": level, "seed": seed, "cmd": cmd})
-    return {"presets": presets, "dial": args.dial, "levels": levels, "seeds": seeds, "steps": args.steps,
-            "extra": list(extra), "jobs": args.jobs, "trainer": RC_TRAIN, "runs": runs}
+    return {
+        "presets": presets,
+        "dial": args.dial,
+        "levels": levels,
+        "seeds": seeds,
+        "steps": args.steps,
+        "extra": list(extra),
+        "jobs": args.jobs,
+        "trainer": RC_TRAIN,
+        "runs": runs,
+    }
 
 
 def eval_key(records: list[dict]) -> str:
@@ -186,8 +228,9 @@ def launch(cmd: list[str], log_path: str) -> int:
         with _LIVE_LOCK:
             if _STOP.is_set():  # Ctrl-C arrived while this run was queued
                 return -2
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            )
             _LIVE.add(proc)
         try:
             return proc.wait()
@@ -212,6 +255,8 @@ def tail(path: str, n: int = 15) -> str:
 
 def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
     """Run every run of `spec` under `out` with spec['jobs'] workers; return the number of failed runs."""
+    if os.path.isfile(os.path.join(out, RUNS_FILE)):  # report would read the exported runs, not the new folders
+        raise LabError(f"{out!r} holds an exported sweep ({RUNS_FILE}); sweep into another folder")
     os.makedirs(out, exist_ok=True)
     _STOP.clear()
     sweep_path = os.path.join(out, SWEEP_FILE)
@@ -219,8 +264,11 @@ def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
         with open(sweep_path) as f:
             old = json.load(f)
         if old.get("extra") != spec["extra"] and not overwrite:
-            print(f"rc_lab: note: previous sweep used extra flags {old.get('extra')}; completed runs are kept "
-                  "(pass --overwrite to re-run them)", file=sys.stderr)
+            print(
+                f"rc_lab: note: previous sweep used extra flags {old.get('extra')}; completed runs are kept "
+                "(pass --overwrite to re-run them)",
+                file=sys.stderr,
+            )
     todo = []
     for run in spec["runs"]:
         run_dir = os.path.join(out, run["name"])
@@ -269,10 +317,13 @@ def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
         _write_json(sweep_path, spec)
     for run in failed:
         log = os.path.join(out, run["name"] + ".log")
-        print(f"\nrc_lab: run {run['name']} failed (exit {run['returncode']}); last lines of {log}:\n{tail(log)}",
-              file=sys.stderr)
-    print(f"rc_lab: {len(todo) - len(failed)} ran, {n_skip} skipped, {len(failed)} failed "
-          f"in {spec['wall_time_s']:.0f}s")
+        print(
+            f"\nrc_lab: run {run['name']} failed (exit {run['returncode']}); last lines of {log}:\n{tail(log)}",
+            file=sys.stderr,
+        )
+    print(
+        f"rc_lab: {len(todo) - len(failed)} ran, {n_skip} skipped, {len(failed)} failed in {spec['wall_time_s']:.0f}s"
+    )
     return len(failed)
 
 
@@ -283,29 +334,155 @@ def _write_json(path: str, obj) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Report: numbers
+# Sweep data: the run folders of a sweep, or the compact form of `export`
 # ---------------------------------------------------------------------------------------------
-def load_sweep(out: str) -> dict:
-    """sweep.json of `out` plus runs[i]['records'] (list of metric dicts, or None if the run has no metrics)."""
+RUNS_FILE = "runs.jsonl.gz"  # compact form: one JSON line per run, {"name", "config", "metrics"}
+DUMPS_FILE = "log_ratio.npz"  # compact form: every log-ratio dump, keyed RUN/step_N and RUN/lengths/step_N
+# The metrics `report` reads, plus the chi2 diagnostics and the step time: all that `export` keeps of metrics.jsonl.
+EXPORT_KEYS = (
+    "step",
+    "reward/mean",
+    "eval/accuracy",
+    "eval/accuracy_strict",
+    "eval/accuracy_flexible",
+    "response_length/mean",
+    "actor/grad_norm",
+    "actor/tv_update",
+    "rollout_corr/tv_mismatch",
+    "rollout_corr/k3_kl",
+    "rollout_corr/chi2_token",
+    "rollout_corr/chi2_seq",
+    "rollout_corr/rollout_rs_masked_fraction",
+    "rollout_corr/rollout_is_veto_fraction",
+    "rollout_corr/rollout_is_catastrophic_token_fraction",
+    "timing/step_s",
+)
+
+
+def read_spec(out: str) -> dict:
+    """The sweep.json of `out` (LabError if it has none)."""
     path = os.path.join(out, SWEEP_FILE)
     if not os.path.isfile(path):
         raise LabError(f"no {SWEEP_FILE} in {out!r} (not a sweep folder)")
     try:
         with open(path) as f:
-            sweep = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise LabError(f"{path}: not valid JSON ({e})") from None
+
+
+def _npy_steps(folder: str) -> dict[int, np.ndarray]:
+    """{N: array} of the folder's step_N.npy files, in step order."""
+    paths = sorted(glob.glob(os.path.join(folder, "step_*.npy")))  # N is zero-padded: file order is step order
+    return {int(os.path.basename(p)[5:-4]): np.load(p) for p in paths}
+
+
+def read_run_folder(run_dir: str) -> dict:
+    """What the lab keeps of one rc_train.py run folder: name, records (metrics.jsonl; None, with a note, if it has
+    none), config (config.yaml text or None), log_ratio and lengths ({step: array as dumped} of log_ratio/ and
+    log_ratio/lengths/)."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            records = load_metrics(run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"rc_lab: note: {name} left out ({e})", file=sys.stderr)
+        records = None
+    config = None
+    if os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            config = f.read()
+    dumps = os.path.join(run_dir, "log_ratio")
+    return {
+        "name": name,
+        "records": records,
+        "config": config,
+        "log_ratio": _npy_steps(dumps),
+        "lengths": _npy_steps(os.path.join(dumps, "lengths")),
+    }
+
+
+def read_compact(out: str) -> dict[str, dict]:
+    """{run name: read_run_folder's dict} of a sweep in the compact form (RUNS_FILE, DUMPS_FILE if any run dumped)."""
+    runs = {}
+    with gzip.open(os.path.join(out, RUNS_FILE), "rt", encoding="utf-8") as f:
+        for line in f:
+            run = json.loads(line)
+            if run["metrics"] is None:
+                print(f"rc_lab: note: {run['name']} left out (no metrics.jsonl when exported)", file=sys.stderr)
+            runs[run["name"]] = {
+                "name": run["name"],
+                "records": run["metrics"],
+                "config": run["config"],
+                "log_ratio": {},
+                "lengths": {},
+            }
+    if os.path.isfile(os.path.join(out, DUMPS_FILE)):
+        with np.load(os.path.join(out, DUMPS_FILE)) as npz:
+            for key in npz.files:
+                name, *lengths, step = key.split("/")  # RUN/step_N or RUN/lengths/step_N
+                runs[name]["lengths" if lengths else "log_ratio"][int(step[5:])] = npz[key]
+    return runs
+
+
+def load_sweep(out: str) -> dict:
+    """sweep.json of `out`, each run with read_run_folder's keys (records, config, log_ratio, lengths) read from its
+    run folder, or from the compact form when `out` holds RUNS_FILE: the report reads both alike."""
+    sweep = read_spec(out)
+    compact = read_compact(out) if os.path.isfile(os.path.join(out, RUNS_FILE)) else None
     for run in sweep["runs"]:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                run["records"] = load_metrics(os.path.join(out, run["name"]))
-        except (FileNotFoundError, ValueError) as e:
-            print(f"rc_lab: note: {run['name']} left out ({e})", file=sys.stderr)
-            run["records"] = None
+        run.update(compact[run["name"]] if compact is not None else read_run_folder(os.path.join(out, run["name"])))
     return sweep
 
 
+# An absolute path in a command line, a JSON text or a YAML text: at the start, after a space, `=` or a quote.
+ABS_PATH = re.compile(r"""(?<![^\s="'])/[^\s="']+""")
+
+
+def portable(text: str) -> str:
+    """`text` with each absolute path made independent of the machine: relative to the repository root when inside it
+    (`rc_train.py`, `runs/lab`, `.venv/bin/python`), else only its last component (a cache or scratch folder)."""
+
+    def fix(match: re.Match) -> str:
+        rel = os.path.relpath(match.group(), HERE)
+        return os.path.basename(match.group()) if rel.split(os.sep)[0] == os.pardir else rel
+
+    return ABS_PATH.sub(fix, text)
+
+
+def export(out: str, dest: str) -> list[str]:
+    """Write the compact form (see the top) of the sweep in `out` into `dest`, then report there: a few files, small
+    enough to commit, that regenerate their own tables and plots (`python rc_lab.py report DEST`). Absolute paths in
+    sweep.json and the configs become `portable`; metrics keep EXPORT_KEYS; dumps keep their dtype and values."""
+    if os.path.abspath(dest) == os.path.abspath(out):
+        raise LabError("export: DEST must differ from the sweep folder")
+    spec, runs = read_spec(out), load_sweep(out)["runs"]
+    os.makedirs(dest, exist_ok=True)
+    _write_json(os.path.join(dest, SWEEP_FILE), json.loads(portable(json.dumps(spec))))
+    with gzip.GzipFile(os.path.join(dest, RUNS_FILE), "wb", mtime=0) as f:  # mtime=0: same runs, same bytes
+        for run in runs:
+            metrics = (
+                None if run["records"] is None else [{k: r[k] for k in EXPORT_KEYS if k in r} for r in run["records"]]
+            )
+            config = None if run["config"] is None else portable(run["config"])
+            f.write((json.dumps({"name": run["name"], "config": config, "metrics": metrics}) + "\n").encode())
+    dumps = {
+        f"{run['name']}/{prefix}step_{step:06d}": array
+        for run in runs
+        for prefix, key in (("", "log_ratio"), ("lengths/", "lengths"))
+        for step, array in run[key].items()
+    }
+    if dumps:
+        np.savez_compressed(os.path.join(dest, DUMPS_FILE), **dumps)
+    elif os.path.isfile(os.path.join(dest, DUMPS_FILE)):  # an earlier export's: not of this sweep
+        os.remove(os.path.join(dest, DUMPS_FILE))
+    return report(dest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: numbers
+# ---------------------------------------------------------------------------------------------
 def final_reward(records: list[dict], last: int = LAST_N) -> float | None:
     """Mean `reward/mean` over the last `last` logged steps of one run (None if never logged)."""
     _, values = run_series(records, "reward/mean")
@@ -367,39 +544,63 @@ def _fraction(records: list[dict], key: str) -> float:
 def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
     """One row per (preset, level) in sweep order with the summary statistics over seeds (None = missing)."""
     rows = []
-    has_veto = any(r["records"] and any("rollout_corr/rollout_is_veto_fraction" in x for x in r["records"])
-                   for r in sweep["runs"])
+    has_veto = any(
+        r["records"] and any("rollout_corr/rollout_is_veto_fraction" in x for x in r["records"]) for r in sweep["runs"]
+    )
     for preset in sweep["presets"]:
         for level in sweep["levels"]:
-            recs = [r["records"] for r in sweep["runs"]
-                    if r["preset"] == preset and r["level"] == level and r["records"]]
+            recs = [
+                r["records"] for r in sweep["runs"] if r["preset"] == preset and r["level"] == level and r["records"]
+            ]
             rew, rew_std, _ = _mean_std([final_reward(x) for x in recs])
             evals = [_series_stat(x, eval_key(x), lambda v: v[-1]) for x in recs]
             acc, acc_std, n_acc = _mean_std(evals)
             reach = [s for s in (steps_to_reach(x, reward_level) for x in recs) if s is not None]
-            maxes = {k: [m for m in (_series_stat(x, k, np.max) for x in recs) if m is not None]
-                     for k in ("rollout_corr/k3_kl", "actor/grad_norm")}
-            rows.append({
-                "preset": preset, "level": level, "n_seeds": len(recs),
-                "final_reward": rew, "final_reward_std": rew_std,
-                "eval_acc": acc, "eval_acc_std": acc_std, "n_eval": n_acc,
-                "steps_to_reach": float(np.mean(reach)) if reach else None,
-                "reached": f"{len(reach)}/{len(recs)}",
-                "max_k3_kl": max(maxes["rollout_corr/k3_kl"], default=None),
-                "max_grad_norm": max(maxes["actor/grad_norm"], default=None),
-                "masked_fraction": float(np.mean([_fraction(x, "rollout_corr/rollout_rs_masked_fraction")
-                                                  for x in recs])) if recs else None,
-            })
-            alphas = {k: _mean_std([_series_stat(x, k, np.mean) for x in recs])[0]
-                      for k in ("actor/tv_update", "rollout_corr/tv_mismatch")}
-            rows[-1].update(alpha0=alphas["actor/tv_update"], alpha1=alphas["rollout_corr/tv_mismatch"],
-                            reward_drop=_mean_std([reward_drop(x) for x in recs])[0])
+            maxes = {
+                k: [m for m in (_series_stat(x, k, np.max) for x in recs) if m is not None]
+                for k in ("rollout_corr/k3_kl", "actor/grad_norm")
+            }
+            rows.append(
+                {
+                    "preset": preset,
+                    "level": level,
+                    "n_seeds": len(recs),
+                    "final_reward": rew,
+                    "final_reward_std": rew_std,
+                    "eval_acc": acc,
+                    "eval_acc_std": acc_std,
+                    "n_eval": n_acc,
+                    "steps_to_reach": float(np.mean(reach)) if reach else None,
+                    "reached": f"{len(reach)}/{len(recs)}",
+                    "max_k3_kl": max(maxes["rollout_corr/k3_kl"], default=None),
+                    "max_grad_norm": max(maxes["actor/grad_norm"], default=None),
+                    "masked_fraction": float(
+                        np.mean([_fraction(x, "rollout_corr/rollout_rs_masked_fraction") for x in recs])
+                    )
+                    if recs
+                    else None,
+                }
+            )
+            alphas = {
+                k: _mean_std([_series_stat(x, k, np.mean) for x in recs])[0]
+                for k in ("actor/tv_update", "rollout_corr/tv_mismatch")
+            }
+            rows[-1].update(
+                alpha0=alphas["actor/tv_update"],
+                alpha1=alphas["rollout_corr/tv_mismatch"],
+                reward_drop=_mean_std([reward_drop(x) for x in recs])[0],
+            )
             if has_veto:
-                rows[-1]["veto_fraction"] = float(np.mean(
-                    [_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs])) if recs else None
-                rows[-1]["catastrophic_fraction"] = float(np.mean(
-                    [_fraction(x, "rollout_corr/rollout_is_catastrophic_token_fraction") for x in recs])) \
-                    if recs else None
+                rows[-1]["veto_fraction"] = (
+                    float(np.mean([_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs]))
+                    if recs
+                    else None
+                )
+                rows[-1]["catastrophic_fraction"] = (
+                    float(np.mean([_fraction(x, "rollout_corr/rollout_is_catastrophic_token_fraction") for x in recs]))
+                    if recs
+                    else None
+                )
                 p = planted_prob(sweep["dial"], level)
                 if p is not None:
                     rows[-1]["expected_veto"] = _mean_std([expected_planted_rows(x, p) for x in recs])[0]
@@ -411,8 +612,17 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
         elif row["eval_acc"] is not None and ref["eval_acc"] is not None:
             row["delta_eval_acc"] = row["eval_acc"] - ref["eval_acc"]
             dof = row["n_eval"] + ref["n_eval"] - 2
-            pooled = math.sqrt(((row["n_eval"] - 1) * (row["eval_acc_std"] or 0) ** 2
-                                + (ref["n_eval"] - 1) * (ref["eval_acc_std"] or 0) ** 2) / dof) if dof > 0 else 0.0
+            pooled = (
+                math.sqrt(
+                    (
+                        (row["n_eval"] - 1) * (row["eval_acc_std"] or 0) ** 2
+                        + (ref["n_eval"] - 1) * (ref["eval_acc_std"] or 0) ** 2
+                    )
+                    / dof
+                )
+                if dof > 0
+                else 0.0
+            )
             row["flag"] = "below" if -row["delta_eval_acc"] > max(2 * pooled, 0.05) else ""
     return rows
 
@@ -421,20 +631,26 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
 # Report: files
 # ---------------------------------------------------------------------------------------------
 COLUMNS = (  # (row key, csv header, markdown header, format)
-    ("preset", "preset", "preset", "{}"), ("level", "level", "level", "{}"), ("n_seeds", "n_seeds", "n", "{}"),
+    ("preset", "preset", "preset", "{}"),
+    ("level", "level", "level", "{}"),
+    ("n_seeds", "n_seeds", "n", "{}"),
     ("final_reward", "final_reward_mean", "final reward", "{:.3f}"),
     ("final_reward_std", "final_reward_std", None, "{:.3f}"),
-    ("eval_acc", "eval_acc_mean", "eval acc", "{:.3f}"), ("eval_acc_std", "eval_acc_std", None, "{:.3f}"),
+    ("eval_acc", "eval_acc_mean", "eval acc", "{:.3f}"),
+    ("eval_acc_std", "eval_acc_std", None, "{:.3f}"),
     ("steps_to_reach", "steps_to_reach_mean", "steps to reward ≥ {lvl}", "{:.1f}"),
-    ("reached", "reached", "reached", "{}"), ("max_k3_kl", "max_k3_kl", "max k3 KL", "{:.2e}"),
+    ("reached", "reached", "reached", "{}"),
+    ("max_k3_kl", "max_k3_kl", "max k3 KL", "{:.2e}"),
     ("max_grad_norm", "max_grad_norm", "max grad norm", "{:.3g}"),
     ("masked_fraction", "rs_masked_fraction", "RS masked", "{:.4f}"),
     ("veto_fraction", "veto_fraction", "veto", "{:.4f}"),
     ("expected_veto", "expected_veto", "planted rows", "{:.4f}"),
     ("catastrophic_fraction", "catastrophic_token_fraction", "catastrophic tokens", "{:.5f}"),
     ("reward_drop", "reward_drop", "reward drop", "{:.3f}"),
-    ("alpha0", "alpha0_mean", "α₀", "{:.2e}"), ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
-    ("delta_eval_acc", "delta_eval_acc_vs_level0", "Δ vs level 0", "{:+.3f}"), ("flag", "flag", "flag", "{}"),
+    ("alpha0", "alpha0_mean", "α₀", "{:.2e}"),
+    ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
+    ("delta_eval_acc", "delta_eval_acc_vs_level0", "Δ vs level 0", "{:+.3f}"),
+    ("flag", "flag", "flag", "{}"),
 )
 
 
@@ -459,10 +675,17 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
         held = [r["preset"] for r in at if not is_naive(r["preset"]) and r["flag"] == ""]
         broke = any(r["flag"] == "below" for r in naive)
         delta = ", ".join(_fmt(r["delta_eval_acc"], "{:+.3f}") for r in naive)
-        verdict = "reproduced" if broke and len(held) >= 2 else (
-            "not reproduced: naive holds" if not broke else "not reproduced: fewer than two corrected presets hold")
-        lines.append(f"- `{level}`: naive Δ {delta} ({'below' if broke else 'not below'}); corrected presets "
-                     f"holding: {', '.join(held) or 'none'} → **{verdict}**")
+        verdict = (
+            "reproduced"
+            if broke and len(held) >= 2
+            else (
+                "not reproduced: naive holds" if not broke else "not reproduced: fewer than two corrected presets hold"
+            )
+        )
+        lines.append(
+            f"- `{level}`: naive Δ {delta} ({'below' if broke else 'not below'}); corrected presets "
+            f"holding: {', '.join(held) or 'none'} → **{verdict}**"
+        )
     return lines
 
 
@@ -479,16 +702,22 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         w.writerow([c[1] for c in cols])
         w.writerows([[DASH if r.get(k) is None else r[k] for k, *_ in cols] for r in rows])
     md_cols = [c for c in cols if c[2] is not None]
-    rule = (f"**Reading rule (fixed before the runs).** Δ vs level 0: eval acc minus that of the same preset at the "
-            f"first level (`{level_title(sweep, sweep['levels'][0])}`, `ref`). A row is marked `below` when its mean "
-            "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
-            "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2). A level reproduces "
-            "\"mismatch breaks naive, correction repairs it\" when the naive row is `below` and at least two corrected "
-            "presets are not.")
-    lines = [f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps", "",
-             rule, "",
-             "| " + " | ".join(c[2].format(lvl=reward_level) for c in md_cols) + " |",
-             "|" + "---|" * len(md_cols)]
+    rule = (
+        f"**Reading rule (fixed before the runs).** Δ vs level 0: eval acc minus that of the same preset at the "
+        f"first level (`{level_title(sweep, sweep['levels'][0])}`, `ref`). A row is marked `below` when its mean "
+        "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
+        "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2). A level reproduces "
+        '"mismatch breaks naive, correction repairs it" when the naive row is `below` and at least two corrected '
+        "presets are not."
+    )
+    lines = [
+        f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps",
+        "",
+        rule,
+        "",
+        "| " + " | ".join(c[2].format(lvl=reward_level) for c in md_cols) + " |",
+        "|" + "---|" * len(md_cols),
+    ]
     for r in rows:
         cells = []
         for key, _, _, fmt in md_cols:
@@ -497,18 +726,24 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
                 cell += " ± " + fmt.format(r[key + "_std"])
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
-    columns = (f"final reward: mean `reward/mean` over the last {LAST_N} steps of each seed; eval acc: last "
-               "`eval/accuracy` of each seed; both mean ± sample std over seeds. Steps to reward: first step with "
-               f"`reward/mean` ≥ {reward_level}, mean over the seeds that reached it (reached: seeds that did). "
-               "max k3 KL, max grad norm: max over steps and seeds. RS masked / veto: mean over steps of the "
-               f"logged fraction (0 when not logged), mean over seeds. {DASH}: not logged / not computable.")
-    columns += (" Reward drop: peak of the 3-step moving average of `reward/mean` minus its last value (collapse "
-                "signature), mean over seeds. α₀, α₁: mean over steps of `actor/tv_update` and "
-                "`rollout_corr/tv_mismatch` (defined in docs/corrections.md §12.6, estimated as in §12.7), mean over seeds.")
+    columns = (
+        f"final reward: mean `reward/mean` over the last {LAST_N} steps of each seed; eval acc: last "
+        "`eval/accuracy` of each seed; both mean ± sample std over seeds. Steps to reward: first step with "
+        f"`reward/mean` ≥ {reward_level}, mean over the seeds that reached it (reached: seeds that did). "
+        "max k3 KL, max grad norm: max over steps and seeds. RS masked / veto: mean over steps of the "
+        f"logged fraction (0 when not logged), mean over seeds. {DASH}: not logged / not computable."
+    )
+    columns += (
+        " Reward drop: peak of the 3-step moving average of `reward/mean` minus its last value (collapse "
+        "signature), mean over seeds. α₀, α₁: mean over steps of `actor/tv_update` and "
+        "`rollout_corr/tv_mismatch` (defined in docs/corrections.md §12.6, estimated as in §12.7), mean over seeds."
+    )
     if any("expected_veto" in r for r in rows):
-        columns += (" Planted rows: mean over steps of 1 − (1 − p)^T̄ (T̄ = mean response length, p = "
-                    "--rollout-corrupt-prob), the share of responses holding a planted token (an upper bound, "
-                    "Jensen); catastrophic tokens: `rollout_is_catastrophic_token_fraction`, to set against p.")
+        columns += (
+            " Planted rows: mean over steps of 1 − (1 − p)^T̄ (T̄ = mean response length, p = "
+            "--rollout-corrupt-prob), the share of responses holding a planted token (an upper bound, "
+            "Jensen); catastrophic tokens: `rollout_is_catastrophic_token_fraction`, to set against p."
+        )
     lines += ["", *verdicts(rows, sweep), "", columns, ""]
     with open(md_path, "w") as f:
         f.write("\n".join(lines))
@@ -529,8 +764,12 @@ def _seed_band(runs: list[dict], key: str):
             by_step.setdefault(int(s), []).append(float(v))
     steps = np.array(sorted(by_step), dtype=int)
     vals = [by_step[s] for s in steps]
-    return steps, np.array([np.mean(v) for v in vals]), np.array([min(v) for v in vals]), \
-        np.array([max(v) for v in vals])
+    return (
+        steps,
+        np.array([np.mean(v) for v in vals]),
+        np.array([min(v) for v in vals]),
+        np.array([max(v) for v in vals]),
+    )
 
 
 def _legend(axes, fontsize: int) -> None:
@@ -596,17 +835,17 @@ def plot_alpha(sweep: dict, path: str) -> str:
     return path
 
 
-def plot_is_hist(sweep: dict, out: str, path: str, step: int | None = None) -> str | None:
+def plot_is_hist(sweep: dict, path: str, step: int | None = None) -> str | None:
     """Histogram of the token IS ratio exp(log ratio) at `step` (default: the largest step all runs dumped),
     one panel per dial level, presets overlaid (seeds pooled). Returns None (with a note) if nothing to plot."""
     runs = [r for r in sweep["runs"] if r["records"]]
-    dumped = [{int(os.path.basename(p)[5:-4]) for p in glob.glob(os.path.join(out, r["name"], "log_ratio",
-                                                                                "step_*.npy"))} for r in runs]
     if step is None:
-        common = set.intersection(*dumped) if dumped else set()
+        common = set.intersection(*[set(r["log_ratio"]) for r in runs]) if runs else set()
         if not common:
-            print("rc_lab: note: no log_ratio/step_N.npy shared by all runs (train with --dump-log-ratio-every K); "
-                  "is_hist.png skipped")
+            print(
+                "rc_lab: note: no log_ratio/step_N.npy shared by all runs (train with --dump-log-ratio-every K); "
+                "is_hist.png skipped"
+            )
             return None
         step = max(common)
     fig, axes = _new_figure(len(sweep["levels"]), sharey=False)
@@ -614,8 +853,7 @@ def plot_is_hist(sweep: dict, out: str, path: str, step: int | None = None) -> s
     for ax, level in zip(axes, sweep["levels"]):
         ratios = {}
         for preset, color, group in _groups(sweep, level):
-            files = [os.path.join(out, r["name"], "log_ratio", f"step_{step:06d}.npy") for r in group]
-            arrays = [np.load(f).astype(np.float64).ravel() for f in files if os.path.isfile(f)]
+            arrays = [r["log_ratio"][step].astype(np.float64).ravel() for r in group if step in r["log_ratio"]]
             ratio = np.exp(np.clip(np.concatenate(arrays), -20, 20)) if arrays else np.zeros(0)
             if ratio.size:
                 ratios[preset] = (color, ratio)
@@ -623,8 +861,9 @@ def plot_is_hist(sweep: dict, out: str, path: str, step: int | None = None) -> s
             lo, hi = np.quantile(np.concatenate([r for _, r in ratios.values()]), [0.001, 0.999])
             bins = np.linspace(lo, hi if hi > lo else lo + 1e-6, 61)
             for preset, (color, ratio) in ratios.items():
-                ax.hist(np.clip(ratio, lo, hi), bins=bins, histtype="step", color=color,
-                        label=f"{preset} (n={ratio.size})")
+                ax.hist(
+                    np.clip(ratio, lo, hi), bins=bins, histtype="step", color=color, label=f"{preset} (n={ratio.size})"
+                )
             drawn = True
         ax.set_yscale("log")
         ax.set_title(level_title(sweep, level), fontsize=10)
@@ -649,9 +888,9 @@ def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) ->
     written.append(plot_curves(sweep, "reward/mean", os.path.join(out, "reward.png"), "reward/mean"))
     written.append(plot_curves(sweep, "rollout_corr/k3_kl", os.path.join(out, "k3.png"), "k3 KL", log=True))
     written.append(plot_alpha(sweep, os.path.join(out, "alpha.png")))
-    hist = plot_is_hist(sweep, out, os.path.join(out, "is_hist.png"), hist_step)
+    hist = plot_is_hist(sweep, os.path.join(out, "is_hist.png"), hist_step)
     written += [hist] if hist else []
-    lengths = length_rows(sweep, out)
+    lengths = length_rows(sweep)
     if any(r["T"] > 1 for r in lengths):  # one-token answers have no length law to show
         fits = length_fits(lengths)
         written += [*write_length_summary(lengths, fits, sweep, out), *plot_length(lengths, out, fits)]
@@ -672,15 +911,18 @@ LENGTH_BIN = 8  # response lengths are grouped in bins of this many tokens
 MIN_BIN_ROWS = 30  # a (run, bin) with fewer responses over its dumped steps is left out
 
 
-def load_dumps(run_dir: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(flat token log-ratios, row lengths) of every step that has both files (log_ratio/ and log_ratio/lengths/)."""
+def load_dumps(run: dict) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(flat token log-ratios float64, row lengths int64) of every step of a load_sweep run (or read_run_folder's
+    dict) with both dumps (log_ratio/ and log_ratio/lengths/), in step order."""
     out = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "log_ratio", "lengths", "step_*.npy"))):
-        flat_path = os.path.join(run_dir, "log_ratio", os.path.basename(path))
-        if os.path.isfile(flat_path):
-            flat, lengths = np.load(flat_path).astype(np.float64), np.load(path).astype(np.int64)
+    for step in sorted(run["lengths"]):
+        if step in run["log_ratio"]:
+            flat, lengths = run["log_ratio"][step].astype(np.float64), run["lengths"][step].astype(np.int64)
             if lengths.sum() != flat.size:
-                raise LabError(f"{path}: lengths add up to {lengths.sum()}, but {flat_path} has {flat.size} tokens")
+                raise LabError(
+                    f"{run['name']}: the lengths of step {step} add up to {lengths.sum()}, but its "
+                    f"log_ratio dump has {flat.size} tokens"
+                )
             out.append((flat, lengths))
     return out
 
@@ -707,10 +949,15 @@ def length_stats(flat: np.ndarray, lengths: np.ndarray) -> dict:
     rows = mask.any(dim=-1)
     chi2_token = float(rc_core.chi2_divergence(ell, mask))
     seq = rc_core.sequence_log_ratio(ell, mask)
-    out = {"n_rows": int(rows.sum()), "T": float(lengths[lengths > 0].mean()), "chi2_token": chi2_token,
-           "chi2_seq": float(rc_core.chi2_divergence(seq, rows)),
-           "law": float(np.mean((1.0 + chi2_token) ** lengths[lengths > 0]) - 1.0),
-           "ess_seq": kish_ess(seq[rows]), "ess_token": kish_ess(ell[mask])}
+    out = {
+        "n_rows": int(rows.sum()),
+        "T": float(lengths[lengths > 0].mean()),
+        "chi2_token": chi2_token,
+        "chi2_seq": float(rc_core.chi2_divergence(seq, rows)),
+        "law": float(np.mean((1.0 + chi2_token) ** lengths[lengths > 0]) - 1.0),
+        "ess_seq": kish_ess(seq[rows]),
+        "ess_token": kish_ess(ell[mask]),
+    }
     for name, threshold in GATES.items():
         keep, _ = rc_core.compute_rejection_mask(ell, mask, rc_core.parse_rs_options(name, threshold))
         out["reject_" + name] = float((mask & ~keep).any(dim=-1)[rows].double().mean())
@@ -722,10 +969,10 @@ def kish_ess(log_weight) -> float:
     import rc_core
 
     w = np.exp(rc_core.safety_clip(log_weight).numpy())
-    return float(w.sum() ** 2 / (len(w) * (w ** 2).sum()))
+    return float(w.sum() ** 2 / (len(w) * (w**2).sum()))
 
 
-def length_rows(sweep: dict, out: str, bin_width: int = LENGTH_BIN) -> list[dict]:
+def length_rows(sweep: dict, bin_width: int = LENGTH_BIN) -> list[dict]:
     """Per (preset, level, length bin): length_stats per seed (its dumped steps pooled), then mean and sample std
     over seeds; plus per (preset, level) the pooled chi2_token. Empty if no run has dumps with lengths."""
     result = []
@@ -735,7 +982,7 @@ def length_rows(sweep: dict, out: str, bin_width: int = LENGTH_BIN) -> list[dict
             for run in sweep["runs"]:
                 if run["preset"] != preset or run["level"] != level:
                     continue
-                dumps = load_dumps(os.path.join(out, run["name"]))
+                dumps = load_dumps(run)
                 if not dumps:
                     continue
                 flat = np.concatenate([d[0] for d in dumps])
@@ -745,13 +992,25 @@ def length_rows(sweep: dict, out: str, bin_width: int = LENGTH_BIN) -> list[dict
                     sel = np.nonzero((lengths // bin_width == b) & (lengths > 0))[0]
                     if len(sel) < MIN_BIN_ROWS:
                         continue
-                    tokens = np.concatenate([flat[starts[i]:starts[i] + lengths[i]] for i in sel])
+                    tokens = np.concatenate([flat[starts[i] : starts[i] + lengths[i]] for i in sel])
                     per_seed.setdefault(b, []).append(length_stats(tokens, lengths[sel]))
             for b, stats in sorted(per_seed.items()):
-                row = {"preset": preset, "level": level, "bin": f"{b * bin_width}–{(b + 1) * bin_width - 1}",
-                       "n_seeds": len(stats), "n_rows": sum(x["n_rows"] for x in stats)}
-                for key in ("T", "chi2_token", "chi2_seq", "law", "ess_seq", "ess_token",
-                            *("reject_" + g for g in GATES)):
+                row = {
+                    "preset": preset,
+                    "level": level,
+                    "bin": f"{b * bin_width}–{(b + 1) * bin_width - 1}",
+                    "n_seeds": len(stats),
+                    "n_rows": sum(x["n_rows"] for x in stats),
+                }
+                for key in (
+                    "T",
+                    "chi2_token",
+                    "chi2_seq",
+                    "law",
+                    "ess_seq",
+                    "ess_token",
+                    *("reject_" + g for g in GATES),
+                ):
                     row[key], row[key + "_std"], _ = _mean_std([x[key] for x in stats])
                 result.append(row)
     return result
@@ -769,8 +1028,16 @@ def length_fits(rows: list[dict]) -> list[dict]:
         n = np.array([r["n_rows"] for r in cell], dtype=float)
         b = float((T * y).sum() / (T * T).sum())
         b0 = float(np.log1p(np.average([r["chi2_token"] for r in cell], weights=n)))
-        fit = {"preset": key[0], "level": key[1], "bins": len(cell), "T_min": float(T.min()), "T_max": float(T.max()),
-               "slope": b, "law_slope": b0, "slope_ratio": b / b0 if b0 > 0 else None}
+        fit = {
+            "preset": key[0],
+            "level": key[1],
+            "bins": len(cell),
+            "T_min": float(T.min()),
+            "T_max": float(T.max()),
+            "slope": b,
+            "law_slope": b0,
+            "slope_ratio": b / b0 if b0 > 0 else None,
+        }
         first, last = cell[0], cell[-1]
         for g in GATES:
             k = "reject_" + g
@@ -781,11 +1048,16 @@ def length_fits(rows: list[dict]) -> list[dict]:
 
 
 LENGTH_COLUMNS = (  # (key, csv header, markdown header, format); `key_std` is shown as ± when present
-    ("preset", "preset", "preset", "{}"), ("level", "level", "level", "{}"), ("bin", "length_bin", "T bin", "{}"),
-    ("n_rows", "n_rows", "responses", "{}"), ("T", "T_mean", "T̄", "{:.1f}"),
-    ("chi2_token", "chi2_token", "χ²_token", "{:.2e}"), ("chi2_seq", "chi2_seq", "χ²_seq", "{:.3g}"),
+    ("preset", "preset", "preset", "{}"),
+    ("level", "level", "level", "{}"),
+    ("bin", "length_bin", "T bin", "{}"),
+    ("n_rows", "n_rows", "responses", "{}"),
+    ("T", "T_mean", "T̄", "{:.1f}"),
+    ("chi2_token", "chi2_token", "χ²_token", "{:.2e}"),
+    ("chi2_seq", "chi2_seq", "χ²_seq", "{:.3g}"),
     ("law", "law_(1+chi2_token)^T-1", "(1+χ²_tok)^T−1", "{:.3g}"),
-    ("ess_token", "ess_token", "ESS token", "{:.3f}"), ("ess_seq", "ess_seq", "ESS seq", "{:.3f}"),
+    ("ess_token", "ess_token", "ESS token", "{:.3f}"),
+    ("ess_seq", "ess_seq", "ESS seq", "{:.3f}"),
     ("reject_seq_sum_k1", "reject_seq_sum_k1", "rejected: seq_sum_k1", "{:.3f}"),
     ("reject_seq_mean_k1", "reject_seq_mean_k1", "rejected: seq_mean_k1 (Geo-RS)", "{:.3f}"),
 )
@@ -797,18 +1069,26 @@ def write_length_summary(rows: list[dict], fits: list[dict], sweep: dict, out: s
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         keys = [c[0] for c in LENGTH_COLUMNS] + [c[0] + "_std" for c in LENGTH_COLUMNS if c[0] + "_std" in rows[0]]
-        w.writerow([c[1] for c in LENGTH_COLUMNS] + [k for k in keys[len(LENGTH_COLUMNS):]])
+        w.writerow([c[1] for c in LENGTH_COLUMNS] + [k for k in keys[len(LENGTH_COLUMNS) :]])
         w.writerows([[DASH if r.get(k) is None else r[k] for k in keys] for r in rows])
     gates = ", ".join(f"`{g}` at {t}" for g, t in GATES.items())
-    rule = ("**Reading rule (fixed before the runs).** *Length law*: if token ratios were independent, "
-            "χ²_seq = (1 + χ²_token)^T − 1, i.e. log(1 + χ²_seq) = b·T with b = log(1 + χ²_token). The law holds "
-            "for a cell when the least-squares slope b (through the origin, over the length bins) is within a factor "
-            "2 of b₀ = log(1 + χ²_token). *Length trap*: a gate's rejection rate rises with length when the change "
-            "from the shortest to the longest bin exceeds max(2 × pooled std over seeds, 0.05); it is flat when "
-            f"the change is within that. Gates: {gates} (ρ_seq resp. geometric-mean ratio bounds).")
+    rule = (
+        "**Reading rule (fixed before the runs).** *Length law*: if token ratios were independent, "
+        "χ²_seq = (1 + χ²_token)^T − 1, i.e. log(1 + χ²_seq) = b·T with b = log(1 + χ²_token). The law holds "
+        "for a cell when the least-squares slope b (through the origin, over the length bins) is within a factor "
+        "2 of b₀ = log(1 + χ²_token). *Length trap*: a gate's rejection rate rises with length when the change "
+        "from the shortest to the longest bin exceeds max(2 × pooled std over seeds, 0.05); it is flat when "
+        f"the change is within that. Gates: {gates} (ρ_seq resp. geometric-mean ratio bounds)."
+    )
     cols = LENGTH_COLUMNS
-    lines = [f"# Length lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s)", "", rule, "",
-             "| " + " | ".join(c[2] for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        f"# Length lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s)",
+        "",
+        rule,
+        "",
+        "| " + " | ".join(c[2] for c in cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     for r in rows:
         cells = []
         for key, _, _, fmt in cols:
@@ -817,24 +1097,39 @@ def write_length_summary(rows: list[dict], fits: list[dict], sweep: dict, out: s
                 cell += " ± " + fmt.format(r[key + "_std"])
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", ("| preset | level | bins | T range | slope b | law b₀ | b/b₀ | law | Δ reject seq_sum_k1 | "
-              "Δ reject seq_mean_k1 |"), "|" + "---|" * 10]
+    lines += [
+        "",
+        (
+            "| preset | level | bins | T range | slope b | law b₀ | b/b₀ | law | Δ reject seq_sum_k1 | "
+            "Δ reject seq_mean_k1 |"
+        ),
+        "|" + "---|" * 10,
+    ]
     for f in fits:
         law = DASH if f["slope_ratio"] is None else ("holds" if 0.5 <= f["slope_ratio"] <= 2 else "fails")
         trap = []
         for g in GATES:
             c, nz = f[f"reject_{g}_change"], f[f"reject_{g}_noise"]
             trap.append(f"{c:+.3f} ({'rises' if c > max(nz, 0.05) else 'falls' if c < -max(nz, 0.05) else 'flat'})")
-        lines.append(f"| {f['preset']} | {f['level']} | {f['bins']} | {f['T_min']:.0f}–{f['T_max']:.0f} | "
-                     f"{f['slope']:.3e} | {f['law_slope']:.3e} | {_fmt(f['slope_ratio'], '{:.2f}')} | {law} | "
-                     + " | ".join(trap) + " |")
-    lines += ["", (f"Rows: responses of every dumped step (`log_ratio/step_N.npy` with `log_ratio/lengths/`), grouped by "
-              f"length T in bins of {LENGTH_BIN} tokens; a (run, bin) with fewer than {MIN_BIN_ROWS} responses is left "
-              "out. Each number is computed per seed with rc_core's formulas (χ² with the ±20 safety clip, "
-              "docs/corrections.md §6.4) and shown as mean ± sample std over seeds; the law column averages "
-              "(1 + χ²_token)^{T_i} − 1 over the bin's responses. ESS: Kish effective sample size as a fraction of n "
-              "(§12.10) of the token weights ρ_t and of the sequence weights ∏ρ_t. Rejected: share of the bin's "
-              "responses the gate would mask (computed offline, whatever the run's own preset)."), ""]
+        lines.append(
+            f"| {f['preset']} | {f['level']} | {f['bins']} | {f['T_min']:.0f}–{f['T_max']:.0f} | "
+            f"{f['slope']:.3e} | {f['law_slope']:.3e} | {_fmt(f['slope_ratio'], '{:.2f}')} | {law} | "
+            + " | ".join(trap)
+            + " |"
+        )
+    lines += [
+        "",
+        (
+            f"Rows: responses of every dumped step (`log_ratio/step_N.npy` with `log_ratio/lengths/`), grouped by "
+            f"length T in bins of {LENGTH_BIN} tokens; a (run, bin) with fewer than {MIN_BIN_ROWS} responses is left "
+            "out. Each number is computed per seed with rc_core's formulas (χ² with the ±20 safety clip, "
+            "docs/corrections.md §6.4) and shown as mean ± sample std over seeds; the law column averages "
+            "(1 + χ²_token)^{T_i} − 1 over the bin's responses. ESS: Kish effective sample size as a fraction of n "
+            "(§12.10) of the token weights ρ_t and of the sequence weights ∏ρ_t. Rejected: share of the bin's "
+            "responses the gate would mask (computed offline, whatever the run's own preset)."
+        ),
+        "",
+    ]
     with open(md_path, "w") as f:
         f.write("\n".join(lines))
     return csv_path, md_path
@@ -852,8 +1147,15 @@ def plot_length(rows: list[dict], out: str, fits: list[dict] | None = None) -> l
         c, label = f"C{i % 10}", cell[1] if len({p for p, _ in cells}) == 1 else f"{cell[0]} {cell[1]}"
         sel = [r for r in rows if (r["preset"], r["level"]) == cell]
         T = [r["T"] for r in sel]
-        ax_chi.errorbar(T, [r["chi2_seq"] for r in sel], yerr=[r["chi2_seq_std"] or 0 for r in sel], fmt="o",
-                        color=c, label=f"{label}: measured", capsize=2)
+        ax_chi.errorbar(
+            T,
+            [r["chi2_seq"] for r in sel],
+            yerr=[r["chi2_seq_std"] or 0 for r in sel],
+            fmt="o",
+            color=c,
+            label=f"{label}: measured",
+            capsize=2,
+        )
         fit = next((f for f in fits or [] if (f["preset"], f["level"]) == cell), None)
         if fit is not None and fit["law_slope"] > 0:  # smooth curves over the cell's length range
             grid = np.linspace(min(T), max(T), 50)
@@ -862,13 +1164,23 @@ def plot_length(rows: list[dict], out: str, fits: list[dict] | None = None) -> l
         ax_ess.plot(T, [r["ess_seq"] for r in sel], "o-", color=c, label=f"{label}: sequence")
         ax_ess.plot(T, [r["ess_token"] for r in sel], "s--", color=c, label=f"{label}: token")
         for g, style in (("seq_sum_k1", "o-"), ("seq_mean_k1", "s--")):
-            trap_axes[0].errorbar(T, [r["reject_" + g] for r in sel], yerr=[r["reject_" + g + "_std"] or 0 for r in sel],
-                                  fmt=style, color=c, capsize=2, label=f"{label}: {g} {GATES[g]}")
+            trap_axes[0].errorbar(
+                T,
+                [r["reject_" + g] for r in sel],
+                yerr=[r["reject_" + g + "_std"] or 0 for r in sel],
+                fmt=style,
+                color=c,
+                capsize=2,
+                label=f"{label}: {g} {GATES[g]}",
+            )
     ax_chi.set_yscale("log", nonpositive="mask")
     ax_chi.set(xlabel="response length T (bin mean)", ylabel="χ²_seq (log)", title="length law")
     ax_ess.set(xlabel="response length T (bin mean)", ylabel="ESS / n", title="effective sample size")
-    trap_axes[0].set(xlabel="response length T (bin mean)", ylabel="rejected share of responses",
-                     title="length trap: sequence-sum gate vs Geo-RS")
+    trap_axes[0].set(
+        xlabel="response length T (bin mean)",
+        ylabel="rejected share of responses",
+        title="length trap: sequence-sum gate vs Geo-RS",
+    )
     for ax in (ax_chi, ax_ess, trap_axes[0]):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
@@ -879,58 +1191,30 @@ def plot_length(rows: list[dict], out: str, fits: list[dict] | None = None) -> l
     return paths
 
 
-# The metrics `report` reads, plus the chi2 diagnostics and the step time: all that `export` keeps of metrics.jsonl.
-EXPORT_KEYS = ("step", "reward/mean", "eval/accuracy", "eval/accuracy_strict", "eval/accuracy_flexible",
-               "response_length/mean", "actor/grad_norm", "actor/tv_update", "rollout_corr/tv_mismatch",
-               "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
-               "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_veto_fraction",
-               "rollout_corr/rollout_is_catastrophic_token_fraction", "timing/step_s")
-
-
-def export(out: str, dest: str) -> list[str]:
-    """Copy what `report` reads into dest (sweep.json; per run config.yaml, log_ratio/ and metrics.jsonl cut down to
-    EXPORT_KEYS), then report there: a sweep folder small enough to commit that regenerates its own tables and
-    plots (`python rc_lab.py report DEST`)."""
-    import shutil
-
-    sweep_path = os.path.join(out, SWEEP_FILE)
-    if not os.path.isfile(sweep_path):
-        raise LabError(f"no {SWEEP_FILE} in {out!r} (not a sweep folder)")
-    if os.path.abspath(dest) == os.path.abspath(out):
-        raise LabError("export: DEST must differ from the sweep folder")
-    os.makedirs(dest, exist_ok=True)
-    shutil.copy(sweep_path, os.path.join(dest, SWEEP_FILE))
-    with open(sweep_path) as f:
-        names = [r["name"] for r in json.load(f)["runs"]]
-    for name in names:
-        src, dst = os.path.join(out, name), os.path.join(dest, name)
-        if not os.path.isfile(os.path.join(src, "metrics.jsonl")):
-            continue  # a run that never logged: report leaves it out here as there
-        os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(src, "metrics.jsonl")) as f, open(os.path.join(dst, "metrics.jsonl"), "w") as g:
-            for line in f:
-                record = json.loads(line)
-                g.write(json.dumps({k: record[k] for k in EXPORT_KEYS if k in record}) + "\n")
-        if os.path.isfile(os.path.join(src, "config.yaml")):
-            shutil.copy(os.path.join(src, "config.yaml"), os.path.join(dst, "config.yaml"))
-        if os.path.isdir(os.path.join(src, "log_ratio")):
-            shutil.copytree(os.path.join(src, "log_ratio"), os.path.join(dst, "log_ratio"), dirs_exist_ok=True)
-    return report(dest)
-
-
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rc_lab.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("sweep", help="run presets x dial levels x seeds, then report",
-                       epilog="flags after `--` are passed verbatim to rc_train.py")
+    s = sub.add_parser(
+        "sweep",
+        help="run presets x dial levels x seeds, then report",
+        epilog="flags after `--` are passed verbatim to rc_train.py",
+    )
     s.add_argument("--out", required=True, help="sweep folder (runs, logs, sweep.json, summary)")
-    s.add_argument("--presets", required=True, help="comma-separated rc_core.PRESET_NAMES, e.g. naive,decoupled_token_is; "
-                   "NAME+FIELD=VALUE adds a correction field, e.g. naive+rollout_token_veto_threshold=1e-4")
-    s.add_argument("--dial", required=True, help="rc_train.py Args field, e.g. rollout_weight_noise, sync_every; or `mismatch`: "
-                   "each level is `none` or FIELD=VALUE[+FIELD=VALUE], e.g. rollout_dtype=bfloat16")
+    s.add_argument(
+        "--presets",
+        required=True,
+        help="comma-separated rc_core.PRESET_NAMES, e.g. naive,decoupled_token_is; "
+        "NAME+FIELD=VALUE adds a correction field, e.g. naive+rollout_token_veto_threshold=1e-4",
+    )
+    s.add_argument(
+        "--dial",
+        required=True,
+        help="rc_train.py Args field, e.g. rollout_weight_noise, sync_every; or `mismatch`: "
+        "each level is `none` or FIELD=VALUE[+FIELD=VALUE], e.g. rollout_dtype=bfloat16",
+    )
     s.add_argument("--levels", required=True, help="comma-separated dial values, the zero-mismatch one first")
     s.add_argument("--seeds", default="1,2,3", help="comma-separated integer seeds (default 1,2,3)")
     s.add_argument("--jobs", type=int, default=1, help="runs in parallel (default 1)")
@@ -941,8 +1225,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("out", metavar="SWEEP_DIR")
     r.add_argument("--reward-level", type=float, default=0.5, help="'steps to reach' level (default 0.5)")
     r.add_argument("--hist-step", type=int, default=None, help="step of the IS histogram (default: largest common)")
-    e = sub.add_parser("export", help="copy a sweep's metrics, configs and dumps to DEST and report there "
-                                      "(a committable folder that regenerates its own tables and plots)")
+    e = sub.add_parser(
+        "export",
+        help="write a sweep's metrics, configs and dumps to DEST in the compact form and "
+        "report there (a few committable files that regenerate its tables and plots)",
+    )
     e.add_argument("out", metavar="SWEEP_DIR")
     e.add_argument("dest", metavar="DEST")
     return p
@@ -951,8 +1238,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 = success, 1 = some run failed, 2 = bad input (nothing started)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:

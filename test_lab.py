@@ -3,11 +3,14 @@ end to end against a tiny fake trainer (no vLLM, no torch training).
 
     .venv/bin/python -m pytest test_lab.py -q
 """
+
 import csv
+import gzip
 import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +35,22 @@ REWARD_LEVEL = 0.71
 #   naive:              eval 0.80,0.82 -> 0.60,0.62: delta -0.20, pooled std 0.0141 -> flagged (0.05 rule)
 #   decoupled_token_is: eval 0.80,0.80 -> 0.78,0.76: delta -0.03 > 2 * pooled std 0.01 but < 0.05 -> not flagged
 #   bypass_ppo_clip:    eval 0.70,0.90 -> 0.60,0.80: delta -0.10 < 2 * pooled std 0.1414 -> not flagged
-BASES = {("naive", "0"): (0.5, 0.6), ("naive", "0.3"): (0.1, 0.3),
-         ("decoupled_token_is", "0"): (0.4, 0.4), ("decoupled_token_is", "0.3"): (0.4, 0.2),
-         ("bypass_ppo_clip", "0"): (0.4, 0.4), ("bypass_ppo_clip", "0.3"): (0.4, 0.4)}
-EVALS = {("naive", "0"): (0.80, 0.82), ("naive", "0.3"): (0.60, 0.62),
-         ("decoupled_token_is", "0"): (0.80, 0.80), ("decoupled_token_is", "0.3"): (0.78, 0.76),
-         ("bypass_ppo_clip", "0"): (0.70, 0.90), ("bypass_ppo_clip", "0.3"): (0.60, 0.80)}
+BASES = {
+    ("naive", "0"): (0.5, 0.6),
+    ("naive", "0.3"): (0.1, 0.3),
+    ("decoupled_token_is", "0"): (0.4, 0.4),
+    ("decoupled_token_is", "0.3"): (0.4, 0.2),
+    ("bypass_ppo_clip", "0"): (0.4, 0.4),
+    ("bypass_ppo_clip", "0.3"): (0.4, 0.4),
+}
+EVALS = {
+    ("naive", "0"): (0.80, 0.82),
+    ("naive", "0.3"): (0.60, 0.62),
+    ("decoupled_token_is", "0"): (0.80, 0.80),
+    ("decoupled_token_is", "0.3"): (0.78, 0.76),
+    ("bypass_ppo_clip", "0"): (0.70, 0.90),
+    ("bypass_ppo_clip", "0.3"): (0.60, 0.80),
+}
 
 
 def fake_records(preset, level, seed):
@@ -46,8 +59,13 @@ def fake_records(preset, level, seed):
     base = BASES[(preset, level)][seed - 1]
     out = []
     for s in range(N_STEPS):
-        r = {"step": s, "reward/mean": base + 0.02 * s, "actor/grad_norm": s + 100.0 * seed,
-             "rollout_corr/tv_mismatch": 0.01 * float(level) + 0.001 * s, "timing/step_s": 1.0}
+        r = {
+            "step": s,
+            "reward/mean": base + 0.02 * s,
+            "actor/grad_norm": s + 100.0 * seed,
+            "rollout_corr/tv_mismatch": 0.01 * float(level) + 0.001 * s,
+            "timing/step_s": 1.0,
+        }
         if not preset.startswith("bypass"):
             r["rollout_corr/k3_kl"] = 1e-3 * (s + 1) * seed * (1 + float(level))
             r["actor/tv_update"] = 0.002 * s
@@ -77,8 +95,19 @@ def write_sweep(out, presets=PRESETS, levels=LEVELS, seeds=SEEDS, records=fake_r
                         f.writelines(json.dumps(r) + "\n" for r in recs)
                 runs.append({"name": name, "preset": p, "level": lv, "seed": sd, "cmd": []})
     with open(out / "sweep.json", "w") as f:
-        json.dump({"presets": list(presets), "dial": DIAL, "levels": list(levels), "seeds": list(seeds),
-                   "steps": steps, "extra": [], "jobs": 1, "runs": runs}, f)
+        json.dump(
+            {
+                "presets": list(presets),
+                "dial": DIAL,
+                "levels": list(levels),
+                "seeds": list(seeds),
+                "steps": steps,
+                "extra": [],
+                "jobs": 1,
+                "runs": runs,
+            },
+            f,
+        )
     return out
 
 
@@ -154,6 +183,7 @@ def test_summary_files(tmp_path):
 
 def test_missing_keys_and_missing_runs(tmp_path):
     """A run with only step + reward, and a run with no metrics at all: no crash, '–' where unknown."""
+
     def records(p, lv, sd):
         if sd == 2:
             return None
@@ -161,8 +191,7 @@ def test_missing_keys_and_missing_runs(tmp_path):
 
     out = write_sweep(tmp_path, presets=["naive"], records=records)
     written = rc_lab.report(str(out), 0.2)
-    assert {os.path.basename(p) for p in written} == {"summary.csv", "summary.md", "reward.png", "k3.png",
-                                                       "alpha.png"}
+    assert {os.path.basename(p) for p in written} == {"summary.csv", "summary.md", "reward.png", "k3.png", "alpha.png"}
     with open(out / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert table[0]["n_seeds"] == "1" and float(table[0]["final_reward_mean"]) == 0.25
@@ -196,7 +225,7 @@ def test_report_writes_all_pngs_and_histogram(tmp_path, capsys):
         assert str(out / name) in written
         check_png(out / name, len(LEVELS))
     os.remove(out / "is_hist.png")
-    rc_lab.plot_is_hist(rc_lab.load_sweep(str(out)), str(out), str(out / "is_hist.png"), step=15)
+    rc_lab.plot_is_hist(rc_lab.load_sweep(str(out)), str(out / "is_hist.png"), step=15)
     assert "at step 15" in capsys.readouterr().out
     check_png(out / "is_hist.png", len(LEVELS))
 
@@ -206,26 +235,35 @@ def test_histogram_skipped_without_npy(tmp_path, capsys):
     written = rc_lab.report(str(out), REWARD_LEVEL)
     assert "is_hist.png skipped" in capsys.readouterr().out
     assert not (out / "is_hist.png").exists() and str(out / "is_hist.png") not in written
-    assert rc_lab.plot_is_hist(rc_lab.load_sweep(str(out)), str(out), str(out / "h.png"), step=5) is None
+    assert rc_lab.plot_is_hist(rc_lab.load_sweep(str(out)), str(out / "h.png"), step=5) is None
 
 
 # ---------------------------------------------------------------------------------------------
 # Bad input: exit 2, the bad value named, nothing created
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("flags, bad", [
-    (["--presets", "naive,not_a_preset"], "not_a_preset"),
-    (["--levels", "0,0.1,0.1"], "0.1"),
-    (["--jobs", "0"], "0"),
-    (["--levels", ""], "--levels"),
-    (["--seeds", "1,x"], "x"),
-    (["--dial", "rollout-weight-noise"], "rollout-weight-noise"),
-    (["--dial", "seed"], "seed"),
-    (["--steps", "0"], "0"),
-])
+@pytest.mark.parametrize(
+    "flags, bad",
+    [
+        (["--presets", "naive,not_a_preset"], "not_a_preset"),
+        (["--levels", "0,0.1,0.1"], "0.1"),
+        (["--jobs", "0"], "0"),
+        (["--levels", ""], "--levels"),
+        (["--seeds", "1,x"], "x"),
+        (["--dial", "rollout-weight-noise"], "rollout-weight-noise"),
+        (["--dial", "seed"], "seed"),
+        (["--steps", "0"], "0"),
+    ],
+)
 def test_bad_sweep_input(tmp_path, capsys, monkeypatch, flags, bad):
     monkeypatch.setattr(rc_lab, "launch", lambda *a: pytest.fail("nothing may start"))
-    base = {"--out": str(tmp_path / "lab"), "--presets": "naive", "--dial": DIAL, "--levels": "0,0.1",
-            "--seeds": "1", "--jobs": "1"}
+    base = {
+        "--out": str(tmp_path / "lab"),
+        "--presets": "naive",
+        "--dial": DIAL,
+        "--levels": "0,0.1",
+        "--seeds": "1",
+        "--jobs": "1",
+    }
     base.update(dict(zip(flags[::2], flags[1::2])))
     code = rc_lab.main(["sweep", *[x for kv in base.items() for x in kv]])
     err = capsys.readouterr().err
@@ -234,27 +272,62 @@ def test_bad_sweep_input(tmp_path, capsys, monkeypatch, flags, bad):
 
 
 def test_extra_flag_clash(tmp_path, capsys):
-    code = rc_lab.main(["sweep", "--out", str(tmp_path / "lab"), "--presets", "naive", "--dial", DIAL,
-                        "--levels", "0", "--", "--seed", "3"])
+    code = rc_lab.main(
+        [
+            "sweep",
+            "--out",
+            str(tmp_path / "lab"),
+            "--presets",
+            "naive",
+            "--dial",
+            DIAL,
+            "--levels",
+            "0",
+            "--",
+            "--seed",
+            "3",
+        ]
+    )
     assert code == 2 and "--seed" in capsys.readouterr().err and not (tmp_path / "lab").exists()
 
 
 def test_cli_errors_subprocess(tmp_path):
     """The real command line: exit code 2 and the bad value on stderr."""
     missing = tmp_path / "nope"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "report", str(missing)],
-                       capture_output=True, text=True, cwd=tmp_path, check=False)
+    p = subprocess.run(
+        [sys.executable, os.path.join(HERE, "rc_lab.py"), "report", str(missing)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
     assert p.returncode == 2 and str(missing) in p.stderr and not missing.exists()
-    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "sweep", "--out", "lab", "--presets",
-                        "naive,bogus", "--dial", DIAL, "--levels", "0"],
-                       capture_output=True, text=True, cwd=tmp_path, check=False)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "rc_lab.py"),
+            "sweep",
+            "--out",
+            "lab",
+            "--presets",
+            "naive,bogus",
+            "--dial",
+            DIAL,
+            "--levels",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
     assert p.returncode == 2 and "bogus" in p.stderr and not (tmp_path / "lab").exists()
 
 
 # ---------------------------------------------------------------------------------------------
 # Sweep end to end with a fake trainer
 # ---------------------------------------------------------------------------------------------
-FAKE_TRAIN = r'''
+FAKE_TRAIN = r"""
 import argparse, json, os, sys, time
 p = argparse.ArgumentParser()
 for flag in ("--output-dir", "--run-name", "--rollout-weight-noise"):
@@ -280,7 +353,7 @@ with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
     for s in range(a.num_steps):
         f.write(json.dumps({"step": s, "reward/mean": 0.1 * s + 0.01 * a.seed}) + "\n")
 print("fake: done", rest)
-'''
+"""
 
 
 def read_calls(tmp_path):
@@ -301,8 +374,26 @@ def test_sweep_end_to_end(tmp_path, monkeypatch, capsys):
     out = tmp_path / "lab"
     write_metrics(out / f"naive__{DIAL}=0__s1", 5, 9.0)  # complete: skipped
     write_metrics(out / f"naive__{DIAL}=0.3__s2", 2, 9.0)  # incomplete: re-run with --overwrite
-    argv = ["sweep", "--out", str(out), "--presets", "naive,decoupled_seq_is", "--dial", DIAL, "--levels",
-            "0,0.3", "--seeds", "1,2", "--jobs", "2", "--steps", "5", "--", "--eval-every", "2"]
+    argv = [
+        "sweep",
+        "--out",
+        str(out),
+        "--presets",
+        "naive,decoupled_seq_is",
+        "--dial",
+        DIAL,
+        "--levels",
+        "0,0.3",
+        "--seeds",
+        "1,2",
+        "--jobs",
+        "2",
+        "--steps",
+        "5",
+        "--",
+        "--eval-every",
+        "2",
+    ]
     assert rc_lab.main(argv) == 1  # two runs fail
     cap = capsys.readouterr()
 
@@ -315,8 +406,21 @@ def test_sweep_end_to_end(tmp_path, monkeypatch, capsys):
     by_name = {c["argv"][c["argv"].index("--run-name") + 1]: c["argv"] for c in calls}
     assert by_name[f"naive__{DIAL}=0.3__s2"][-1] == "--overwrite"
     assert by_name[f"naive__{DIAL}=0.3__s1"] == [
-        "--output-dir", str(out), "--run-name", f"naive__{DIAL}=0.3__s1", "--rc.preset", "naive",
-        "--seed", "1", "--rollout-weight-noise", "0.3", "--num-steps", "5", "--eval-every", "2"]
+        "--output-dir",
+        str(out),
+        "--run-name",
+        f"naive__{DIAL}=0.3__s1",
+        "--rc.preset",
+        "naive",
+        "--seed",
+        "1",
+        "--rollout-weight-noise",
+        "0.3",
+        "--num-steps",
+        "5",
+        "--eval-every",
+        "2",
+    ]
 
     # the skipped run is untouched, the incomplete one was replaced, logs exist for every launched run
     assert rc_lab.load_metrics(str(out / f"naive__{DIAL}=0__s1"))[0]["reward/mean"] == 9.0
@@ -349,7 +453,9 @@ def test_sweep_end_to_end(tmp_path, monkeypatch, capsys):
     assert rc_lab.main(argv) == 1
     again = read_calls(tmp_path)
     assert sorted(c["argv"][c["argv"].index("--run-name") + 1] for c in again) == [
-        f"decoupled_seq_is__{DIAL}=0.3__s1", f"decoupled_seq_is__{DIAL}=0.3__s2"]
+        f"decoupled_seq_is__{DIAL}=0.3__s1",
+        f"decoupled_seq_is__{DIAL}=0.3__s2",
+    ]
 
 
 def test_sweep_all_ok_exit_zero(tmp_path, monkeypatch):
@@ -357,13 +463,49 @@ def test_sweep_all_ok_exit_zero(tmp_path, monkeypatch):
     fake.write_text(FAKE_TRAIN)
     monkeypatch.setattr(rc_lab, "RC_TRAIN", str(fake))
     out = tmp_path / "lab"
-    assert rc_lab.main(["sweep", "--out", str(out), "--presets", "naive", "--dial", DIAL, "--levels", "0",
-                        "--seeds", "1", "--steps", "3"]) == 0
+    assert (
+        rc_lab.main(
+            [
+                "sweep",
+                "--out",
+                str(out),
+                "--presets",
+                "naive",
+                "--dial",
+                DIAL,
+                "--levels",
+                "0",
+                "--seeds",
+                "1",
+                "--steps",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert (out / "summary.md").exists()
     # a trainer that exits 0 without a complete metrics.jsonl counts as failed
     monkeypatch.setattr(rc_lab, "launch", lambda cmd, log: 0)
-    assert rc_lab.main(["sweep", "--out", str(out), "--presets", "naive", "--dial", DIAL, "--levels", "0",
-                        "--seeds", "1", "--steps", "4"]) == 1
+    assert (
+        rc_lab.main(
+            [
+                "sweep",
+                "--out",
+                str(out),
+                "--presets",
+                "naive",
+                "--dial",
+                DIAL,
+                "--levels",
+                "0",
+                "--seeds",
+                "1",
+                "--steps",
+                "4",
+            ]
+        )
+        == 1
+    )
 
 
 def test_cli_sweep_subprocess(tmp_path):
@@ -371,43 +513,124 @@ def test_cli_sweep_subprocess(tmp_path):
     fake = tmp_path / "fake_train.py"
     fake.write_text(FAKE_TRAIN)
     env = {**os.environ, "RC_LAB_TRAIN": str(fake)}
-    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "sweep", "--out", "lab", "--presets",
-                        "naive", "--dial", DIAL, "--levels", "0,0.1", "--seeds", "7", "--steps", "3"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "rc_lab.py"),
+            "sweep",
+            "--out",
+            "lab",
+            "--presets",
+            "naive",
+            "--dial",
+            DIAL,
+            "--levels",
+            "0,0.1",
+            "--seeds",
+            "7",
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr
     assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout and "| naive | 0.1 | 1 |" in p.stdout
     spec = json.loads((tmp_path / "lab" / "sweep.json").read_text())
     assert [r["cmd"][1] for r in spec["runs"]] == [str(fake)] * 2
     assert [r["status"] for r in spec["runs"]] == ["ok", "ok"]
-    assert rc_lab.load_metrics(str(tmp_path / "lab" / f"naive__{DIAL}=0.1__s7"))[2]["reward/mean"] == pytest.approx(0.27)
+    assert rc_lab.load_metrics(str(tmp_path / "lab" / f"naive__{DIAL}=0.1__s7"))[2]["reward/mean"] == pytest.approx(
+        0.27
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The mismatch pseudo-dial, preset fields, the length lab
 # ---------------------------------------------------------------------------------------------
 def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, capsys):
-    args = rc_lab._parser().parse_args([
-        "sweep", "--out", str(tmp_path / "lab"), "--presets", "naive,naive+rollout_token_veto_threshold=1e-4",
-        "--dial", "mismatch", "--levels", "none,rollout_dtype=bfloat16+rollout_weight_noise=0.5", "--seeds", "3"])
+    args = rc_lab._parser().parse_args(
+        [
+            "sweep",
+            "--out",
+            str(tmp_path / "lab"),
+            "--presets",
+            "naive,naive+rollout_token_veto_threshold=1e-4",
+            "--dial",
+            "mismatch",
+            "--levels",
+            "none,rollout_dtype=bfloat16+rollout_weight_noise=0.5",
+            "--seeds",
+            "3",
+        ]
+    )
     spec = rc_lab.build_spec(args, ["--eval-every", "5"])
     cmds = {r["name"]: r["cmd"][2:] for r in spec["runs"]}
     name = "naive+rollout_token_veto_threshold=1e-4__rollout_dtype=bfloat16+rollout_weight_noise=0.5__s3"
-    assert cmds[name] == ["--output-dir", str(tmp_path / "lab"), "--run-name", name, "--rc.preset", "naive",
-                          "--rc.rollout-token-veto-threshold", "1e-4", "--seed", "3", "--rollout-dtype", "bfloat16",
-                          "--rollout-weight-noise", "0.5", "--num-steps", "40", "--eval-every", "5"]
+    assert cmds[name] == [
+        "--output-dir",
+        str(tmp_path / "lab"),
+        "--run-name",
+        name,
+        "--rc.preset",
+        "naive",
+        "--rc.rollout-token-veto-threshold",
+        "1e-4",
+        "--seed",
+        "3",
+        "--rollout-dtype",
+        "bfloat16",
+        "--rollout-weight-noise",
+        "0.5",
+        "--num-steps",
+        "40",
+        "--eval-every",
+        "5",
+    ]
     assert "--rollout-dtype" not in cmds["naive__none__s3"]
-    for flags, needle in ((["--levels", "none,rollout_dtyp=bfloat16"], "'rollout_dtyp'"),
-                          (["--levels", "none,seed=4"], "--seed"),
-                          (["--levels", "none,rollout_dtype"], "is not FIELD=VALUE"),
-                          (["--presets", "naive+veto=1"], "'veto'")):
-        argv = ["sweep", "--out", str(tmp_path / "bad"), "--presets", "naive", "--dial", "mismatch",
-                "--levels", "none", *flags]
+    for flags, needle in (
+        (["--levels", "none,rollout_dtyp=bfloat16"], "'rollout_dtyp'"),
+        (["--levels", "none,seed=4"], "--seed"),
+        (["--levels", "none,rollout_dtype"], "is not FIELD=VALUE"),
+        (["--presets", "naive+veto=1"], "'veto'"),
+    ):
+        argv = [
+            "sweep",
+            "--out",
+            str(tmp_path / "bad"),
+            "--presets",
+            "naive",
+            "--dial",
+            "mismatch",
+            "--levels",
+            "none",
+            *flags,
+        ]
         assert rc_lab.main(argv) == 2
         assert needle in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
     # the clash with a flag after `--` is caught too
-    assert rc_lab.main(["sweep", "--out", str(tmp_path / "bad"), "--presets", "naive", "--dial", "mismatch",
-                        "--levels", "none,rollout_dtype=bfloat16", "--", "--rollout-dtype", "float16"]) == 2
+    assert (
+        rc_lab.main(
+            [
+                "sweep",
+                "--out",
+                str(tmp_path / "bad"),
+                "--presets",
+                "naive",
+                "--dial",
+                "mismatch",
+                "--levels",
+                "none,rollout_dtype=bfloat16",
+                "--",
+                "--rollout-dtype",
+                "float16",
+            ]
+        )
+        == 2
+    )
     assert "--rollout-dtype" in capsys.readouterr().err
 
 
@@ -416,7 +639,7 @@ def write_length_dumps(run_dir, sigma, rng, steps=3, rows=400):
     (run_dir / "log_ratio" / "lengths").mkdir(parents=True)
     for s in range(steps):
         lengths = rng.integers(4, 60, size=rows)
-        flat = rng.normal(-sigma ** 2 / 2, sigma, size=lengths.sum())
+        flat = rng.normal(-(sigma**2) / 2, sigma, size=lengths.sum())
         np.save(run_dir / "log_ratio" / f"step_{s:06d}.npy", flat.astype(np.float32))
         np.save(run_dir / "log_ratio" / "lengths" / f"step_{s:06d}.npy", lengths.astype(np.int32))
 
@@ -432,16 +655,21 @@ def test_length_law_and_trap_on_independent_tokens(tmp_path):
         for sd in (1, 2, 3):
             name = rc_lab.run_name("naive", "mismatch", lv, sd)
             write_length_dumps(tmp_path / name, sg, rng)
-            runs.append({"name": name, "preset": "naive", "level": lv, "seed": sd, "records": []})
-    sweep = {"presets": ["naive"], "dial": "mismatch", "levels": ["none", "rollout_weight_noise=0.5"],
-             "seeds": [1, 2, 3], "runs": runs}
-    rows = rc_lab.length_rows(sweep, str(tmp_path))
+            runs.append({"preset": "naive", "level": lv, "seed": sd, **rc_lab.read_run_folder(str(tmp_path / name))})
+    sweep = {
+        "presets": ["naive"],
+        "dial": "mismatch",
+        "levels": ["none", "rollout_weight_noise=0.5"],
+        "seeds": [1, 2, 3],
+        "runs": runs,
+    }
+    rows = rc_lab.length_rows(sweep)
     fits = {f["level"]: f for f in rc_lab.length_fits(rows)}
     noisy = [r for r in rows if r["level"] != "none"]
     assert [r["bin"] for r in noisy] == ["0–7", "8–15", "16–23", "24–31", "32–39", "40–47", "48–55", "56–63"]
     assert all(r["n_seeds"] == 3 for r in noisy)
-    assert all(abs(r["chi2_token"] - math.expm1(sigma ** 2)) < 0.5 * sigma ** 2 for r in noisy)
-    assert fits["rollout_weight_noise=0.5"]["slope"] == pytest.approx(sigma ** 2, rel=0.25)
+    assert all(abs(r["chi2_token"] - math.expm1(sigma**2)) < 0.5 * sigma**2 for r in noisy)
+    assert fits["rollout_weight_noise=0.5"]["slope"] == pytest.approx(sigma**2, rel=0.25)
     assert 0.75 < fits["rollout_weight_noise=0.5"]["slope_ratio"] < 1.33
     assert noisy[-1]["ess_seq"] < noisy[0]["ess_seq"] - 0.2 and min(r["ess_token"] for r in noisy) > 0.98
     assert fits["rollout_weight_noise=0.5"]["reject_seq_sum_k1_change"] > 0.2
@@ -466,7 +694,117 @@ def test_length_dump_whose_lengths_disagree_is_refused(tmp_path):
     np.save(d / "step_000000.npy", np.zeros(10, np.float32))
     np.save(d / "lengths" / "step_000000.npy", np.array([3, 4], np.int32))
     with pytest.raises(rc_lab.LabError, match="add up to 7"):
-        rc_lab.load_dumps(str(tmp_path / "run"))
+        rc_lab.load_dumps(rc_lab.read_run_folder(str(tmp_path / "run")))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export (the compact form) and the committed sweeps in lab/
+# ---------------------------------------------------------------------------------------------
+LAB = Path(HERE) / "lab"
+COMMITTED = sorted(p.parent.name for p in LAB.glob("*/sweep.json"))
+REPORT = {"summary.md", "summary.csv", "reward.png", "k3.png", "alpha.png", "is_hist.png"}
+COMPACT = {"sweep.json", rc_lab.RUNS_FILE, rc_lab.DUMPS_FILE} | REPORT
+MACHINE_PATHS = re.compile("/(work|root|home|tmp)/")
+
+
+def test_export_round_trip(tmp_path, monkeypatch):
+    """Run folders (one without metrics, one metric export leaves out, a config with machine paths) -> the compact
+    form: a few files, no machine path, the same tables and plots byte for byte; exporting it again gives the same
+    runs file; export refuses to write onto its source and a sweep into an exported folder is refused."""
+
+    def records(p, lv, sd):
+        return None if (lv, sd) == ("0.3", 2) else [{**r, "perf/not_exported": 1.0} for r in fake_records(p, lv, sd)]
+
+    src, dest, again = tmp_path / "src", tmp_path / "dest", tmp_path / "again"
+    write_sweep(src, presets=["naive"], records=records)
+    spec = json.loads((src / "sweep.json").read_text())
+    spec["trainer"] = os.path.join(HERE, "rc_train.py")
+    spec["runs"][0]["cmd"] = [
+        sys.executable,
+        spec["trainer"],
+        "--output-dir",
+        str(src),
+        "--config=" + os.path.join(HERE, "configs", "cpu_add.yaml"),
+    ]
+    (src / "sweep.json").write_text(json.dumps(spec))
+    rng = np.random.default_rng(0)
+    for i, run in enumerate(spec["runs"]):
+        write_length_dumps(src / run["name"], 0.1 * i, rng, steps=2, rows=200)
+    (src / spec["runs"][0]["name"] / "config.yaml").write_text(f"output_dir: {src}\nmodel_path: /tmp/cache/base-1\n")
+
+    written = {os.path.basename(p) for p in rc_lab.report(str(src))}
+    assert rc_lab.main(["export", str(src), str(dest)]) == 0
+    assert (
+        {p.name for p in dest.iterdir()}
+        == COMPACT | {"length.md", "length.csv", "length_law.png", "length_trap.png"}
+        == written | COMPACT
+    )
+    for name in written:
+        assert (dest / name).read_bytes() == (src / name).read_bytes(), name
+
+    exported = json.loads((dest / "sweep.json").read_text())
+    assert exported["trainer"] == "rc_train.py" and exported["runs"][0]["cmd"][1:] == [
+        "rc_train.py",
+        "--output-dir",
+        "src",
+        "--config=" + os.path.join("configs", "cpu_add.yaml"),
+    ]
+    runs = rc_lab.read_compact(str(dest))
+    assert runs[spec["runs"][0]["name"]]["config"] == "output_dir: src\nmodel_path: base-1\n"
+    assert runs[rc_lab.run_name("naive", DIAL, "0.3", 2)]["records"] is None
+    assert not any("perf/not_exported" in r for run in runs.values() for r in run["records"] or [])
+    text = (dest / "sweep.json").read_text() + gzip.decompress((dest / rc_lab.RUNS_FILE).read_bytes()).decode()
+    assert str(tmp_path) not in text and not MACHINE_PATHS.search(text)
+    folder = rc_lab.read_run_folder(str(src / spec["runs"][1]["name"]))
+    for key in ("log_ratio", "lengths"):  # every dump as dumped: dtype and values
+        stored = runs[spec["runs"][1]["name"]][key]
+        assert stored.keys() == folder[key].keys() == {0, 1}
+        assert all(
+            stored[s].dtype == folder[key][s].dtype and np.array_equal(stored[s], folder[key][s]) for s in stored
+        )
+
+    assert rc_lab.main(["export", str(dest), str(again)]) == 0  # the compact form exports to itself, byte for byte
+    assert (again / rc_lab.RUNS_FILE).read_bytes() == (dest / rc_lab.RUNS_FILE).read_bytes()
+    assert rc_lab.main(["export", str(dest), str(dest)]) == 2
+    monkeypatch.setattr(rc_lab, "launch", lambda *a: pytest.fail("nothing may start"))
+    assert rc_lab.main(["sweep", "--out", str(dest), "--presets", "naive", "--dial", DIAL, "--levels", "0"]) == 2
+
+
+def test_lab_holds_fewer_than_100_files():
+    assert sum(len(files) for _, _, files in os.walk(LAB)) < 100
+
+
+def test_committed_sweeps_hold_no_machine_path():
+    """sweep.json, the configs in the runs file and every text file of lab/ name no absolute path."""
+    assert COMMITTED == ["collapse", "length", "length_long", "noise_sweep", "stale_sweep", "veto"]
+    for name in COMMITTED:
+        spec = json.loads((LAB / name / "sweep.json").read_text())
+        strings = [spec["trainer"], *(s for run in spec["runs"] for s in run["cmd"]), *spec["extra"]]
+        assert not [s for s in strings if os.path.isabs(s.partition("=")[2] or s)], name
+        configs = [run["config"] or "" for run in rc_lab.read_compact(str(LAB / name)).values()]
+        assert not [c for c in configs if MACHINE_PATHS.search(c)], name
+    for path in LAB.rglob("*"):
+        if path.suffix in (".md", ".csv", ".json"):
+            assert not MACHINE_PATHS.search(path.read_text()), path
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_committed_sweep_regenerates_its_summary(tmp_path, name):
+    """The compact form in lab/NAME gives its committed summary.md, summary.csv and length.md byte for byte (not
+    length.csv: the last digits of its law and ESS columns, numpy's exp and power, can differ from CPU to CPU)."""
+    sweep = rc_lab.load_sweep(str(LAB / name))
+    assert {p.name for p in (LAB / name).iterdir()} <= COMPACT | {
+        "length.md",
+        "length.csv",
+        "length_law.png",
+        "length_trap.png",
+    }
+    written = rc_lab.write_summary(rc_lab.summarise(sweep, 0.5), sweep, str(tmp_path), 0.5)
+    if (LAB / name / "length.md").exists():
+        rows = rc_lab.length_rows(sweep)
+        written += rc_lab.write_length_summary(rows, rc_lab.length_fits(rows), sweep, str(tmp_path))[1:]
+    for path in written:
+        assert Path(path).read_bytes() == (LAB / name / os.path.basename(path)).read_bytes(), path
 
 
 def test_two_cell_sweep_with_the_real_trainer(tmp_path):
@@ -475,12 +813,45 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
     out = tmp_path / "lab"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("RC_LAB_TRAIN", None)
-    p = subprocess.run([sys.executable, os.path.join(HERE, "rc_lab.py"), "sweep", "--out", str(out), "--presets",
-                        "naive", "--dial", "mismatch", "--levels", "none,rollout_weight_noise=1.0", "--seeds", "1",
-                        "--steps", "2", "--", "--config", os.path.join(HERE, "configs", "cpu_add.yaml"),
-                        "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--max-response-length", "6",
-                        "--eval-limit", "10", "--no-save-final", "--dump-log-ratio-every", "1"],
-                       capture_output=True, text=True, env=env, cwd=HERE, timeout=600, check=False)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "rc_lab.py"),
+            "sweep",
+            "--out",
+            str(out),
+            "--presets",
+            "naive",
+            "--dial",
+            "mismatch",
+            "--levels",
+            "none,rollout_weight_noise=1.0",
+            "--seeds",
+            "1",
+            "--steps",
+            "2",
+            "--",
+            "--config",
+            os.path.join(HERE, "configs", "cpu_add.yaml"),
+            "--num-prompts-per-step",
+            "8",
+            "--num-samples-per-prompt",
+            "8",
+            "--max-response-length",
+            "6",
+            "--eval-limit",
+            "10",
+            "--no-save-final",
+            "--dump-log-ratio-every",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HERE,
+        timeout=600,
+        check=False,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout
     md = (out / "summary.md").read_text()
@@ -493,15 +864,24 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
     # the length lab recomputes, from the dumps, exactly the chi2 the trainer logged for the whole batch
     run = out / "naive__rollout_weight_noise=1.0__s1"
     records = {r["step"]: r for r in rc_lab.load_metrics(str(run))}
-    for step, (flat, lengths) in enumerate(rc_lab.load_dumps(str(run))):
+    for step, (flat, lengths) in enumerate(rc_lab.load_dumps(rc_lab.read_run_folder(str(run)))):
         stats = rc_lab.length_stats(flat, lengths)
         assert stats["chi2_token"] == pytest.approx(records[step]["rollout_corr/chi2_token"], rel=1e-4)
         assert stats["chi2_seq"] == pytest.approx(records[step]["rollout_corr/chi2_seq"], rel=1e-4)
         assert stats["n_rows"] == 64
     assert (out / "length.md").exists() and (out / "length_law.png").exists() and (out / "length_trap.png").exists()
-    # export: a small copy (no engine logs, no eval samples) that regenerates the same tables by itself
+    # export: the compact form (no engine logs, no eval samples) regenerates the same tables by itself
     dest = tmp_path / "committed"
     assert rc_lab.main(["export", str(out), str(dest)]) == 0
-    assert (dest / "summary.md").read_text() == md and (dest / "length.md").read_text() == (out / "length.md").read_text()
-    assert not list(dest.glob("*/engine.log")) and (dest / "naive__none__s1" / "config.yaml").exists()
+    assert (dest / "summary.md").read_text() == md and (dest / "length.md").read_text() == (
+        out / "length.md"
+    ).read_text()
+    assert {p.name for p in dest.iterdir()} == COMPACT | {
+        "length.md",
+        "length.csv",
+        "length_law.png",
+        "length_trap.png",
+    }
+    config = rc_lab.read_compact(str(dest))["naive__none__s1"]["config"]
+    assert "run_name: naive__none__s1" in config and str(tmp_path) not in config
     assert rc_lab.main(["export", str(out), str(out)]) == 2

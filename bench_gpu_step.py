@@ -309,11 +309,11 @@ class Bench:
             "advantages": batch["advantages"],
             "rollout_log_prob": batch["rollout_log_prob"],
         }
-        frozen = {}
+        batch_correction = {}
         if not correction.bypass_mode:
             self.model.eval()
             old = rc_train.no_grad_pass(self.accelerator.unwrap_model(self.model), batch, args, self.share_prefix)
-            is_weights, keep_mask, frozen = rc_core.compute_rollout_correction_and_rejection_mask(
+            is_weights, keep_mask, batch_correction = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_log_prob=old,
                 rollout_log_prob=batch["rollout_log_prob"],
                 response_mask=batch["response_mask"],
@@ -337,7 +337,7 @@ class Bench:
             tensors,
             torch.Generator().manual_seed(self.plan.seed),
             self.share_prefix,
-            frozen,
+            batch_correction,
             padding,
         )
         tokens = self.host.sum([float(padding["tokens"])])[0]

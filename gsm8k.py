@@ -52,7 +52,6 @@ from typing import Any
 __all__ = [
     "EXTRACTION_MODES",
     "INSTRUCTION",
-    "build_messages",
     "extract_answer",
     "format_prompt",
     "load_gsm8k",
@@ -404,9 +403,3 @@ def format_prompt(question: str) -> str:
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"question must be a non-empty string, got {question!r}")
     return f"{question.strip()}\n\n{INSTRUCTION}"
-
-
-def build_messages(question: str) -> list[dict]:
-    """Return chat-template messages for ``question``: one user message holding
-    :func:`format_prompt`'s text."""
-    return [{"role": "user", "content": format_prompt(question)}]

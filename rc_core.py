@@ -1341,7 +1341,7 @@ class RolloutCorrectionConfig:
     veto_tau: float | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__
+        init_field = object.__setattr__  # the dataclass is frozen
         if self.rollout_is is not None and not isinstance(self.rollout_is, str):
             raise TypeError(f"rollout_is must be None or a string, got {self.rollout_is!r}")
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
@@ -1356,18 +1356,18 @@ class RolloutCorrectionConfig:
         # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's
         # threshold may stay behind when an override turns its correction off).
         is_on = self.rollout_is is not None
-        set_(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if is_on else None)
+        init_field(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if is_on else None)
         if not isinstance(self.rollout_is_batch_normalize, bool):
             raise TypeError(f"rollout_is_batch_normalize must be a bool, got {self.rollout_is_batch_normalize!r}")
-        set_(
+        init_field(
             self,
             "rs_specs",
             parse_rs_options(self.rollout_rs, self.rollout_rs_threshold, self.rollout_rs_threshold_lower),
         )
-        set_(self, "veto_tau", parse_veto_threshold(self.rollout_token_veto_threshold))
+        init_field(self, "veto_tau", parse_veto_threshold(self.rollout_token_veto_threshold))
         if not isinstance(self.bypass_mode, bool):
             raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
-        set_(self, "loss_type", self._resolve_loss_type())
+        init_field(self, "loss_type", self._resolve_loss_type())
         if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
             warnings.warn(
                 f"rollout_is={self.rollout_is!r} with bypass_mode=True and "

@@ -97,8 +97,6 @@ def load_yaml_defaults(cls, path: str, **extra):
 def parse_cli(cls, load_defaults, gpu_config: str | None = None):
     """tyro over the dataclass `cls`; --config FILE (or, with a GPU and neither --config nor --model, `gpu_config`)
     gives the defaults through load_defaults(path), and flags on the command line still win."""
-    import tyro
-
     argv = sys.argv[1:]
     config = None
     for i, a in enumerate(argv):

@@ -43,7 +43,7 @@ import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = "tiny"
-OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
+SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
 
 
 @dataclass
@@ -263,9 +263,9 @@ validate_args = rc_infra.validate_args  # validate_args(args, world_size): every
 
 
 def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConfig:
-    """The preset, with every field the user set replaced; OFF ('none') becomes None. rc_core validates."""
+    """The preset, with every field the user set replaced; SWITCH_OFF ('none') becomes None. rc_core validates."""
     set_fields = {
-        k: None if isinstance(v, str) and v.strip().lower() == OFF else v
+        k: None if isinstance(v, str) and v.strip().lower() == SWITCH_OFF else v
         for k, v in dataclasses.asdict(rc).items()
         if k != "preset" and v is not None
     }
@@ -478,21 +478,21 @@ def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.
 
 
 def policy_loss(
-    args: Args, rc_config, log_prob: torch.Tensor, mb: dict, denominators: dict, correction_metrics: bool
+    args: Args, rc_config, log_prob: torch.Tensor, micro: dict, denominators: dict, correction_metrics: bool
 ) -> tuple[torch.Tensor, dict]:
     """ALGO LOGIC: the policy-gradient loss of one micro-batch, and its metrics (actor/*, bypass also rollout_corr/*).
 
     bypass (docs/corrections.md §7.3/§7.4): PPO ratio pi_theta/pi_rollout; rc_core computes the correction inside,
     from sg(pi_theta) vs pi_rollout. decoupled (§7.2): PPO ratio pi_theta/pi_old, times the IS weights and under the
-    rejection mask computed once per rollout batch. `mb` holds this micro-batch's rows of the step's tensors."""
-    mask = mb["response_mask"]
+    rejection mask computed once per rollout batch. `micro` holds this micro-batch's rows of the step's tensors."""
+    mask = micro["response_mask"]
     if mask.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
         return (log_prob * 0).sum(), {}
     low, high = (args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
     common = dict(
         log_prob=log_prob,
-        rollout_log_prob=mb["rollout_log_prob"],
-        advantages=mb["advantages"],
+        rollout_log_prob=micro["rollout_log_prob"],
+        advantages=micro["advantages"],
         response_mask=mask,
         loss_agg_mode=args.loss_agg_mode,
         clip_ratio_low=low,
@@ -506,23 +506,24 @@ def policy_loss(
         )
     return rc_core.compute_policy_loss_vanilla(
         **common,
-        old_log_prob=mb["old_log_prob"],
-        keep_mask=mb["keep_mask"],
-        rollout_is_weights=mb.get("rollout_is_weights"),
+        old_log_prob=micro["old_log_prob"],
+        keep_mask=micro["keep_mask"],
+        rollout_is_weights=micro.get("rollout_is_weights"),
     )
 
 
 def micro_batch_metrics(
-    loss_metrics: dict, log_prob, entropy, mb: dict, bypass: bool, first: bool, frozen: dict
+    loss_metrics: dict, log_prob, entropy, micro: dict, bypass: bool, first: bool, batch_correction: dict
 ) -> dict:
     """The loss metrics plus CleanRL's approx_kl (k3 of the PPO ratio, Schulman 2020) and the entropy, over this
     micro-batch's valid tokens. rollout_corr/* are kept from the first minibatch only (first): in bypass mode
     sg(pi_theta) equals pi_old only before the first optimizer step; later the comparison with pi_rollout adds the
-    update itself (policy drift, logged as actor/ppo_kl). Names in `frozen` (the decoupled correction) are dropped."""
-    mask = mb["response_mask"]
+    update itself (policy drift, logged as actor/ppo_kl). Names in `batch_correction` (the decoupled
+    correction, logged once per rollout batch) are dropped."""
+    mask = micro["response_mask"]
     if mask.sum() == 0:
         return {}
-    prox = mb["rollout_log_prob"] if bypass else mb["old_log_prob"]
+    prox = micro["rollout_log_prob"] if bypass else micro["old_log_prob"]
     with torch.no_grad():
         k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
         out = {
@@ -530,7 +531,7 @@ def micro_batch_metrics(
             "actor/ppo_kl_k3": float(k3[mask > 0].mean()),
             "actor/entropy": float(entropy[mask > 0].mean()),
         }
-    return {k: v for k, v in out.items() if k not in frozen and (first or not k.startswith("rollout_corr/"))}
+    return {k: v for k, v in out.items() if k not in batch_correction and (first or not k.startswith("rollout_corr/"))}
 
 
 def forward_log_probs(
@@ -591,7 +592,7 @@ def update_policy(
     tensors: dict,
     gen: torch.Generator,
     share_prefix: bool,
-    frozen: dict,
+    batch_correction: dict,
     padding: dict,
     log_ratios: list | None = None,
 ):
@@ -599,7 +600,8 @@ def update_policy(
     (gradient accumulation). `tensors` holds the step's (B, T) tensors (response_mask, advantages, rollout_log_prob,
     and old_log_prob, rollout_is_weights, keep_mask, ref_log_prob when they exist). Returns the micro-batch
     metrics (token-weighted) and the step's actor/* figures. With `log_ratios` (a list), bypass mode appends the
-    first minibatch's (log pi_theta - log pi_rollout, mask) pairs."""
+    first minibatch's (log pi_theta - log pi_rollout, mask) pairs. `batch_correction`: the decoupled correction's
+    metrics, computed once for the batch (its names are not taken again from the micro-batches)."""
     world = accelerator.num_processes
     mask = tensors["response_mask"]
     model.train()
@@ -640,7 +642,7 @@ def update_policy(
                     accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
                 step_metrics.add(
                     micro_batch_metrics(
-                        loss_metrics, log_prob, entropy, micro_tensors, rc_config.bypass_mode, first, frozen
+                        loss_metrics, log_prob, entropy, micro_tensors, rc_config.bypass_mode, first, batch_correction
                     ),
                     weight=float(micro_tensors["response_mask"].sum()),
                 )

@@ -14,13 +14,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gsm8k
 from gsm8k import (
     INSTRUCTION,
-    build_messages,
     extract_answer,
     format_prompt,
     load_gsm8k,
@@ -111,6 +110,7 @@ def test_normalize_number_rejects_non_strings():
         normalize_number(5)
 
 
+@settings(deadline=None)  # no per-example time limit: a loaded machine must not fail a correctness test
 @given(st.integers(min_value=-(10**30), max_value=10**30))
 def test_normalize_number_integer_formats_agree(value):
     """Plain, comma-grouped, dollar and '.00' spellings all give str(value)."""
@@ -122,6 +122,7 @@ def test_normalize_number_integer_formats_agree(value):
     assert normalize_number(f"{sign}${abs(value):,}") == str(value)
 
 
+@settings(deadline=None)
 @given(st.decimals(allow_nan=False, allow_infinity=False, places=6))
 def test_normalize_number_is_exact_and_idempotent(value):
     """The canonical form denotes the same Decimal, and is a fixed point."""
@@ -529,13 +530,12 @@ def test_local_dataset_directory_is_not_mistaken_for_hf_id(tmp_path, monkeypatch
 # ---------------------------------------------------------------------------
 
 
-def test_format_prompt_and_messages():
+def test_format_prompt():
     question = "  Tom has 3 apples and buys 2 more. How many now?\n"
     prompt = format_prompt(question)
     assert prompt.startswith("Tom has 3 apples")
     assert prompt.endswith(INSTRUCTION)
     assert "####" in INSTRUCTION and "step by step" in INSTRUCTION
-    assert build_messages(question) == [{"role": "user", "content": prompt}]
     # The answer format the instruction asks for is what strict mode reads.
     assert score_response(prompt + "\n3 + 2 = 5\n#### 5", "5") == 1.0
     for bad in ("", "   "):

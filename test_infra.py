@@ -2,6 +2,7 @@
 processes, and an NCCL-like group that serves only CUDA tensors), launcher settings (DeepSpeed and FSDP1 refused,
 FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
 
+import contextlib
 import os
 import socket
 import types
@@ -202,8 +203,6 @@ def test_check_distributed(kind, processes, args, refused):
 
 
 def test_micro_batches_accumulate_without_all_reduce_except_the_last():
-    import contextlib
-
     assert rc_infra.accumulating(_accelerator("MULTI_GPU"), "m", False, fsdp=False) == ("no_sync", "m")
     assert isinstance(rc_infra.accumulating(_accelerator("MULTI_GPU"), "m", True, fsdp=False), contextlib.nullcontext)
     assert isinstance(rc_infra.accumulating(_accelerator("NO", 1), "m", False, fsdp=False), contextlib.nullcontext)

@@ -75,7 +75,9 @@ def parse_args(argv=None):
         help="strict greedy eval accuracies to reach (default 0.5,0.8,0.9; the last line is the first)",
     )
     p.add_argument("--eval-every", type=int, default=2, help="evaluate every N rollout steps (default 2)")
-    p.add_argument("--seeds", default="1,2,3", help="comma list of run seeds (default 1,2,3)")
+    p.add_argument(
+        "--seeds", help="comma list of run seeds (default 1,2,3; with --from-results: the seeds to report, default all)"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument(
         "--max-staleness",
@@ -105,7 +107,9 @@ def parse_args(argv=None):
         args.steps = 20 if args.quick else 50
     try:
         args.targets = [float(t) for t in args.targets.split(",")]
-        args.seeds = [int(s) for s in args.seeds.split(",")]
+        if args.seeds is None and not args.from_results:
+            args.seeds = "1,2,3"
+        args.seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None  # None: every seed saved
     except ValueError as e:
         p.error(f"--targets takes numbers and --seeds integers, comma-separated: {e}")
     args.variants = args.variants.split(",")
@@ -457,6 +461,10 @@ def main(argv=None) -> None:
         for k in ("steps", "eval_every", "max_staleness"):  # the runs' own; --targets may be chosen anew
             setattr(args, k, saved["args"][k])
         runs = {int(seed): results for seed, results in saved["runs"].items()}
+        missing = sorted(set(args.seeds or runs) - set(runs))
+        if missing:
+            sys.exit(f"bench_trl: --seeds {missing} not in {args.from_results} (it holds seeds {sorted(runs)})")
+        runs = {seed: results for seed, results in runs.items() if seed in (args.seeds or runs)}
         print("\n".join(report(args, runs)))
         return
     os.makedirs(args.out, exist_ok=True)

@@ -53,6 +53,20 @@ def test_from_results_reports_again_at_other_targets(tmp_path, capsys):
     assert out[0].startswith("miniature GSM8K, 2 rollout steps") and out[-1] == "ours/TRL time-to-accuracy: 0.250"
 
 
+def test_from_results_reports_the_seeds_asked_for(tmp_path, capsys):
+    runs = {
+        "1": {"ours": result([(2, 3.0, 0.6)]), "trl_vllm": result([(2, 12.0, 0.55)])},
+        "2": {"ours": result([(2, 6.0, 0.6)]), "trl_vllm": result([(2, 10.0, 0.55)])},
+    }
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"args": {"steps": 2, "eval_every": 2, "max_staleness": 1}, "runs": runs}))
+    bench_trl.main(["--from-results", str(saved), "--seeds", "2"])
+    out = capsys.readouterr().out
+    assert "seed 1:" not in out and out.splitlines()[-1] == "ours/TRL time-to-accuracy: 0.600"
+    with pytest.raises(SystemExit, match=r"--seeds \[3\] not in"):
+        bench_trl.main(["--from-results", str(saved), "--seeds", "2,3"])
+
+
 @pytest.mark.parametrize(
     "argv, bad",
     [
@@ -74,4 +88,5 @@ def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
 def test_defaults_three_seeds_three_targets_ours_asynchronous():
     a = bench_trl.parse_args([])
     assert (a.steps, a.seeds, a.targets, a.max_staleness) == (50, [1, 2, 3], [0.5, 0.8, 0.9], 1)
+    assert bench_trl.parse_args(["--from-results", "r.json"]).seeds is None  # every seed of the results
     assert bench_trl.parse_args(["--quick"]).steps == 20

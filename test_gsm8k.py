@@ -1,7 +1,7 @@
 """Tests for gsm8k.py: normalisation, extraction, scoring, loading, prompts.
 
-Runs on CPU in a few seconds.  The real GSM8K files are expected under
-/work/shared/data/gsm8k; tests needing them are skipped if they are absent.
+Runs on CPU in a few seconds.  The real GSM8K files are looked for where the trainer looks (tasks.local_gsm8k_dir:
+./data/gsm8k or ../shared/data/gsm8k beside the repository); tests needing them are skipped if they are absent.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gsm8k
+import tasks
 from gsm8k import (
     INSTRUCTION,
     extract_answer,
@@ -28,7 +29,7 @@ from gsm8k import (
     score_response,
 )
 
-DATA_DIR = Path("/work/shared/data/gsm8k")
+DATA_DIR = Path(tasks.local_gsm8k_dir() or "data/gsm8k")
 needs_real_data = pytest.mark.skipif(not (DATA_DIR / "test.jsonl").is_file(), reason="real GSM8K files not available")
 
 

@@ -27,6 +27,8 @@ import torch
 import tyro
 import yaml
 
+import rc_core
+
 
 def _number_or_text(text: str) -> float | str:
     """'3' -> 3.0, '1e-4' -> 0.0001; 'L_U' bounds and option lists stay text ('0.5_5' is not the number 0.55)."""
@@ -174,7 +176,6 @@ def validate_args(args, world_size: int) -> None:
     """Fail fast with a message naming the bad value (before tokenizer, data or engine, and before anything is
     written to the run folder). The correction settings (--rc.*) are checked by rc_core when the config is built,
     the task settings (--mini.*) by tasks.make_task, the loss settings by rc_core.check_loss_settings below."""
-    import rc_core
 
     def need(cond, msg):
         if not cond:
@@ -839,7 +840,7 @@ def planted_tokens_processor():
 # Metrics across micro-batches and ranks
 # ---------------------------------------------------------------------------------------------
 # An RS option's own name (seq_max_k2) is not a reduction word: rollout_rs_seq_max_k2_mean is a mean.
-_RS_OPTION_IN_NAME = re.compile(r"rollout_rs_(?:token|seq_sum|seq_mean|seq_max)_k[123]_")
+_RS_OPTION_IN_NAME = re.compile("rollout_rs_(?:" + "|".join(map(re.escape, rc_core.RS_OPTIONS)) + ")_")
 
 
 def metric_kind(name: str) -> str:

@@ -916,12 +916,16 @@ def test_nan_padding_does_not_leak_into_loss_or_gradient():
         log_prob.grad = None
 
 
+def _bypass_batch(seed: int, shape: tuple, noise: float):
+    """(log_prob, rollout log-prob, advantages, mask): log pi_theta = log mu + noise * N(0, 1), all tokens valid."""
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(shape, generator=gen, dtype=F64)
+    log_prob = rollout + noise * torch.randn(shape, generator=gen, dtype=F64)
+    return log_prob, rollout, torch.randn(shape, generator=gen, dtype=F64), torch.ones(shape, dtype=F64)
+
+
 def test_bypass_ppo_clip_ignores_is_weights_but_reports_them():
-    gen = torch.Generator().manual_seed(3)
-    rollout = -torch.rand((3, 4), generator=gen, dtype=F64)
-    log_prob = rollout + 0.05 * torch.randn((3, 4), generator=gen, dtype=F64)
-    adv = torch.randn((3, 4), generator=gen, dtype=F64)
-    mask = torch.ones((3, 4), dtype=F64)
+    log_prob, rollout, adv, mask = _bypass_batch(3, (3, 4), 0.05)
     plain = rc.RolloutCorrectionConfig.bypass_ppo_clip()
     with pytest.warns(UserWarning, match="only adds"):
         with_is = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.01, bypass_mode=True)
@@ -938,11 +942,7 @@ def test_bypass_ppo_clip_ignores_is_weights_but_reports_them():
 def test_icepop_is_metrics_only_in_bypass_ppo_clip():
     # bypass PPO-clip applies no IS weight (§7.3): an IcePop window that zeroes most tokens leaves the loss as it is,
     # a rejection rule that masks rows changes it (docs/corrections.md §3.4, §7.5)
-    gen = torch.Generator().manual_seed(5)
-    rollout = -torch.rand((4, 5), generator=gen, dtype=F64)
-    log_prob = rollout + 0.2 * torch.randn((4, 5), generator=gen, dtype=F64)
-    adv = torch.randn((4, 5), generator=gen, dtype=F64)
-    mask = torch.ones((4, 5), dtype=F64)
+    log_prob, rollout, adv, mask = _bypass_batch(5, (4, 5), 0.2)
     plain = rc.RolloutCorrectionConfig.bypass_ppo_clip()
     with pytest.warns(UserWarning, match="only adds"):
         icepop = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.99_1.01", bypass_mode=True)

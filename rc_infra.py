@@ -2,7 +2,8 @@
 engine's scheduler limits, log files and memory on GPU, metric reduction across ranks, gradient norms, the run folder
 and its logs, checkpoints and resume, data-parallel checksums.
 
-Nothing here changes the algorithm; every piece is unit-tested on CPU (test_infra.py) or end to end (test_train.py).
+Nothing here changes the algorithm; every piece is unit-tested on CPU (tests/test_infra.py) or end to end
+(tests/test_train.py).
 """
 
 from __future__ import annotations
@@ -501,7 +502,8 @@ class HostGroup:
     a gloo group of all ranks created at start. Accelerate and torchrun give GPU jobs an NCCL default group, which
     serves only CUDA tensors ("No backend type associated with device type cpu" for a CPU tensor); a gloo side group
     serves the CPU on every machine and spares a device round trip for a few floats. The model's own collectives
-    (DDP, FSDP2) stay on the default group. test_infra.py runs these under an NCCL-like group (gloo for cuda only)."""
+    (DDP, FSDP2) stay on the default group. tests/test_infra.py runs these under an NCCL-like group (gloo serving
+    cuda only)."""
 
     def __init__(self, world: int):
         import torch.distributed as dist

@@ -385,7 +385,7 @@ def micro_batches(
     token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
     micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
     padding small, like verl's dynamic batch size. The loss has global denominators, so the grouping does not
-    change it (test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
+    change it (tests/test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
     p, t = batch["prompt_len"][rows], batch["response_len"][rows]
     # by_group (--share-prompt-prefix): a group's rows side by side, so a micro-batch holds few distinct prompts
     key = batch["group"][rows] * (int(t.max()) + 1) + t if by_group else p + t
@@ -447,8 +447,8 @@ def sequence_log_probs(
 def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
     """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
     prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
-    responses on it. Same positions and masks as one pass over [prompt | response] (test_train.py). DDP must see one
-    forward per backward: pass 1 calls the inner module when pass 2 follows."""
+    responses on it. Same positions and masks as one pass over [prompt | response] (tests/test_train.py). DDP must see
+    one forward per backward: pass 1 calls the inner module when pass 2 follows."""
     P = input_ids.shape[1] - T
     distinct, row_prompt = torch.unique(group, return_inverse=True)
     first = torch.empty(len(distinct), dtype=torch.long, device=group.device)

@@ -18,8 +18,8 @@
 (e) the token entropy on that slice: rc_core.entropy_from_logits (chunked, no grad) against a
     full-vocabulary fp32 softmax entropy: time and peak extra memory.
 
-Usage:  python bench_rc.py            (B=512, T=2048: several minutes on 2 cores)
-        python bench_rc.py --quick    (small sizes, about 30 s)
+Usage:  python -m benchmarks.bench_rc            (B=512, T=2048: several minutes on 2 cores)
+        python -m benchmarks.bench_rc --quick    (small sizes, about 30 s)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import rc_core as rc
 #: log_probs_from_logits's own chunk_size default, so the report cannot drift from the code
 DEFAULT_CHUNK = inspect.signature(rc.log_probs_from_logits).parameters["chunk_size"].default
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def parse_args(argv=None):
@@ -395,11 +395,11 @@ def bench_slice(args):
 def run_child(spec, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     res = subprocess.run(
-        [sys.executable, os.path.join(HERE, "bench_rc.py"), "--_mem-child", spec],
+        [sys.executable, "-m", "benchmarks.bench_rc", "--_mem-child", spec],
         capture_output=True,
         text=True,
         env=env,
-        cwd=HERE,
+        cwd=ROOT,
         check=True,
     )
     return json.loads(res.stdout.strip().splitlines()[-1])

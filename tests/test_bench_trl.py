@@ -1,11 +1,11 @@
-"""bench_trl.py's own logic (the race itself installs TRL and runs for minutes: it is a benchmark, not a test)."""
+"""benchmarks/bench_trl.py's own logic (the race installs TRL and runs for minutes: a benchmark, not a test)."""
 
 import argparse
 import json
 
 import pytest
 
-import bench_trl
+from benchmarks import bench_trl
 
 
 def result(evals, train_s=10.0, wall_s=15.0):

@@ -16,10 +16,10 @@ import torch
 import rc_core
 import tasks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ENGINE_STARTED = "Initializing a V1 LLM engine"
 # The one-token fixture (configs/cpu_add.yaml), small and fast; tests add what they need.
-ADD = ["--config", os.path.join(HERE, "configs", "cpu_add.yaml")]
+ADD = ["--config", os.path.join(ROOT, "configs", "cpu_add.yaml")]
 # The shortened default run of test_default_run_learns_multi_token_answers, and the rise it must show (set from
 # measured runs: see the test).
 SHORT_STEPS = 20
@@ -46,8 +46,8 @@ def run_train(tmp_path, *flags, name="run", check=True, timeout=600):
     """Run rc_train.py; return (metrics rows of the training steps, completed process). The evaluation before
     training (step -1) is left out of the rows; read metrics.jsonl for it."""
     env = train_env(tmp_path)
-    cmd = [sys.executable, os.path.join(HERE, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", name, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE)
+    cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", name, *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     path = tmp_path / name / "metrics.jsonl"
@@ -335,13 +335,13 @@ LAUNCHERS = {  # two processes on this CPU machine; rc_train.py finds no GPU and
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        os.path.join(HERE, "configs", "accelerate", "multi_cpu.yaml"),
+        os.path.join(ROOT, "configs", "accelerate", "multi_cpu.yaml"),
     ],
     "accelerate-fsdp2": [
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        os.path.join(HERE, "configs", "accelerate", "fsdp2.yaml"),
+        os.path.join(ROOT, "configs", "accelerate", "fsdp2.yaml"),
         "--num_processes",
         "2",
     ],
@@ -353,14 +353,14 @@ def launch(tmp_path, launcher, name, *flags, env=None, check=True):
     cmd = [
         sys.executable,
         *LAUNCHERS[launcher],
-        os.path.join(HERE, "rc_train.py"),
+        os.path.join(ROOT, "rc_train.py"),
         "--output-dir",
         str(tmp_path),
         "--run-name",
         name,
         *flags,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or train_env(tmp_path), timeout=600, cwd=HERE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or train_env(tmp_path), timeout=600, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"{launcher} rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     path = tmp_path / name / "metrics.jsonl"
@@ -527,14 +527,14 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
         env["RC_TRAIN_KILL_IN_CHECKPOINT"] = "3"  # the process SIGKILLs itself inside the step-3 checkpoint
     cmd = [
         sys.executable,
-        os.path.join(HERE, "rc_train.py"),
+        os.path.join(ROOT, "rc_train.py"),
         "--output-dir",
         str(tmp_path),
         "--run-name",
         "killed",
         *flags,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=HERE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
     metrics = tmp_path / "killed" / "metrics.jsonl"
     if kill == "between_checkpoints":  # after step 2 is logged: step_000001 is complete, step_000003 not begun
         deadline = time.time() + 300  # 4 lines: the evaluation before training (step -1), then steps 0, 1, 2
@@ -643,7 +643,7 @@ def test_resume_with_staleness_continues_exactly(tmp_path):
     proc = subprocess.Popen(
         [
             sys.executable,
-            os.path.join(HERE, "rc_train.py"),
+            os.path.join(ROOT, "rc_train.py"),
             "--output-dir",
             str(tmp_path),
             "--run-name",
@@ -653,7 +653,7 @@ def test_resume_with_staleness_continues_exactly(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
-        cwd=HERE,
+        cwd=ROOT,
     )
     children = set()  # the rollout worker: a child of the trainer (Linux lists children under /proc)
     while proc.poll() is None:
@@ -690,7 +690,7 @@ def test_resume_with_staleness_continues_exactly(tmp_path):
 
 
 def test_gsm8k_smoke_config_on_the_real_files(tmp_path):
-    rows, _ = run_train(tmp_path, "--config", os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"), "--no-save-final")
+    rows, _ = run_train(tmp_path, "--config", os.path.join(ROOT, "configs", "cpu_gsm8k_smoke.yaml"), "--no-save-final")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert {"eval/accuracy_strict", "eval/accuracy_flexible"} <= set(rows[1]) and "eval/accuracy_strict" in rows[2]
     samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")
@@ -751,7 +751,7 @@ def test_final_weights_load_in_transformers_and_vllm(tmp_path):
     script = f"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-sys.path.insert(0, {HERE!r})
+sys.path.insert(0, {ROOT!r})
 import rc_infra
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(final)!r})
@@ -781,7 +781,7 @@ def test_gsm8k_length_prompts_at_32x8_are_reproducible(tmp_path):
         pytest.skip("no local GSM8K copy (./data/gsm8k or ../shared/data/gsm8k)")
     flags = [
         "--config",
-        os.path.join(HERE, "configs", "cpu_gsm8k_smoke.yaml"),
+        os.path.join(ROOT, "configs", "cpu_gsm8k_smoke.yaml"),
         "--num-prompts-per-step",
         "32",
         "--num-samples-per-prompt",
@@ -862,7 +862,7 @@ def test_cpu_demo_config_spells_out_the_defaults():
 
     import rc_train
 
-    spelled = rc_train.load_yaml_defaults(os.path.join(HERE, "configs", "cpu_demo.yaml"))
+    spelled = rc_train.load_yaml_defaults(os.path.join(ROOT, "configs", "cpu_demo.yaml"))
     assert dataclasses.replace(spelled, config=None) == rc_train.Args()
 
 
@@ -881,13 +881,13 @@ def test_cpu_demo_config_spells_out_the_defaults():
         (["--rc.preset", "decoupled_token_is", "--rc.rollout-is", "none"], {"rollout_is": None}),
         (["--rc.preset", "decoupled_seq_is_rs", "--rc.rollout-rs", "none"], {"rollout_rs": None}),
         (
-            ["--config", os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml")],
+            ["--config", os.path.join(ROOT, "configs", "gsm8k_qwen0.5b_geo_rs.yaml")],
             {"rollout_token_veto_threshold": 1e-4},
         ),
         (
             [
                 "--config",
-                os.path.join(HERE, "configs", "gsm8k_qwen0.5b_geo_rs.yaml"),
+                os.path.join(ROOT, "configs", "gsm8k_qwen0.5b_geo_rs.yaml"),
                 "--rc.rollout-token-veto-threshold",
                 "none",
             ],

@@ -15,9 +15,10 @@ rollouts and the engine sat idle, and the final strict accuracy. Then, against `
 and their median, and the difference of the mean final accuracies. Targets (issue: bounded-staleness
 asynchronous training): async/sync wall time <= 0.6, accuracy within 0.03.
 
-Usage:  python bench_async.py                           (3 seeds x 3 arms x 50 steps: about 40 minutes on 2 cores)
-        python bench_async.py --seeds 1 --steps 10      (a quick look)
-        python bench_async.py --from-results runs/bench_async/results.json   (the report again, no runs)
+Usage (from the repository root):
+    python -m benchmarks.bench_async                       (3 seeds x 3 arms x 50 steps: about 40 minutes, 2 cores)
+    python -m benchmarks.bench_async --seeds 1 --steps 10    (a quick look)
+    python -m benchmarks.bench_async --from-results runs/bench_async/results.json   (the report again, no runs)
 The last line is `async/sync wall time: <median ratio> (target: <= 0.6)`.
 """
 
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ARMS = {  # name: (rc_train.py flags, OMP_NUM_THREADS)
     "sync": (["--max-staleness", "0"], "1"),
     "async": (["--max-staleness", "1"], "1"),
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="1,2,3", help="comma list of run seeds (default 1,2,3)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {tuple(ARMS)} (default all)")
     p.add_argument("--steps", type=int, default=50, help="training steps per run (default 50: the default job)")
-    p.add_argument("--out", default=os.path.join(HERE, "runs", "bench_async"), help="folder for runs and results")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_async"), help="folder for runs and results")
     p.add_argument("--from-results", help="print the report of an earlier results.json (its seeds and arms)")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -63,7 +64,7 @@ def run_one(args, arm: str, seed: int) -> dict:
     name = f"{arm}_s{seed}"
     cmd = [
         sys.executable,
-        os.path.join(HERE, "rc_train.py"),
+        os.path.join(ROOT, "rc_train.py"),
         "--seed",
         str(seed),
         "--num-steps",
@@ -78,7 +79,7 @@ def run_one(args, arm: str, seed: int) -> dict:
     ]
     env = dict(os.environ, OMP_NUM_THREADS=threads)
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.time() - t0
     if proc.returncode != 0:
         sys.exit(f"bench_async: {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

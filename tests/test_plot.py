@@ -1,6 +1,6 @@
 """Tests for rc_plot.py: loading metrics.jsonl, the dashboard's panel data, the PNG, and the CLI.
 
-.venv/bin/python -m pytest test_plot.py -q
+.venv/bin/python -m pytest tests/test_plot.py -q
 """
 
 import json
@@ -15,7 +15,7 @@ from matplotlib.image import imread
 
 import rc_plot
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -328,7 +328,7 @@ def test_main_usage_error_returns_2(capsys):
 
 def test_script_entry_point(tmp_path):
     """`python rc_plot.py ...` runs main() and exits with its status (error paths: the main() tests)."""
-    script = os.path.join(HERE, "rc_plot.py")
+    script = os.path.join(ROOT, "rc_plot.py")
     killed = write_run(tmp_path, "killed", records_is(4), tail='{"step": 4, "rew')
     out = tmp_path / "cli.png"
     ok = subprocess.run(

@@ -1,10 +1,10 @@
 # Mismatch lab: sweep presets x one mismatch dial x seeds of rc_train.py, then tabulate and plot.
 """Does uncorrected ("naive") PPO degrade under training-inference mismatch while corrected presets do not?
 
-    python rc_lab.py sweep --out runs/lab --presets naive,decoupled_token_is,bypass_ppo_clip \\
+    python -m lab.rc_lab sweep --out runs/lab --presets naive,decoupled_token_is,bypass_ppo_clip \\
         --dial rollout_weight_noise --levels 0,0.1,0.3 --seeds 1,2,3 --jobs 2 --steps 40 -- --eval-every 10
-    python rc_lab.py report runs/lab --reward-level 0.5      # summary.md/.csv, reward/k3/alpha/is_hist PNGs
-    python rc_lab.py export runs/lab lab/my_sweep             # the compact form (below) + report: committable
+    python -m lab.rc_lab report runs/lab --reward-level 0.5      # summary.md/.csv, reward/k3/alpha/is_hist PNGs
+    python -m lab.rc_lab export runs/lab lab/my_sweep             # the compact form (below) + report: committable
 
 `--dial mismatch` sweeps several dials at once: each level is `none` or FIELD=VALUE[+FIELD=VALUE] of rc_train.py
 (`--levels none,rollout_dtype=bfloat16,rollout_weight_quant=int4`); a preset entry may add correction fields
@@ -54,9 +54,9 @@ from tqdm import tqdm
 
 from rc_plot import load_metrics, run_series
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 # The trainer each run executes; RC_LAB_TRAIN points it elsewhere (tests use a tiny fake trainer).
-RC_TRAIN = os.environ.get("RC_LAB_TRAIN", os.path.join(HERE, "rc_train.py"))
+RC_TRAIN = os.environ.get("RC_LAB_TRAIN", os.path.join(ROOT, "rc_train.py"))
 SWEEP_FILE = "sweep.json"
 LAST_N = 10  # final reward = mean reward/mean over the last LAST_N steps
 DASH = "–"  # shown for anything that could not be computed
@@ -93,7 +93,7 @@ def _field_flags(text: str, prefix: str, what: str, known: set | None) -> list[s
 
 def _trainer_fields() -> tuple[set, set] | tuple[None, None]:
     """(Args fields, CorrectionArgs fields) of the real trainer, or (None, None) when RC_LAB_TRAIN points elsewhere."""
-    if os.path.abspath(RC_TRAIN) != os.path.join(HERE, "rc_train.py"):
+    if os.path.abspath(RC_TRAIN) != os.path.join(ROOT, "rc_train.py"):
         return None, None
     import dataclasses
 
@@ -445,7 +445,7 @@ def portable(text: str) -> str:
     (`rc_train.py`, `runs/lab`, `.venv/bin/python`), else only its last component (a cache or scratch folder)."""
 
     def fix(match: re.Match) -> str:
-        rel = os.path.relpath(match.group(), HERE)
+        rel = os.path.relpath(match.group(), ROOT)
         return os.path.basename(match.group()) if rel.split(os.sep)[0] == os.pardir else rel
 
     return ABS_PATH.sub(fix, text)
@@ -453,7 +453,7 @@ def portable(text: str) -> str:
 
 def export(out: str, dest: str) -> list[str]:
     """Write the compact form (see the top) of the sweep in `out` into `dest`, then report there: a few files, small
-    enough to commit, that regenerate their own tables and plots (`python rc_lab.py report DEST`). Absolute paths in
+    enough to commit, that regenerate their own tables and plots (`python -m lab.rc_lab report DEST`). Absolute paths in
     sweep.json and the configs become `portable`; metrics keep EXPORT_KEYS; dumps keep their dtype and values."""
     if os.path.abspath(dest) == os.path.abspath(out):
         raise LabError("export: DEST must differ from the sweep folder")
@@ -1195,7 +1195,7 @@ def plot_length(rows: list[dict], out: str, fits: list[dict] | None = None) -> l
 # CLI
 # ---------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rc_lab.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab.rc_lab", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "sweep",

@@ -18,9 +18,9 @@ import torch
 
 import rc_core as rc
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CORRECTIONS = os.path.join(HERE, "docs", "corrections.md")
-METRICS = os.path.join(HERE, "docs", "metrics.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+CORRECTIONS = os.path.join(ROOT, "docs", "corrections.md")
+METRICS = os.path.join(ROOT, "docs", "metrics.md")
 # Pages that must not hold a second preset table or a second metric list (docs/corrections.md §6 keeps the formulas
 # of the rollout_corr/* and actor/* metrics and is not one of them).
 OTHER_PAGES = ("README.md", "docs/running.md", "docs/results.md", "docs/async.md", "docs/gpus.md", "lab/README.md")
@@ -44,7 +44,7 @@ OPTION = "<option>"
 
 
 def read(path: str) -> str:
-    with open(os.path.join(HERE, path), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return f.read()
 
 

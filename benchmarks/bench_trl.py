@@ -30,9 +30,9 @@ project's requirements-cpu.txt) and never a dependency of the trainer. TRL's col
 (`model.load_weights` on the engine's model) crashes on vLLM's CPU build, which pre-packs linear weights;
 the worker replaces it with vLLM's `reload_weights` over the full state dict (docs/running.md "The CPU engine").
 
-Usage:  python bench_trl.py                  (3 seeds x 50 rollout steps, each trainer)
-        python bench_trl.py --quick --seeds 1 --variants ours,trl_vllm    (a quick look: 20 steps, one seed)
-        python bench_trl.py --from-results runs/bench_trl/results.json   (the report again, no runs)
+Usage:  python -m benchmarks.bench_trl                  (3 seeds x 50 rollout steps, each trainer)
+        python -m benchmarks.bench_trl --quick --seeds 1 --variants ours,trl_vllm    (a quick look: 20 steps, one seed)
+        python -m benchmarks.bench_trl --from-results runs/bench_trl/results.json   (the report again, no runs)
 The report gives every ratio ours/TRL (against the faster TRL variant) per seed and target, and their medians
 (`inf` where ours never reached the target, `0` where no TRL variant did). The last line is exactly
 `ours/TRL time-to-accuracy: <median ratio at the first target>` (0.5 by default). Goal: <= 0.3 at each target.
@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRL_PIN = "trl==1.16.0"
 VARIANTS = ("ours", "trl_vllm", "trl_generate")
 # The default job's shape (rc_train.Args defaults); TRL gets the same numbers.
@@ -91,10 +91,10 @@ def parse_args(argv=None):
         help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_infra.torch_threads)",
     )
     p.add_argument("--trl-threads", type=int, default=2, help="TRL: OMP_NUM_THREADS (default 2, its faster setting)")
-    p.add_argument("--out", default=os.path.join(HERE, "runs", "bench_trl"), help="folder for runs and results")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_trl"), help="folder for runs and results")
     p.add_argument(
         "--trl-env",
-        default=os.path.join(HERE, ".bench", "trl-env"),
+        default=os.path.join(ROOT, ".bench", "trl-env"),
         help="TRL's virtual environment (created on first use)",
     )
     p.add_argument("--from-results", help="print the report of an earlier results.json (no runs)")
@@ -160,7 +160,7 @@ def run_ours(args, seed: int, out: str) -> dict:
     run = os.path.join(out, "ours")
     cmd = [
         sys.executable,
-        os.path.join(HERE, "rc_train.py"),
+        os.path.join(ROOT, "rc_train.py"),
         "--seed",
         str(seed),
         "--num-steps",
@@ -180,7 +180,7 @@ def run_ours(args, seed: int, out: str) -> dict:
     if args.ours_threads:
         env["OMP_NUM_THREADS"] = str(args.ours_threads)
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=HERE, env=env)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     wall = time.time() - t0
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     evals, train_s = [], 0.0
@@ -208,7 +208,7 @@ def trl_python(env: str) -> str:
     print(f"[trl] creating {env} with {TRL_PIN} (several minutes, once)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", env], check=True)
     pip = [python, "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["-r", os.path.join(HERE, "requirements-cpu.txt"), TRL_PIN], check=True)
+    subprocess.run(pip + ["-r", os.path.join(ROOT, "requirements-cpu.txt"), TRL_PIN], check=True)
     # As for the trainer's own environment: CUDA builds of these break `import transformers` beside CPU torch.
     subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
     with open(stamp, "w") as f:
@@ -221,7 +221,8 @@ def run_trl(args, variant: str, spec_path: str, python: str, out: str) -> dict:
     os.makedirs(os.path.dirname(result), exist_ok=True)
     cmd = [
         python,
-        os.path.abspath(__file__),
+        "-m",
+        "benchmarks.bench_trl",
         "--worker",
         variant,
         "--spec",
@@ -232,7 +233,7 @@ def run_trl(args, variant: str, spec_path: str, python: str, out: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
     t0 = time.time()
     with open(os.path.join(os.path.dirname(result), "worker.log"), "w") as log:
-        proc = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed (exit {proc.returncode}); see {log.name}")
     out = json.load(open(result))

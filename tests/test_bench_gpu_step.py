@@ -1,6 +1,6 @@
-"""Tests of bench_gpu_step.py: the --tiny run reports sane figures (one process, and two under torchrun with DDP and
-FSDP2), bad flags fail before any model is built, and the benchmarked update (rc_train.update_policy itself) really
-trains (the weights move)."""
+"""Tests of benchmarks/bench_gpu_step.py: the --tiny run reports sane figures (one process, and two under torchrun
+with DDP and FSDP2), bad flags fail before any model is built, and the benchmarked update (rc_train.update_policy
+itself) really trains (the weights move)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-import bench_gpu_step as bench
+from benchmarks import bench_gpu_step as bench
 
 
 def test_tiny_run_prints_a_json_line_with_positive_figures(capsys):
@@ -97,7 +97,7 @@ def test_one_update_moves_every_weight(config):
 
 @pytest.mark.parametrize("flags", [[], ["--fsdp"]])
 def test_two_processes_run_the_update_with_ddp_and_fsdp2(flags):
-    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [
         sys.executable,
         "-m",
@@ -105,14 +105,15 @@ def test_two_processes_run_the_update_with_ddp_and_fsdp2(flags):
         "--standalone",
         "--nproc_per_node",
         "2",
-        os.path.join(here, "bench_gpu_step.py"),
+        "-m",
+        "benchmarks.bench_gpu_step",
         "--tiny",
         "--repeats",
         "1",
         *flags,
     ]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=here, env=dict(os.environ, OMP_NUM_THREADS="1")
+        cmd, capture_output=True, text=True, timeout=300, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])  # printed once, by the main process

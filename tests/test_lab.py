@@ -1,7 +1,7 @@
-"""Tests for rc_lab.py: the report numbers, summary files, plots, input checks, and the sweep runner
+"""Tests for lab/rc_lab.py: the report numbers, summary files, plots, input checks, and the sweep runner
 end to end against a tiny fake trainer (no vLLM, no torch training).
 
-    .venv/bin/python -m pytest test_lab.py -q
+    .venv/bin/python -m pytest tests/test_lab.py -q
 """
 
 import csv
@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-import rc_lab
+from lab import rc_lab
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+RC_LAB = [sys.executable, "-m", "lab.rc_lab"]  # as a user runs it (from the root; from elsewhere with LAB_ENV)
+LAB_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DIAL = "rollout_weight_noise"
 PRESETS = ["naive", "decoupled_token_is", "bypass_ppo_clip"]
@@ -82,7 +84,7 @@ def fake_records(preset, level, seed):
 
 
 def write_sweep(out, presets=PRESETS, levels=LEVELS, seeds=SEEDS, records=fake_records, steps=N_STEPS):
-    """A sweep folder as `rc_lab.py sweep` leaves it: sweep.json plus one run folder per run."""
+    """A sweep folder as `lab/rc_lab.py sweep` leaves it: sweep.json plus one run folder per run."""
     runs = []
     for p in presets:
         for lv in levels:
@@ -295,17 +297,17 @@ def test_cli_errors_subprocess(tmp_path):
     """The real command line: exit code 2 and the bad value on stderr."""
     missing = tmp_path / "nope"
     p = subprocess.run(
-        [sys.executable, os.path.join(HERE, "rc_lab.py"), "report", str(missing)],
+        [*RC_LAB, "report", str(missing)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=LAB_ENV,
         check=False,
     )
     assert p.returncode == 2 and str(missing) in p.stderr and not missing.exists()
     p = subprocess.run(
         [
-            sys.executable,
-            os.path.join(HERE, "rc_lab.py"),
+            *RC_LAB,
             "sweep",
             "--out",
             "lab",
@@ -319,6 +321,7 @@ def test_cli_errors_subprocess(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=LAB_ENV,
         check=False,
     )
     assert p.returncode == 2 and "bogus" in p.stderr and not (tmp_path / "lab").exists()
@@ -509,14 +512,13 @@ def test_sweep_all_ok_exit_zero(tmp_path, monkeypatch):
 
 
 def test_cli_sweep_subprocess(tmp_path):
-    """`python rc_lab.py sweep` as a user runs it, the trainer swapped through RC_LAB_TRAIN."""
+    """`python -m lab.rc_lab sweep` as a user runs it, the trainer swapped through RC_LAB_TRAIN."""
     fake = tmp_path / "fake_train.py"
     fake.write_text(FAKE_TRAIN)
-    env = {**os.environ, "RC_LAB_TRAIN": str(fake)}
+    env = {**LAB_ENV, "RC_LAB_TRAIN": str(fake)}
     p = subprocess.run(
         [
-            sys.executable,
-            os.path.join(HERE, "rc_lab.py"),
+            *RC_LAB,
             "sweep",
             "--out",
             "lab",
@@ -700,7 +702,7 @@ def test_length_dump_whose_lengths_disagree_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Export (the compact form) and the committed sweeps in lab/
 # ---------------------------------------------------------------------------------------------
-LAB = Path(HERE) / "lab"
+LAB = Path(ROOT) / "lab"
 COMMITTED = sorted(p.parent.name for p in LAB.glob("*/sweep.json"))
 REPORT = {"summary.md", "summary.csv", "reward.png", "k3.png", "alpha.png", "is_hist.png"}
 COMPACT = {"sweep.json", rc_lab.RUNS_FILE, rc_lab.DUMPS_FILE} | REPORT
@@ -718,13 +720,13 @@ def test_export_round_trip(tmp_path, monkeypatch):
     src, dest, again = tmp_path / "src", tmp_path / "dest", tmp_path / "again"
     write_sweep(src, presets=["naive"], records=records)
     spec = json.loads((src / "sweep.json").read_text())
-    spec["trainer"] = os.path.join(HERE, "rc_train.py")
+    spec["trainer"] = os.path.join(ROOT, "rc_train.py")
     spec["runs"][0]["cmd"] = [
         sys.executable,
         spec["trainer"],
         "--output-dir",
         str(src),
-        "--config=" + os.path.join(HERE, "configs", "cpu_add.yaml"),
+        "--config=" + os.path.join(ROOT, "configs", "cpu_add.yaml"),
     ]
     (src / "sweep.json").write_text(json.dumps(spec))
     rng = np.random.default_rng(0)
@@ -808,15 +810,14 @@ def test_committed_sweep_regenerates_its_summary(tmp_path, name):
 
 
 def test_two_cell_sweep_with_the_real_trainer(tmp_path):
-    """`rc_lab.py sweep` end to end with rc_train.py itself: naive at no mismatch and at a weight-noise level,
+    """`lab/rc_lab.py sweep` end to end with rc_train.py itself: naive at no mismatch and at a weight-noise level,
     one seed, 2 steps of the tiny one-token-fixture model with 6-token answers (seconds per run)."""
     out = tmp_path / "lab"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**LAB_ENV, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("RC_LAB_TRAIN", None)
     p = subprocess.run(
         [
-            sys.executable,
-            os.path.join(HERE, "rc_lab.py"),
+            *RC_LAB,
             "sweep",
             "--out",
             str(out),
@@ -832,7 +833,7 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
             "2",
             "--",
             "--config",
-            os.path.join(HERE, "configs", "cpu_add.yaml"),
+            os.path.join(ROOT, "configs", "cpu_add.yaml"),
             "--num-prompts-per-step",
             "8",
             "--num-samples-per-prompt",
@@ -848,7 +849,7 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        cwd=HERE,
+        cwd=ROOT,
         timeout=600,
         check=False,
     )

@@ -1,11 +1,11 @@
-"""bench_async.py's own logic (the benchmark itself runs the default job nine times: minutes, not a test)."""
+"""benchmarks/bench_async.py's own logic (the benchmark itself runs the default job nine times: minutes, not a test)."""
 
 import argparse
 import json
 
 import pytest
 
-import bench_async
+from benchmarks import bench_async
 
 
 def run(arm, seed, wall, acc, loop=None):

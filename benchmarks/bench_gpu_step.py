@@ -8,11 +8,11 @@ runs what rc_train.py runs on it: for a decoupled preset the no-grad pi_old pass
 pass, global denominators, gradient accumulation, clipping, AdamW). One warm-up update, then --repeats timed
 updates. Prints peak memory, seconds per update and per optimizer step, and tokens per second.
 
-    python bench_gpu_step.py                     # one GPU: Qwen2.5-0.5B, configs/gsm8k_qwen0.5b_bypass.yaml
-    python bench_gpu_step.py --config configs/gsm8k_qwen1.5b_bypass.yaml
-    torchrun --nproc_per_node 8 bench_gpu_step.py                                         # DDP, 8 GPUs
-    torchrun --nproc_per_node 8 bench_gpu_step.py --config configs/gsm8k_qwen7b_fsdp2.yaml  # FSDP2, 8 GPUs
-    python bench_gpu_step.py --tiny              # CPU: a 2-layer model, 8 short sequences, seconds
+    python -m benchmarks.bench_gpu_step                     # one GPU: Qwen2.5-0.5B, configs/gsm8k_qwen0.5b_bypass.yaml
+    python -m benchmarks.bench_gpu_step --config configs/gsm8k_qwen1.5b_bypass.yaml
+    torchrun --nproc_per_node 8 -m benchmarks.bench_gpu_step                                         # DDP, 8 GPUs
+    torchrun --nproc_per_node 8 -m benchmarks.bench_gpu_step --config configs/gsm8k_qwen7b_fsdp2.yaml  # FSDP2, 8 GPUs
+    python -m benchmarks.bench_gpu_step --tiny              # CPU: a 2-layer model, 8 short sequences, seconds
 
 The batch settings (prompts, samples, minibatches, micro-batch, gradient checkpointing, dtype, fsdp, maximum response
 length, learning rate, loss and correction settings) come from the trainer's YAML config and are checked as
@@ -36,7 +36,7 @@ import torch
 import rc_core
 import rc_train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 DEFAULT_CONFIG = "configs/gsm8k_qwen0.5b_bypass.yaml"
 
 # Published shapes of Qwen2.5-0.5B and -1.5B (their config.json), plus a tiny CPU stand-in.
@@ -124,7 +124,9 @@ class Plan:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench_gpu_step.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_gpu_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--config",
@@ -172,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_config_path(path: str) -> str:
     if os.path.isabs(path) or os.path.isfile(path):
         return path
-    beside = os.path.join(HERE, path)
+    beside = os.path.join(ROOT, path)
     return beside if os.path.isfile(beside) else path
 
 

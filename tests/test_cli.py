@@ -17,7 +17,7 @@ import rc_infra
 import rc_train
 import tasks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 INF, NAN = float("inf"), float("nan")
 
 
@@ -210,7 +210,7 @@ def test_tiny_is_never_read_as_a_path(tmp_path, monkeypatch):
     rc_infra.validate_args(with_(model="tiny", output_dir=str(tmp_path / "runs")), world_size=1)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml"))), ids=os.path.basename)
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename)
 def test_shipped_configs_pass(path):
     args = rc_train.load_yaml_defaults(path)
     rc_infra.validate_args(args, world_size=1)
@@ -229,16 +229,16 @@ def test_refused_before_engine_and_run_folder(tmp_path, flags, needle):
     env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path / "cache"))
     cmd = [
         sys.executable,
-        os.path.join(HERE, "rc_train.py"),
+        os.path.join(ROOT, "rc_train.py"),
         "--config",
-        os.path.join(HERE, "configs", "cpu_add.yaml"),
+        os.path.join(ROOT, "configs", "cpu_add.yaml"),
         "--output-dir",
         str(tmp_path),
         "--run-name",
         "run",
         *flags,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=HERE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     assert "error" in proc.stderr and needle in proc.stderr and flags[0] in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIG = os.path.join(HERE, "pyproject.toml")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+CONFIG = os.path.join(ROOT, "pyproject.toml")
 
 
-def ruff(*args: str, cwd: str = HERE) -> subprocess.CompletedProcess:
+def ruff(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
     """Run ruff (the one installed beside this Python, pinned in requirements-common.txt) and return the process."""
     exe = os.path.join(os.path.dirname(sys.executable), "ruff")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "ruff"]
@@ -33,7 +33,7 @@ def test_tree_passes_ruff_check():
     # ruff looks at every Python file at the top of the tree (the configuration excludes none of them)
     listed = ruff("check", "--show-files", ".")
     seen = {os.path.basename(line.strip()) for line in listed.stdout.splitlines()}
-    top = {os.path.basename(p) for p in glob.glob(os.path.join(HERE, "*.py"))}
+    top = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))}
     assert top <= seen, f"not looked at: {sorted(top - seen)}\n{report(listed)}"
 
 

@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 import warnings
 from typing import Annotated
 
@@ -1206,18 +1207,51 @@ def flat_config(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def save_log_ratios(run_dir: str, step: int, chunks: list) -> None:
+class LogRatioDump:
     """--dump-log-ratio-every: log(pi_trainer/pi_rollout) of the valid tokens of one step, rows one after another,
     to log_ratio/step_N.npy, and each row's number of valid tokens to log_ratio/lengths/step_N.npy (so the flat
-    array splits back into responses: the lab's length law). chunks: (log-ratio, response mask) pairs, (B, T) each."""
-    folder = os.path.join(run_dir, "log_ratio")
-    os.makedirs(os.path.join(folder, "lengths"), exist_ok=True)
-    flat = torch.cat([ratio[m > 0].cpu() for ratio, m in chunks]).float().numpy() if chunks else np.zeros(0, np.float32)
-    lengths = (
-        torch.cat([m.sum(-1).cpu() for _, m in chunks]).to(torch.int32).numpy() if chunks else np.zeros(0, np.int32)
-    )
-    np.save(os.path.join(folder, f"step_{step:06d}.npy"), flat)
-    np.save(os.path.join(folder, "lengths", f"step_{step:06d}.npy"), lengths)
+    array splits back into responses: the lab's length law). `add` takes (B, T) log-ratio and response-mask pairs:
+    decoupled mode adds log(pi_old/pi_rollout) once, bypass mode the first minibatch's log(pi_theta/pi_rollout).
+    Inactive on a step off the schedule (every `every` steps; 0 = never) and on all but the main process."""
+
+    def __init__(self, run_dir: str, step: int, every: int, main_process: bool):
+        self.folder, self.step, self.chunks = os.path.join(run_dir, "log_ratio"), step, []
+        self.active = bool(every) and step % every == 0 and main_process
+
+    def add(self, log_ratio: torch.Tensor, response_mask: torch.Tensor) -> None:
+        if self.active:
+            self.chunks.append((log_ratio.detach().cpu(), response_mask.cpu()))
+
+    def save(self) -> None:
+        if not self.active:
+            return
+        os.makedirs(os.path.join(self.folder, "lengths"), exist_ok=True)
+        flat = [ratio[m > 0] for ratio, m in self.chunks]
+        flat = torch.cat(flat).float().numpy() if flat else np.zeros(0, np.float32)
+        lengths = [m.sum(-1) for _, m in self.chunks]
+        lengths = torch.cat(lengths).to(torch.int32).numpy() if lengths else np.zeros(0, np.int32)
+        np.save(os.path.join(self.folder, f"step_{self.step:06d}.npy"), flat)
+        np.save(os.path.join(self.folder, "lengths", f"step_{self.step:06d}.npy"), lengths)
+
+
+class StepTimer:
+    """The timing/* seconds of one step: `with timer("timing/update_s"): ...` adds that block's wall time to the
+    name; `seconds` starts from the figures given (the rollout's, measured by the engine) and `elapsed()` is the
+    time since the timer was made (timing/step_s)."""
+
+    def __init__(self, seconds: dict | None = None):
+        self.start, self.seconds = time.time(), dict(seconds or {})
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - t0
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
 
 
 def save_final(run_dir: str, model, tokenizer, accelerator) -> None:

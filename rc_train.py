@@ -18,10 +18,12 @@ Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT T
 """
 
 import dataclasses
+import functools
 import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -534,26 +536,18 @@ def micro_batch_metrics(
     return {k: v for k, v in out.items() if k not in batch_correction and (first or not k.startswith("rollout_corr/"))}
 
 
-def forward_log_probs(
-    net,
-    batch: dict,
-    rows,
-    args: Args,
-    share_prefix: bool,
-    with_grad: bool,
-    with_entropy: bool = False,
-    padding: dict | None = None,
-):
-    """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width.
-    `padding` counts the positions computed and the real tokens among them (perf/padding_fraction)."""
+def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, with_grad: bool, with_entropy=False):
+    """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width; and
+    the pass's size: the positions computed and the real tokens among them (perf/*; a shared prompt counts once)."""
     input_ids, attention, t = trimmed_inputs(batch, rows)
     group = batch["group"][rows] if share_prefix else None
-    if padding is not None:
-        p, once = input_ids.shape[1] - t, slice(None)  # positions computed: a shared prompt counts once
-        if group is not None:
-            once = torch.as_tensor(np.unique(group.numpy(), return_index=True)[1])
-        padding["positions"] += len(attention[once]) * p + input_ids.shape[0] * t
-        padding["tokens"] += int(attention[once, :p].sum() + attention[:, p:].sum())
+    p, once = input_ids.shape[1] - t, slice(None)
+    if group is not None:
+        once = torch.as_tensor(np.unique(group.numpy(), return_index=True)[1])
+    size = Counter(
+        positions=len(attention[once]) * p + input_ids.shape[0] * t,
+        tokens=int(attention[once, :p].sum() + attention[:, p:].sum()),
+    )
     device = next(net.parameters()).device
     with torch.enable_grad() if with_grad else torch.no_grad():
         out = sequence_log_probs(
@@ -567,17 +561,20 @@ def forward_log_probs(
             None if group is None else group.to(device),
         )
     width = batch["response_mask"].shape[1] - t
-    return tuple(None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
+    log_prob, entropy = (None if x is None else torch.nn.functional.pad(x, (0, width)) for x in out)
+    return log_prob, entropy, size
 
 
-def no_grad_pass(net, batch: dict, args: Args, share_prefix: bool) -> torch.Tensor:
-    """Log-probs of every row of the batch, without gradients (the decoupled pi_old, the reference model)."""
-    out = torch.zeros(batch["response_mask"].shape)
+def no_grad_pass(net, batch: dict, args: Args, share_prefix: bool) -> tuple[torch.Tensor, Counter]:
+    """Log-probs of every row of the batch, without gradients (the decoupled pi_old, the reference model), and the
+    size of the passes (forward_log_probs)."""
+    out, size = torch.zeros(batch["response_mask"].shape), Counter()
     for rows in micro_batches(
         torch.arange(out.shape[0]), batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix
     ):
-        out[rows] = forward_log_probs(net, batch, rows, args, share_prefix, False)[0].cpu()
-    return out
+        log_prob, _, micro_size = forward_log_probs(net, batch, rows, args, share_prefix, False)
+        out[rows], size = log_prob.cpu(), size + micro_size
+    return out, size
 
 
 def update_policy(
@@ -593,21 +590,20 @@ def update_policy(
     gen: torch.Generator,
     share_prefix: bool,
     batch_correction: dict,
-    padding: dict,
-    log_ratios: list | None = None,
+    log_ratios: rc_infra.LogRatioDump | None = None,
 ):
     """ALGO LOGIC: the update on one rollout batch: epochs x minibatches (one optimizer step each) x micro-batches
     (gradient accumulation). `tensors` holds the step's (B, T) tensors (response_mask, advantages, rollout_log_prob,
     and old_log_prob, rollout_is_weights, keep_mask, ref_log_prob when they exist). Returns the micro-batch
-    metrics (token-weighted) and the step's actor/* figures. With `log_ratios` (a list), bypass mode appends the
-    first minibatch's (log pi_theta - log pi_rollout, mask) pairs. `batch_correction`: the decoupled correction's
+    metrics (token-weighted), the step's actor/* figures and the size of its forward passes. Bypass mode adds the
+    first minibatch's log(pi_theta/pi_rollout) to `log_ratios`. `batch_correction`: the decoupled correction's
     metrics, computed once for the batch (its names are not taken again from the micro-batches)."""
     world = accelerator.num_processes
     mask = tensors["response_mask"]
     model.train()
     B = mask.shape[0]
     per_minibatch = B // args.num_minibatches
-    loss_sums, kl_sums, grad_norms = [], [], []
+    loss_sums, kl_sums, grad_norms, size = [], [], [], Counter()
     step_metrics = rc_infra.MetricSum()  # micro-batch metrics, weighted by their valid tokens
     scale_k = args.loss_scale_factor or float(args.max_response_length)
     for epoch in range(args.ppo_epochs):
@@ -622,7 +618,10 @@ def update_policy(
             loss_sum = kl_sum = 0.0
             micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix)
             for j, micro_rows in enumerate(micro):
-                log_prob, entropy = forward_log_probs(model, batch, micro_rows, args, share_prefix, True, True, padding)
+                log_prob, entropy, micro_size = forward_log_probs(
+                    model, batch, micro_rows, args, share_prefix, True, True
+                )
+                size += micro_size
                 micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
                 loss, loss_metrics = policy_loss(
                     args, rc_config, log_prob, micro_tensors, denominators, correction_metrics=first
@@ -647,9 +646,7 @@ def update_policy(
                     weight=float(micro_tensors["response_mask"].sum()),
                 )
                 if first and log_ratios is not None and rc_config.bypass_mode:
-                    log_ratios.append(
-                        (log_prob.detach() - micro_tensors["rollout_log_prob"], micro_tensors["response_mask"])
-                    )
+                    log_ratios.add(log_prob - micro_tensors["rollout_log_prob"], micro_tensors["response_mask"])
             grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -661,7 +658,55 @@ def update_policy(
         "actor/lr": scheduler.get_last_lr()[0],
         **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if "ref_log_prob" in tensors else {}),
     }
-    return step_metrics, actor
+    return step_metrics, actor, size
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's bookkeeping: engine faults, the rollout batch's metrics, the progress bar
+# ---------------------------------------------------------------------------------------------
+def drop_nonfinite(mask: torch.Tensor, rollout_log_prob: torch.Tensor) -> int:
+    """Responses with a NaN/inf rollout log-prob (an engine fault) are dropped: mask zeroed, those log-probs set to 0.
+    Returns the number of such tokens (rollout/nonfinite_logprob_tokens)."""
+    bad = ~torch.isfinite(rollout_log_prob) & (mask > 0)
+    mask[bad.any(-1)] = 0.0
+    rollout_log_prob[~torch.isfinite(rollout_log_prob)] = 0.0
+    return int(bad.sum())
+
+
+def batch_metrics(args: Args, rewards: list, corrects: list, mask, n_nonfinite: int, version: int, step: int, stale):
+    """reward/*, response_length/* and rollout/* of this rank's rollout batch (means over its responses). Every
+    response of the batch was sampled by policy version `version`: its staleness is step - version."""
+    lengths, staleness = mask.sum(-1), torch.full((len(mask),), step - version)
+    return {
+        "reward/mean": float(np.mean(rewards)),
+        "reward/std": float(np.std(rewards)),
+        "reward/correct": float(np.mean(corrects)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
+        "rollout/nonfinite_logprob_tokens": float(n_nonfinite),
+        "rollout/policy_version": float(version),
+        "rollout/staleness_mean": float(staleness.float().mean()),
+        "rollout/staleness_max": float(staleness.max()),
+        "rollout/dropped_samples": float(stale.sum()),
+    }
+
+
+def pass_metrics(size: Counter, seconds: float) -> dict:
+    """perf/* of the trainer's forward passes this step (pi_old, reference, update): `size` as forward_log_probs
+    counts it, `seconds` their wall time."""
+    return {
+        "perf/padding_fraction": 1.0 - size["tokens"] / max(1, size["positions"]),
+        "perf/train_tokens_per_s": size["tokens"] / max(1e-9, seconds),
+    }
+
+
+def progress(metrics: dict, last_eval: dict | None) -> dict:
+    """The few numbers on the progress bar."""
+    shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
+    if last_eval:
+        shown["eval"] = f"{last_eval['eval/accuracy_strict']:.3f}"
+    return {**shown, "k3": f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", "step_s": f"{metrics['timing/step_s']:.1f}"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -819,21 +864,23 @@ if __name__ == "__main__":
         counters["sync_count"],
     )
     log = rc_infra.RunLog(run_dir, accelerator)
+    evals = []  # every evaluation's metrics: the first and the last make the closing summary
 
-    def run_eval(step: int, restore: bool = True) -> dict:
+    def run_eval(step: int, timer: rc_infra.StepTimer) -> dict:
         """Greedy eval of the trainer's weights after `step` (version step+1); every problem to eval_samples.jsonl.
         Batches queued before it are waited for first: their generation is the step's time, not the eval's."""
         if step >= 0:
             rollouts.in_flight(step)
-        t0 = time.time()
-        metrics, samples = evaluate(task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore)
+        with timer("timing/eval_s"):  # a dialed engine gets its perturbed weights back unless this is the last eval
+            restore = step < args.num_steps - 1
+            metrics, samples = evaluate(task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore)
         log.eval_samples(step, samples)
-        return {**metrics, "timing/eval_s": time.time() - t0}
+        evals.append(metrics)
+        return metrics
 
-    first_eval = last_eval = None
     if args.eval_before and not args.resume:  # the initial policy, before any update: logged at step -1
-        first_eval = last_eval = run_eval(-1)
-        log.log(-1, first_eval, trackers=False)
+        timer = rc_infra.StepTimer()
+        log.log(-1, {**run_eval(-1, timer), **timer.seconds}, trackers=False)
     rollouts.begin(start_step, in_flight)  # the batches of the first k+1 steps are queued
     bound = rc_rollout.staleness_bound(args)  # a sample more versions behind is never trained on
     log.start_trackers(args, run_name)
@@ -847,170 +894,100 @@ if __name__ == "__main__":
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # one forward per distinct prompt; not under gradient checkpointing (no KV cache) nor FSDP2 (rc_infra.shard_model)
     share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
+    # the update (ALGO LOGIC, update_policy) on this run's model, optimizer and schedule
+    update = functools.partial(update_policy, args, rc_config, accelerator, host, model, optimizer, scheduler)
 
-    for step in bar:
-        t_step = time.time()
-        # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs, seeded by
-        # (seed, step, 0, the prompt's place in the step). The batch of step t was sampled by policy version
-        # max(0, t - k) (--max-staleness k; rc_rollout.Rollouts queued it k steps ago, or now when k = 0)
-        indices = step_indices(step)
-        groups, version, timing = rollouts.take(step)
-        # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
-        t0 = time.time()
-        flat_prompts, flat_responses, group_ids, rewards, corrects = [], [], [], [], []
-        for g, (i, group) in enumerate(zip(indices, groups)):
-            for resp in group:
-                scores = task.score(resp[2], train_rows[i]["gold"])
-                flat_prompts.append(train_prompts[i])
-                flat_responses.append(resp)
-                group_ids.append(g)
-                rewards.append(reward(args, scores))
-                corrects.append(scores[args.reward_mode])
-        batch = make_batch(flat_prompts, flat_responses, pad_id, group_ids)
-        mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
-        bad = ~torch.isfinite(rollout_lp) & (mask > 0)  # engine returned NaN/inf: drop those responses
-        n_bad = int(bad.sum())
-        if n_bad:
-            mask[bad.any(-1)] = 0.0
-            rollout_lp[~torch.isfinite(rollout_lp)] = 0.0
-        versions = torch.full((len(flat_responses),), version)  # each response's policy version (one per batch)
-        staleness = step - versions
-        stale = rc_rollout.stale_rows(versions, step, bound)  # staleness beyond the bound: never trained on
-        mask[stale] = 0.0
-        scores = torch.tensor(rewards, dtype=torch.float32)
-        advantages = rc_core.compute_grpo_outcome_advantage(
-            scores, torch.tensor(group_ids), response_mask=mask, norm_adv_by_std=args.norm_adv_by_std
-        )
-        timing["timing/reward_s"] = time.time() - t0
-
-        # ALGO LOGIC: correction -- decoupled: pi_old once per rollout batch, IS weights and rejection mask frozen
-        # for all epochs (docs/corrections.md §5, §7.2). bypass: pi_old := pi_rollout, no forward pass at all.
-        old_lp = is_weights = keep_mask = None
-        metrics = {}
-        padding = {"positions": 0, "tokens": 0}  # of the trainer's forward passes this step (perf/*)
-        t_train = time.time()
-        dump_ratios = (
-            bool(args.dump_log_ratio_every) and step % args.dump_log_ratio_every == 0 and accelerator.is_main_process
-        )
-        log_ratios = [] if dump_ratios else None  # (log(pi_trainer/pi_rollout), response mask) pairs
-        timing["timing/old_log_prob_s"] = 0.0
-        if not rc_config.bypass_mode:
-            t0 = time.time()
-            model.eval()
-            old_lp = no_grad_pass(unwrapped, batch, args, share_prefix)
-            counters["old_log_prob_passes"] += 1
-            is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
-                old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config
-            )
-            if dump_ratios:
-                log_ratios.append((old_lp - rollout_lp, mask))
-            timing["timing/old_log_prob_s"] = time.time() - t0
-        ref_lp = no_grad_pass(ref_model, batch, args, share_prefix) if ref_model is not None else None
-        step_tensors = {
-            k: v
-            for k, v in dict(
-                response_mask=mask,
-                advantages=advantages,
-                rollout_log_prob=rollout_lp,
-                old_log_prob=old_lp,
-                rollout_is_weights=is_weights,
-                keep_mask=keep_mask,
-                ref_log_prob=ref_lp,
-            ).items()
-            if v is not None
-        }
-
-        # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (update_policy)
-        t0 = time.time()
-        gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
-        step_metrics, actor_metrics = update_policy(
-            args,
-            rc_config,
-            accelerator,
-            host,
+    def save_checkpoint(step: int) -> None:
+        """After the update of `step`: weights, optimizer, schedule, RNGs, counters and the batches in flight."""
+        counts = {**counters, "sync_count": rollouts.sync_count}
+        rc_infra.save_checkpoint(
+            run_dir,
+            step,
             model,
             optimizer,
             scheduler,
-            batch,
-            step_tensors,
-            gen,
-            share_prefix,
-            metrics,
-            padding,
-            log_ratios,
+            accelerator,
+            counts,
+            rollouts.in_flight(step),
+            args.max_staleness,
         )
-        timing["timing/update_s"] = time.time() - t0
-        metrics["perf/padding_fraction"] = 1.0 - padding["tokens"] / max(1, padding["positions"])
-        metrics["perf/train_tokens_per_s"] = padding["tokens"] / max(1e-9, time.time() - t_train)
-        if dump_ratios:
-            rc_infra.save_log_ratios(run_dir, step, log_ratios)
+
+    for step in bar:
+        # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs, seeded by
+        # (seed, step, 0, the prompt's place in the step). The batch of step t was sampled by policy version
+        # max(0, t - k) (--max-staleness k; rc_rollout.Rollouts queued it k steps ago, or now when k = 0)
+        groups, version, rollout_seconds = rollouts.take(step)
+        timer = rc_infra.StepTimer({**rollout_seconds, "timing/old_log_prob_s": 0.0})
+        # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
+        with timer("timing/reward_s"):
+            samples = [(i, g, resp) for g, (i, group) in enumerate(zip(step_indices(step), groups)) for resp in group]
+            rows, group_ids, responses = zip(*samples)  # each response: (token ids, rollout log-probs, text)
+            scores = [task.score(resp[2], train_rows[i]["gold"]) for i, _, resp in samples]
+            rewards, corrects = [reward(args, s) for s in scores], [s[args.reward_mode] for s in scores]
+            batch = make_batch([train_prompts[i] for i in rows], responses, pad_id, group_ids)
+            mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
+            n_nonfinite = drop_nonfinite(mask, rollout_lp)
+            stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, bound)  # beyond the bound
+            mask[stale] = 0.0  # never trained on
+            advantages = rc_core.compute_grpo_outcome_advantage(
+                torch.tensor(rewards), batch["group"], response_mask=mask, norm_adv_by_std=args.norm_adv_by_std
+            )
+        tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
+        dump = rc_infra.LogRatioDump(run_dir, step, args.dump_log_ratio_every, accelerator.is_main_process)
+
+        # ALGO LOGIC: correction -- decoupled: pi_old once per rollout batch, IS weights and rejection mask frozen
+        # for all epochs (docs/corrections.md §5, §7.2). bypass: pi_old := pi_rollout, no forward pass at all.
+        batch_correction, size = {}, Counter()
+        if not rc_config.bypass_mode:
+            with timer("timing/old_log_prob_s"):
+                model.eval()
+                old_lp, size = no_grad_pass(unwrapped, batch, args, share_prefix)
+                counters["old_log_prob_passes"] += 1
+                is_weights, keep_mask, batch_correction = rc_core.compute_rollout_correction_and_rejection_mask(
+                    old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config
+                )
+                tensors.update(old_log_prob=old_lp, rollout_is_weights=is_weights, keep_mask=keep_mask)
+                dump.add(old_lp - rollout_lp, mask)
+        with timer("timing/ref_log_prob_s"):
+            if ref_model is not None:
+                tensors["ref_log_prob"], ref_size = no_grad_pass(ref_model, batch, args, share_prefix)
+                size += ref_size
+
+        # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (update_policy)
+        with timer("timing/update_s"):
+            gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
+            tensors = {k: v for k, v in tensors.items() if v is not None}  # no IS weights when the preset has none
+            step_metrics, actor_metrics, update_size = update(batch, tensors, gen, share_prefix, batch_correction, dump)
+        dump.save()
+        train_s = sum(timer.seconds[k] for k in ("timing/old_log_prob_s", "timing/ref_log_prob_s", "timing/update_s"))
+        perf = pass_metrics(size + update_size, train_s)
 
         # TRY NOT TO MODIFY: weight sync -- the new weights (version step+1) reach the engine in place, between two
         # generations, its prefix cache dropped; then the batch of step+1+k is queued (sampled by version step+1)
-        t0 = time.time()
-        rollouts.sync(step)
-        timing["timing/sync_s"] = time.time() - t0
-        last = step == args.num_steps - 1
-        eval_metrics = {}  # evaluation (greedy pass@1) of the trained policy pi_theta, never a perturbed copy
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            eval_metrics = last_eval = run_eval(step, restore=not last)
-            timing["timing/eval_s"] = eval_metrics.pop("timing/eval_s")
+        with timer("timing/sync_s"):
+            rollouts.sync(step)
+        last = step == args.num_steps - 1  # evaluation (greedy pass@1) of the trained policy, never a perturbed copy
+        eval_metrics = run_eval(step, timer) if last or (args.eval_every and (step + 1) % args.eval_every == 0) else {}
         rollouts.request(step + 1 + args.max_staleness)
 
         # TRY NOT TO MODIFY: logging. Token-weighted over micro-batches and ranks; the decoupled correction (this
         # rank's batch) by its tokens, batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial
         # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
-        lengths = mask.sum(-1)
-        step_metrics.add(metrics, weight=float(mask.sum()))
-        step_metrics.add(
-            {
-                "reward/mean": float(np.mean(rewards)),
-                "reward/std": float(np.std(rewards)),
-                "reward/correct": float(np.mean(corrects)),
-                "response_length/mean": float(lengths.mean()),
-                "response_length/max": float(lengths.max()),
-                "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
-                "rollout/nonfinite_logprob_tokens": float(n_bad),
-                **actor_metrics,
-                "rollout/policy_version": float(version),
-                "rollout/staleness_mean": float(staleness.float().mean()),
-                "rollout/staleness_max": float(staleness.max()),
-                "rollout/dropped_samples": float(stale.sum()),
-                "actor/old_log_prob_passes": float(counters["old_log_prob_passes"]),
-                "actor/sync_count": float(rollouts.sync_count),
-            },
-            weight=float(len(lengths)),
-        )
-        timing["timing/step_s"] = time.time() - t_step
-        step_metrics.add(timing, weight=1.0)
+        step_metrics.add({**batch_correction, **perf}, weight=float(mask.sum()))
+        rollout_metrics = batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
+        counts = {"actor/old_log_prob_passes": counters["old_log_prob_passes"], "actor/sync_count": rollouts.sync_count}
+        step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
+        step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
         metrics = {**rc_infra.reduce_metrics(step_metrics, host), **eval_metrics}
         log.log(step, metrics)
-        shown = {
-            "reward": f"{metrics['reward/mean']:.3f}",
-            "len": f"{metrics['response_length/mean']:.0f}",
-            **({"eval": f"{last_eval['eval/accuracy_strict']:.3f}"} if last_eval else {}),
-        }
-        bar.set_postfix(
-            **shown, k3=f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", step_s=f"{timing['timing/step_s']:.1f}"
-        )
+        bar.set_postfix(**progress(metrics, evals[-1] if evals else None))
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            rc_infra.log_rank_checksums(
-                run_dir, step, rank, world, [r[0] for r in flat_responses], rc_infra.full_weights(unwrapped)
-            )
+            response_ids = [r[0] for r in responses]
+            rc_infra.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_infra.full_weights(unwrapped))
 
         # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            rc_infra.save_checkpoint(
-                run_dir,
-                step,
-                model,
-                optimizer,
-                scheduler,
-                accelerator,
-                {**counters, "sync_count": rollouts.sync_count},
-                rollouts.in_flight(step),
-                args.max_staleness,
-            )
+            save_checkpoint(step)
 
     # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:
@@ -1019,6 +996,7 @@ if __name__ == "__main__":
     log.close()
     bar.close()
     if accelerator.is_main_process:
-        rc_infra.print_summary(first_eval, last_eval, len(eval_rows), time.time() - t_start, run_dir)
+        first_eval = evals[0] if args.eval_before and not args.resume else None
+        rc_infra.print_summary(first_eval, evals[-1] if evals else None, len(eval_rows), time.time() - t_start, run_dir)
     accelerator.wait_for_everyone()
     rc_infra.exit_cleanly(world)

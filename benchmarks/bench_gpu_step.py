@@ -30,6 +30,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -311,10 +312,10 @@ class Bench:
             "advantages": batch["advantages"],
             "rollout_log_prob": batch["rollout_log_prob"],
         }
-        batch_correction = {}
+        batch_correction, size = {}, Counter()
         if not correction.bypass_mode:
             self.model.eval()
-            old = rc_train.no_grad_pass(self.accelerator.unwrap_model(self.model), batch, args, self.share_prefix)
+            old, size = rc_train.no_grad_pass(self.accelerator.unwrap_model(self.model), batch, args, self.share_prefix)
             is_weights, keep_mask, batch_correction = rc_core.compute_rollout_correction_and_rejection_mask(
                 old_log_prob=old,
                 rollout_log_prob=batch["rollout_log_prob"],
@@ -326,8 +327,7 @@ class Bench:
                 keep_mask=keep_mask,
                 **({"rollout_is_weights": is_weights} if is_weights is not None else {}),
             )
-        padding = {"positions": 0, "tokens": 0}
-        _, actor = rc_train.update_policy(
+        _, actor, update_size = rc_train.update_policy(
             args,
             correction,
             self.accelerator,
@@ -340,9 +340,8 @@ class Bench:
             torch.Generator().manual_seed(self.plan.seed),
             self.share_prefix,
             batch_correction,
-            padding,
         )
-        tokens = self.host.sum([float(padding["tokens"])])[0]
+        tokens = self.host.sum([float((size + update_size)["tokens"])])[0]  # the trainer's perf/* counts the same
         return {"loss": actor["actor/pg_loss"], "grad_norm": actor["actor/grad_norm"], "tokens": tokens}
 
 

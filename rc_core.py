@@ -36,7 +36,7 @@ import dataclasses
 import math
 import numbers
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -109,11 +109,6 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     §12.1).  Built from the *unclipped* token log-ratios (§2).  Fully padded rows give 0.
     """
     return masked_sum(log_ratio, mask, dim=-1)
-
-
-def geometric_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log rho_geo_i = s_i / n_i (docs/corrections.md §1, §12.8); 0 for fully padded rows."""
-    return _row_mean(log_ratio, mask)
 
 
 def k2_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -352,6 +347,23 @@ RS_OPTIONS = (
 )
 
 
+def k1_statistic(clipped_log_ratio: torch.Tensor) -> torch.Tensor:
+    """k1 = -lambda = log mu - log pi_train: signed, its mean under mu is KL(mu || pi_train)
+    (docs/corrections.md §4.1, §12.9)."""
+    return -clipped_log_ratio
+
+
+#: The per-token RS statistics g(lambda) of docs/corrections.md §4.1, by the name that ends an option name
+#: ``<aggregation>_<statistic>``.  k1 is the one signed statistic (a band L <= ratio <= U); every other statistic is
+#: >= 0 and bounded from above by one threshold U.  A new statistic: one function, one entry here, and its option
+#: names in :data:`RS_OPTIONS` (README "Fork it").
+RS_STATISTICS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": k1_statistic,
+    "k2": k2_divergence,
+    "k3": k3_divergence,
+}
+
+
 #: Legacy RS level names and their canonical mapping (docs/corrections.md §4.4).
 LEGACY_RS_NAMES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
@@ -383,6 +395,10 @@ def _rs_option(name: str, entry: Any) -> RSOption:
     """Parse one threshold entry for a canonical option (docs/corrections.md §4.2 step 4)."""
     field = "rollout_rs_threshold"
     aggregation, statistic = name.rsplit("_", 1)
+    if statistic not in RS_STATISTICS:
+        raise ValueError(
+            f"RS option {name!r}: no statistic {statistic!r} in RS_STATISTICS ({', '.join(RS_STATISTICS)})"
+        )
     if statistic == "k1":
         if isinstance(entry, str) and "_" in entry:
             _refuse_zero_lower(entry.split("_")[0], field, entry)
@@ -516,19 +532,15 @@ def parse_rs_options(
 
 
 def rs_base_statistic(clipped_log_ratio: torch.Tensor, statistic: str) -> torch.Tensor:
-    """Per-token RS statistic from lambda = clip_S(l) (docs/corrections.md §4.1, §12.9):
+    """Per-token RS statistic from lambda = clip_S(l), looked up in :data:`RS_STATISTICS`
+    (docs/corrections.md §4.1, §12.9):
 
     k1 = -lambda (signed; mean = KL(mu||pi_train) under mu), k2 = lambda^2 / 2,
     k3 = exp(lambda) - 1 - lambda >= 0 (:func:`k3_divergence`).
     """
-    lam = clipped_log_ratio
-    if statistic == "k1":
-        return -lam
-    if statistic == "k2":
-        return k2_divergence(lam)
-    if statistic == "k3":
-        return k3_divergence(lam)
-    raise ValueError(f"unknown RS statistic {statistic!r}")
+    if statistic not in RS_STATISTICS:
+        raise ValueError(f"unknown RS statistic {statistic!r}; known: {', '.join(RS_STATISTICS)}")
+    return RS_STATISTICS[statistic](clipped_log_ratio)
 
 
 def rs_aggregate(stat: torch.Tensor, mask: torch.Tensor, aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -670,53 +682,49 @@ def chi2_divergence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 def _offpolicy_metric_tensors(
-    train: torch.Tensor, rollout: torch.Tensor | None, mask: torch.Tensor
+    train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Tensor-valued body of :func:`compute_offpolicy_metrics` (inputs already sanitised)."""
-    rows = _valid_rows(mask)
-    a_bar = _row_mean(train, mask)
-    out = {"training_ppl": masked_mean(torch.exp(-a_bar), rows), "training_log_ppl": masked_mean(-a_bar, rows)}
-    if rollout is None:
-        return out
-    b_bar = _row_mean(rollout, mask)
-    ell = token_log_ratio(train, rollout)
-    d = b_bar - a_bar
-    out["rollout_ppl"] = masked_mean(torch.exp(-b_bar), rows)
-    out["rollout_log_ppl"] = masked_mean(-b_bar, rows)
-    out["kl"] = masked_mean(-ell, mask)
-    out["k3_kl"] = masked_mean(k3_divergence(safety_clip(ell)), mask)
-    out["log_ppl_diff"] = masked_mean(d, rows)
-    out["log_ppl_abs_diff"] = masked_mean(d.abs(), rows)
-    out["log_ppl_diff_max"] = _masked_max(d, rows)
-    out["log_ppl_diff_min"] = _masked_min(d, rows)
-    out["ppl_ratio"] = masked_mean(torch.exp(d), rows)
-    out["chi2_token"] = chi2_divergence(ell, mask)
-    out["chi2_seq"] = chi2_divergence(sequence_log_ratio(ell, mask), rows)
-    return out
-
-
-def compute_offpolicy_metrics(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed), over valid tokens / rows.
+    """Off-policy diagnostics of docs/corrections.md §6.4 (unprefixed; the entry point's step 6), over valid tokens
+    and rows of the sanitised log-probs.
 
     With a_bar_i, b_bar_i the row means of log pi_train and log mu and d_i = b_bar_i - a_bar_i:
     training_ppl = E_V exp(-a_bar); training_log_ppl = E_V(-a_bar); rollout_ppl / rollout_log_ppl
     likewise; kl = <log mu - log pi_train> (k1); k3_kl = <e^lambda - lambda - 1>, lambda = clip_S(l)
     (§11 item 12); log_ppl_diff = E_V d; log_ppl_abs_diff = E_V |d|; log_ppl_diff_max/min;
     ppl_ratio = E_V e^d (per sequence, then averaged); chi2_token = <e^{2 lambda}> - 1;
-    chi2_seq = E_V e^{2 clip_S(s_i)} - 1.  With ``rollout_log_prob=None`` only the two training
-    metrics are returned.  KL estimators: Schulman 2020 (§12.9).
+    chi2_seq = E_V e^{2 clip_S(s_i)} - 1.  KL estimators: Schulman 2020 (§12.9).
     """
-    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
-    with torch.no_grad():
-        return _to_floats(_offpolicy_metric_tensors(train, rollout, mask))
+    rows = _valid_rows(mask)
+    a_bar = _row_mean(train, mask)
+    b_bar = _row_mean(rollout, mask)
+    ell = token_log_ratio(train, rollout)
+    d = b_bar - a_bar
+    return {
+        "training_ppl": masked_mean(torch.exp(-a_bar), rows),
+        "training_log_ppl": masked_mean(-a_bar, rows),
+        "rollout_ppl": masked_mean(torch.exp(-b_bar), rows),
+        "rollout_log_ppl": masked_mean(-b_bar, rows),
+        "kl": masked_mean(-ell, mask),
+        "k3_kl": masked_mean(k3_divergence(safety_clip(ell)), mask),
+        "log_ppl_diff": masked_mean(d, rows),
+        "log_ppl_abs_diff": masked_mean(d.abs(), rows),
+        "log_ppl_diff_max": _masked_max(d, rows),
+        "log_ppl_diff_min": _masked_min(d, rows),
+        "ppl_ratio": masked_mean(torch.exp(d), rows),
+        "chi2_token": chi2_divergence(ell, mask),
+        "chi2_seq": chi2_divergence(sequence_log_ratio(ell, mask), rows),
+    }
 
 
 def _consistency_metric_tensors(
     train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Tensor-valued body of :func:`compute_consistency_metrics` (inputs already sanitised)."""
+    """Probability-space consistency metrics of docs/corrections.md §6.5 (the entry point's step 6).
+
+    With p_tr = exp(log pi_train), p_ro = exp(log mu), delta = |p_tr - p_ro| over valid tokens:
+    rollout_probs_diff_max = max delta; _mean = <delta>; _std = unbiased std (0 if N = 1);
+    rollout_actor_probs_pearson_corr = Pearson(p_tr, p_ro) (NaN if N < 2 or a constant series).
+    """
     p_tr, p_ro = torch.exp(train), torch.exp(rollout)
     delta = (p_tr - p_ro).abs()
     n = mask.sum()
@@ -734,20 +742,6 @@ def _consistency_metric_tensors(
         "rollout_probs_diff_std": torch.sqrt(masked_var(delta, mask, unbiased=True)),
         "rollout_actor_probs_pearson_corr": torch.where((n < 2) | constant, nan, corr),
     }
-
-
-def compute_consistency_metrics(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """Probability-space consistency metrics of docs/corrections.md §6.5.
-
-    With p_tr = exp(log pi_train), p_ro = exp(log mu), delta = |p_tr - p_ro| over valid tokens:
-    rollout_probs_diff_max = max delta; _mean = <delta>; _std = unbiased std (0 if N = 1);
-    rollout_actor_probs_pearson_corr = Pearson(p_tr, p_ro) (NaN if N < 2 or a constant series).
-    """
-    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
-    with torch.no_grad():
-        return _to_floats(_consistency_metric_tensors(train, rollout, mask))
 
 
 def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
@@ -1141,7 +1135,7 @@ def agg_loss(
 
 
 # ============================================================================================
-# Advantages: GRPO and Dr.GRPO (docs/corrections.md §8)
+# Advantages: GRPO, Dr.GRPO and the estimator registry (docs/corrections.md §8)
 # ============================================================================================
 
 
@@ -1213,6 +1207,30 @@ def compute_grpo_outcome_advantage(
         )
     mask = _check_mask_values(response_mask, "response_mask")
     return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
+
+
+#: Advantage estimators by name, the values of the trainer's ``--adv-estimator``.  One calling convention for all:
+#: ``estimator(scores, index, *, response_mask=None, norm_adv_by_std=True)`` with scores (B,) or (B, T) (summed over
+#: T), index the group id of each row (B,) (hashables or an integer tensor), returning A (B,), or A_i m_it (B, T)
+#: when ``response_mask`` is given.  ``norm_adv_by_std`` is GRPO's std division; an estimator without one ignores
+#: it.  A group is always on one rank, so group statistics are local.  A new estimator: one function and one entry
+#: here (README "Fork it" adds RLOO).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {"grpo": compute_grpo_outcome_advantage}
+
+
+def compute_advantage(
+    estimator: str,
+    scores: torch.Tensor,
+    index: Iterable[Hashable] | torch.Tensor,
+    *,
+    response_mask: torch.Tensor | None = None,
+    norm_adv_by_std: bool = True,
+) -> torch.Tensor:
+    """The advantage of the estimator named ``estimator`` in :data:`ADVANTAGE_ESTIMATORS`, called with the one
+    convention documented there; "grpo" is :func:`compute_grpo_outcome_advantage` (docs/corrections.md §8)."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[estimator](scores, index, response_mask=response_mask, norm_adv_by_std=norm_adv_by_std)
 
 
 # ============================================================================================
@@ -1698,13 +1716,13 @@ def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor):
-    """Validate (§10) and return (mask as bool, log pi_train, log mu or None): detached, in the
-    work dtype, padding replaced by 0."""
+def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor):
+    """Validate (§10) and return (mask as bool, log pi_train, log mu): detached, in the work dtype,
+    padding replaced by 0."""
     mask = _validate_inputs(response_mask, {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob})
     dtype = _work_dtype(old_log_prob, rollout_log_prob)
     train = _zero_padding(old_log_prob.detach(), mask, dtype)
-    rollout = None if rollout_log_prob is None else _zero_padding(rollout_log_prob.detach(), mask, dtype)
+    rollout = _zero_padding(rollout_log_prob.detach(), mask, dtype)
     return mask, train, rollout
 
 
@@ -1866,6 +1884,7 @@ def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
 
 # Public names (kept at the end so that the formulas come first).
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "IS_LEVELS",
     "KL_ESTIMATORS",
     "LEGACY_RS_NAMES",
@@ -1874,6 +1893,7 @@ __all__ = [
     "PRESET_ALIASES",
     "PRESET_NAMES",
     "RS_OPTIONS",
+    "RS_STATISTICS",
     "SAFETY_BOUND",
     "ISThreshold",
     "RSOption",
@@ -1882,10 +1902,9 @@ __all__ = [
     "batch_normalize_is_weights",
     "check_loss_settings",
     "chi2_divergence",
-    "compute_consistency_metrics",
+    "compute_advantage",
     "compute_grpo_outcome_advantage",
     "compute_is_metrics",
-    "compute_offpolicy_metrics",
     "compute_policy_loss_bypass_mode",
     "compute_policy_loss_reinforce",
     "compute_policy_loss_vanilla",
@@ -1896,8 +1915,8 @@ __all__ = [
     "compute_veto_mask",
     "entropy_from_logits",
     "estimate_tv_distance",
-    "geometric_log_ratio",
     "icepop_is_weights",
+    "k1_statistic",
     "k2_divergence",
     "k3_divergence",
     "kl_penalty",

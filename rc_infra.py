@@ -30,6 +30,7 @@ import tyro
 import yaml
 
 import rc_core
+import tasks
 
 
 def _number_or_text(text: str) -> float | str:
@@ -177,7 +178,8 @@ def _local_path(model: str) -> bool:
 def validate_args(args, world_size: int) -> None:
     """Fail fast with a message naming the bad value (before tokenizer, data or engine, and before anything is
     written to the run folder). The correction settings (--rc.*) are checked by rc_core when the config is built,
-    the task settings (--mini.*) by tasks.make_task, the loss settings by rc_core.check_loss_settings below."""
+    the task and its settings (--task, --mini.*, --reward-mode, --format-bonus) by tasks.make_task and
+    tasks.check_reward_settings, the loss settings by rc_core.check_loss_settings below."""
 
     def need(cond, msg):
         if not cond:
@@ -276,6 +278,12 @@ def validate_args(args, world_size: int) -> None:
         args.format_bonus >= 0 and math.isfinite(args.format_bonus),
         f"--format-bonus must be a finite number >= 0, got {args.format_bonus}",
     )
+    need(
+        args.task in tasks.TASKS,
+        f"--task must be one of {', '.join(tasks.TASKS)} (tasks.TASKS), got {args.task!r}",
+    )
+    task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)  # checks --mini.* too
+    tasks.check_reward_settings(task, args.reward_mode, args.format_bonus)
 
     # Rollout
     need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
@@ -401,7 +409,12 @@ def validate_args(args, world_size: int) -> None:
         f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}",
     )
 
-    # Loss (rc_core's own checks; the message says which flag gave a clip value that was not set itself)
+    # Advantage and loss (rc_core's own checks; the message says which flag gave a clip value that was not set itself)
+    need(
+        args.adv_estimator in rc_core.ADVANTAGE_ESTIMATORS,
+        f"--adv-estimator must be one of {', '.join(rc_core.ADVANTAGE_ESTIMATORS)} (rc_core.ADVANTAGE_ESTIMATORS), "
+        f"got {args.adv_estimator!r}",
+    )
     if args.kl_coef > 0:
         rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
     low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
@@ -1270,13 +1283,17 @@ def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
         tokenizer.save_pretrained(os.path.join(run_dir, "final"))
 
 
-def print_summary(first_eval: dict | None, last_eval: dict | None, n_eval: int, seconds: float, run_dir: str) -> None:
-    """The closing lines on the console: strict greedy accuracy before -> after, wall time, where the run is."""
-    line = f"eval accuracy (strict, greedy, {n_eval} problems): "
+def print_summary(
+    first_eval: dict | None, last_eval: dict | None, n_eval: int, seconds: float, run_dir: str, accuracy_key: str
+) -> None:
+    """The closing lines on the console: greedy accuracy under the task's accuracy key (Task.accuracy_key) before ->
+    after, wall time, where the run is."""
+    name = f"eval/accuracy_{accuracy_key}"
+    line = f"eval accuracy ({accuracy_key}, greedy, {n_eval} problems): "
     if first_eval and last_eval:
-        line += f"{first_eval['eval/accuracy_strict']:.3f} before -> {last_eval['eval/accuracy_strict']:.3f} after"
+        line += f"{first_eval[name]:.3f} before -> {last_eval[name]:.3f} after"
     elif last_eval:
-        line += f"{last_eval['eval/accuracy_strict']:.3f} after training"
+        line += f"{last_eval[name]:.3f} after training"
     print(f"{line}\nwall time: {seconds:.0f} s\nrun folder: {run_dir}\ndashboard: python rc_train.py plot {run_dir}")
 
 

@@ -74,6 +74,9 @@ class CorrectionArgs:
     """override: True = bypass (pi_old := pi_rollout), False = decoupled"""
     loss_type: str | None = None
     """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode); 'none' = the preset's default"""
+    use_policy_gradient: bool | None = None
+    """override, legacy alias of loss_type: True = reinforce, False = ppo_clip; an explicit loss_type (the preset's
+    or --rc.loss-type) that differs is refused (docs/corrections.md §9.1)"""
 
 
 @dataclass
@@ -105,10 +108,10 @@ class Args:
     # Model and task
     model: str = TINY_MODEL
     """'tiny' (built locally, cached, no download: the warm-started 1M-parameter base for minigsm, a random
-    0.3M-parameter net for add/gsm8k), a local path, or a HF model id"""
+    0.3M-parameter net for a task without a warm start), a local path, or a HF model id"""
     task: str = "minigsm"
-    """'minigsm': the miniature GSM8K built here (tasks.py; settings under --mini.*); 'gsm8k': the real data set;
-    'add': 'a+b=' -> one digit (the fast tests' one-token fixture)"""
+    """a name of tasks.TASKS: 'minigsm': the miniature GSM8K built here (tasks.py; settings under --mini.*);
+    'gsm8k': the real data set; 'add': 'a+b=' -> one digit (the fast tests' one-token fixture)"""
     mini: tasks.MiniGSMArgs = field(default_factory=tasks.MiniGSMArgs)
     """miniature GSM8K: difficulty, splits and the warm start of its base model"""
     dataset: str = "auto"
@@ -117,10 +120,12 @@ class Args:
     """HF dataset config name"""
     train_limit: int | None = None
     """use only the first N training problems"""
-    reward_mode: Literal["strict", "flexible"] = "strict"
-    """reward: 'strict' needs a final '#### N' line; 'flexible' takes the last number (gsm8k.score_response)"""
+    reward_mode: str | None = None
+    """reward: a score key of the task (None = its reward key, Task.reward_key). minigsm, gsm8k, add: 'strict' (the
+    default) needs a final '#### N' line, 'flexible' takes the last number (gsm8k.score_response)"""
     format_bonus: float = 0.0
-    """reward added for a well-formed '#### N' line, right or wrong"""
+    """reward added for a well-formed answer, right or wrong (the task's format key: a '#### N' line on minigsm and
+    gsm8k); refused for a task without one"""
     use_chat_template: bool = True
     """wrap prompts with the tokenizer's chat template when it has one"""
     max_model_len: int = 512
@@ -220,8 +225,10 @@ class Args:
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     loss_scale_factor: float | None = None
     """divisor K of seq-mean-token-sum-norm (default: max_response_length)"""
+    adv_estimator: str = "grpo"
+    """advantage estimator: a name in rc_core.ADVANTAGE_ESTIMATORS ('grpo'; README "Fork it" adds one)"""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group std (False = Dr.GRPO)"""
+    """GRPO: divide by the group std (False = Dr.GRPO); an estimator without a std ignores it"""
     kl_coef: float = 0.0
     """coefficient of a KL penalty to the initial model (0 = no reference model)"""
     kl_estimator: str = "low_var_kl"
@@ -278,18 +285,21 @@ def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConf
 # ALGO LOGIC: prompts and reward (the task itself lives in tasks.py: problems, prompt text, scores)
 # ---------------------------------------------------------------------------------------------
 def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[int]]:
-    """Prompt token ids, through the chat template when the tokenizer has one; checks the context."""
+    """Prompt token ids, through the chat template when the tokenizer has one (the task's system prompt as a system
+    message), else tasks.prompt_text; the task's prefill after the generation prompt, so that the response continues
+    it. Checks the context."""
     use_template = args.use_chat_template and getattr(tokenizer, "chat_template", None)
+    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
+    prefill = tokenizer(task.prefill, add_special_tokens=False)["input_ids"] if task.prefill else []
     out = []
     for i, row in enumerate(rows):
-        text = task.prompt(row["question"])
         if use_template:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                [*system, {"role": "user", "content": task.prompt(row)}], add_generation_prompt=True, tokenize=True
             )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) + prefill
         else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(tasks.prompt_text(task, row), add_special_tokens=False)["input_ids"]
         if len(ids) + args.max_response_length > args.max_model_len:
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens; with --max-response-length "
@@ -299,9 +309,11 @@ def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[i
     return out
 
 
-def reward(args: Args, scores: dict) -> float:
-    """The training reward: correctness under --reward-mode, plus --format-bonus for a '#### N' line."""
-    return scores[args.reward_mode] + args.format_bonus * scores["well_formed"]
+def reward(args: Args, task: tasks.Task, scores: dict) -> float:
+    """The training reward: the score under --reward-mode, plus --format-bonus for a well-formed answer (the task's
+    format key; validate_args refuses a bonus on a task without one)."""
+    bonus = args.format_bonus * scores[task.format_key] if task.format_key else 0.0
+    return scores[args.reward_mode] + bonus
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,11 +713,12 @@ def pass_metrics(size: Counter, seconds: float) -> dict:
     }
 
 
-def progress(metrics: dict, last_eval: dict | None) -> dict:
-    """The few numbers on the progress bar."""
+def progress(metrics: dict, last_eval: dict | None, accuracy_key: str) -> dict:
+    """The few numbers on the progress bar (eval: the task's accuracy key, Task.accuracy_key)."""
     shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
     if last_eval:
-        shown["eval"] = f"{last_eval['eval/accuracy_strict']:.3f}"
+        name = f"eval/accuracy_{accuracy_key}"
+        shown["eval"] = f"{last_eval[name]:.3f}"
     return {**shown, "k3": f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", "step_s": f"{metrics['timing/step_s']:.1f}"}
 
 
@@ -726,33 +739,29 @@ def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[in
 
 
 def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, restore: bool = True):
-    """Greedy pass@1 of policy version `version` on the eval set (each rank its shard): metrics, and every problem
-    with its response and scores (gathered from all ranks, in problem order)."""
+    """Greedy pass@1 of policy version `version` on the eval set (each rank its shard): metrics (eval/accuracy_<key>
+    for each score key of the task), and every problem with its response and scores (gathered from all ranks, in
+    problem order; the row's question and gold when it has them)."""
     shard = list(range(rank, len(prompts), world))
     outs = rollouts.evaluate([prompts[i] for i in shard], version, restore)  # every rank: a load can be collective
     samples = []
     for i, group in zip(shard, outs):
         ids, _, text = group[0]
-        scores = task.score(text, rows[i]["gold"])
+        scores = task.score(text, rows[i])
         samples.append(
             {
                 "index": i,
-                "question": rows[i]["question"],
-                "gold": rows[i]["gold"],
+                **{k: rows[i][k] for k in ("question", "gold") if k in rows[i]},
                 "response": text,
-                "strict": scores["strict"],
-                "flexible": scores["flexible"],
+                **{k: scores[k] for k in task.score_keys},
                 "tokens": len(ids),
             }
         )
     samples = [s for part in host.gather(samples) for s in part]
     samples.sort(key=lambda r: r["index"])
     n = max(1, len(samples))
-    metrics = {
-        "eval/accuracy_strict": sum(r["strict"] for r in samples) / n,
-        "eval/accuracy_flexible": sum(r["flexible"] for r in samples) / n,
-        "eval/response_length": sum(r["tokens"] for r in samples) / n,
-    }
+    metrics = {f"eval/accuracy_{k}": sum(r[k] for r in samples) / n for k in task.score_keys}
+    metrics["eval/response_length"] = sum(r["tokens"] for r in samples) / n
     return metrics, samples
 
 
@@ -787,14 +796,18 @@ if __name__ == "__main__":
         rc_config = build_correction_config(args.rc)
         replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world, args.max_staleness)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
+        args.reward_mode = args.reward_mode or task.reward_key  # --reward-mode's default: the task's reward key
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
+        tasks.check_scorer(task, train_rows[:1])
         with accelerator.main_process_first():  # rank 0 builds (or checks) the cached model, the others reuse it
-            say = (lambda m: print(m, flush=True)) if accelerator.is_main_process else (lambda _: None)
+            say = (lambda m: print(m, flush=True)) if accelerator.is_main_process else None  # None: quiet
             model_path = (
-                tasks.base_model_path(args.task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
+                tasks.base_model_path(task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
             )
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        for what, part in (("train prompt", train_rows), ("eval prompt", eval_rows)):  # before the engine starts
+            tasks.check_coverage(tokenizer, [tasks.prompt_text(task, row) for row in part], what)
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
@@ -922,15 +935,19 @@ if __name__ == "__main__":
         with timer("timing/reward_s"):
             samples = [(i, g, resp) for g, (i, group) in enumerate(zip(step_indices(step), groups)) for resp in group]
             rows, group_ids, responses = zip(*samples)  # each response: (token ids, rollout log-probs, text)
-            scores = [task.score(resp[2], train_rows[i]["gold"]) for i, _, resp in samples]
-            rewards, corrects = [reward(args, s) for s in scores], [s[args.reward_mode] for s in scores]
+            scores = [task.score(resp[2], train_rows[i]) for i, _, resp in samples]
+            rewards, corrects = [reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
             batch = make_batch([train_prompts[i] for i in rows], responses, pad_id, group_ids)
             mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
             n_nonfinite = drop_nonfinite(mask, rollout_lp)
             stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, bound)  # beyond the bound
             mask[stale] = 0.0  # never trained on
-            advantages = rc_core.compute_grpo_outcome_advantage(
-                torch.tensor(rewards), batch["group"], response_mask=mask, norm_adv_by_std=args.norm_adv_by_std
+            advantages = rc_core.compute_advantage(  # --adv-estimator: GRPO by default
+                args.adv_estimator,
+                torch.tensor(rewards),
+                batch["group"],
+                response_mask=mask,
+                norm_adv_by_std=args.norm_adv_by_std,
             )
         tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
         dump = rc_infra.LogRatioDump(run_dir, step, args.dump_log_ratio_every, accelerator.is_main_process)
@@ -980,7 +997,7 @@ if __name__ == "__main__":
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
         metrics = {**rc_infra.reduce_metrics(step_metrics, host), **eval_metrics}
         log.log(step, metrics)
-        bar.set_postfix(**progress(metrics, evals[-1] if evals else None))
+        bar.set_postfix(**progress(metrics, evals[-1] if evals else None, task.accuracy_key))
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
             response_ids = [r[0] for r in responses]
             rc_infra.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_infra.full_weights(unwrapped))
@@ -997,6 +1014,7 @@ if __name__ == "__main__":
     bar.close()
     if accelerator.is_main_process:
         first_eval = evals[0] if args.eval_before and not args.resume else None
-        rc_infra.print_summary(first_eval, evals[-1] if evals else None, len(eval_rows), time.time() - t_start, run_dir)
+        last_eval = evals[-1] if evals else None
+        rc_infra.print_summary(first_eval, last_eval, len(eval_rows), time.time() - t_start, run_dir, task.accuracy_key)
     accelerator.wait_for_everyone()
     rc_infra.exit_cleanly(world)

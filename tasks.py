@@ -1,12 +1,13 @@
 """Tasks and the tiny local models: everything rc_train.py learns on, behind one small interface.
 
-    task = tasks.make_task(name, mini, dataset=...)  # 'minigsm' (default), 'gsm8k' or 'add'
-    rows, n_skipped = task.problems("train")          # [{'question': str, 'gold': str}, ...]
-    text = task.prompt(row["question"])               # the prompt text (before any chat template)
-    scores = task.score(response, row["gold"])        # {'strict': 0/1, 'flexible': 0/1, 'well_formed': 0/1}
+    task = tasks.make_task(name, mini, dataset=...)  # a name of tasks.TASKS: 'minigsm' (default), 'gsm8k', 'add'
+    rows, n_skipped = task.problems("train")          # [row, ...]: dicts with whatever prompt and score need
+    text = task.prompt(row)                           # the prompt text (before any chat template)
+    scores = task.score(response, row)                # {key: 0/1 for key in task.score_keys (and task.format_key)}
 
-The trainer has no per-task branch: it asks the task for problems, prompts and scores, and asks
-`base_model_path` for the model behind `--model tiny`.
+The trainer has no per-task branch: it asks the task for problems, prompts and scores (reward and logged accuracies
+by the keys the task declares), and asks `base_model_path` for the model behind `--model tiny`. A new task is a
+factory in TASKS (README "Fork it").
 
 * minigsm: a miniature GSM8K generated here from a seed. Short word problems of 1..max_steps add/subtract
   steps ("Tom has 27 pens. Tom buys 18 more. Tom gives away 17. How many pens does Tom have now?"), reference
@@ -29,19 +30,23 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
+from unicodedata import normalize
 
 import torch
+from tqdm import tqdm
 
 import gsm8k
 
-TASK_NAMES = ("minigsm", "gsm8k", "add")
-# Bumped whenever the generator, tokenizer or warm start changes what a cached base model holds.
+# Bumped whenever the generator, tokenizer or warm start changes what a cached warm-started base holds.
 BUILDER_VERSION = 1
+# The random tiny net's own version (its cache name does not hash BUILDER_VERSION): bumped when its build changes.
+TINY_BUILDER_VERSION = 2
 
 
 @dataclass
 class MiniGSMArgs:
-    """The miniature GSM8K: problem generator and the warm start of its base model."""
+    """The miniature GSM8K: problem generator and the warm start of its base model (the sft_* fields and model_seed
+    also drive the warm start of any other task that has one, tasks.build_warm_base)."""
 
     max_steps: int = 3
     """arithmetic steps per problem: each problem has 1..max_steps add/subtract steps (longer answers)"""
@@ -73,48 +78,161 @@ class MiniGSMArgs:
 @dataclass(frozen=True)
 class Task:
     name: str
+    """the --task name (run folder names, cached model names)"""
     problems: Callable[..., tuple[list[dict], int]]
-    """(split, limit=None) -> (rows {'question', 'gold'}, number of rows skipped as malformed)"""
-    prompt: Callable[[str], str]
-    """question -> prompt text"""
-    score: Callable[[str, str], dict]
-    """(response, gold) -> {'strict', 'flexible', 'well_formed'}, each 0.0 or 1.0"""
+    """(split, limit=None) -> (rows, number of rows skipped as malformed). A row is a dict with whatever prompt and
+    score need (a question, a gold answer, numbers and a target); its 'question' and 'gold', when it has them, are
+    copied to eval_samples.jsonl"""
+    prompt: Callable[[dict], str]
+    """row -> prompt text (the user message when the tokenizer has a chat template)"""
+    score: Callable[[str, dict], dict]
+    """(response, row) -> {key: float}, every key of score_keys (and format_key), each 0.0 or 1.0 as a rule"""
+    score_keys: tuple[str, ...] = ("correct",)
+    """the keys the scorer returns: each may be the --reward-mode and is logged as eval/accuracy_<key>"""
+    reward_key: str = "correct"
+    """the score key that is the reward unless --reward-mode names another"""
+    accuracy_key: str = "correct"
+    """the score key shown as the accuracy on the progress bar and in the closing summary"""
+    format_key: str | None = None
+    """a score key (in score_keys or not) that flags a well-formed answer, right or wrong: --format-bonus rewards it
+    (None: the task has none, and --format-bonus is refused)"""
+    system_prompt: str | None = None
+    """sent as a system message under a chat template; without one, written before the prompt text (prompt_text)"""
+    prefill: str = ""
+    """the text every response starts with: appended after the generation prompt, so the model continues it"""
+    warm_start: Callable[[dict, random.Random], str] | None = None
+    """(row, rng) -> a solution (the response after the prefill): with it, `--model tiny` is a base warm-started on
+    the train split (build_warm_base); without, a random net (build_random_tiny)"""
+
+    def __post_init__(self):
+        for what, key in (("reward_key", self.reward_key), ("accuracy_key", self.accuracy_key)):
+            if key not in self.score_keys:
+                raise ValueError(f"task {self.name!r}: {what} {key!r} is not one of its score_keys {self.score_keys}")
+        taken = set(self.score_keys) & set(SAMPLE_FIELDS)
+        if taken:
+            raise ValueError(f"task {self.name!r}: score keys {sorted(taken)} clash with the eval sample's own fields")
 
 
-def score_gsm8k_style(response: str, gold: str) -> dict:
+SAMPLE_FIELDS = ("step", "index", "question", "gold", "response", "tokens")  # eval_samples.jsonl's other fields
+
+
+GSM8K_KEYS = dict(
+    score_keys=("strict", "flexible"), reward_key="strict", accuracy_key="strict", format_key="well_formed"
+)
+
+
+def score_gsm8k_style(response: str, row: dict) -> dict:
     """GSM8K's scorer both ways: strict reads the last '#### N' line, flexible the last number."""
-    strict = gsm8k.score_response(response, gold, mode="strict")
+    strict = gsm8k.score_response(response, row["gold"], mode="strict")
     return {
         "strict": strict,
-        "flexible": gsm8k.score_response(response, gold, mode="flexible"),
+        "flexible": gsm8k.score_response(response, row["gold"], mode="flexible"),
         "well_formed": float(gsm8k.extract_answer(response, "strict") is not None),
     }
 
 
+def gsm8k_prompt(row: dict) -> str:
+    return gsm8k.format_prompt(row["question"])
+
+
+def minigsm_task(mini: MiniGSMArgs, **_) -> Task:
+    check_mini_args(mini)
+    return Task(
+        "minigsm",
+        lambda split, limit=None: (_limit(minigsm_problems(mini, split), limit), 0),
+        gsm8k_prompt,
+        score_gsm8k_style,
+        **GSM8K_KEYS,
+        warm_start=lambda row, rng: warm_start_solution(row, rng, mini.format_share),
+    )
+
+
+def gsm8k_task(dataset: str, dataset_config: str, **_) -> Task:
+    source = (local_gsm8k_dir() or "openai/gsm8k") if dataset == "auto" else dataset
+    return Task(
+        "gsm8k",
+        lambda split, limit=None: gsm8k.load_gsm8k(source, split, limit=limit, config=dataset_config),
+        gsm8k_prompt,
+        score_gsm8k_style,
+        **GSM8K_KEYS,
+    )
+
+
+def add_task(**_) -> Task:
+    return Task(
+        "add",
+        lambda split, limit=None: (_limit(addition_problems(), limit), 0),
+        lambda row: row["question"],
+        score_addition,
+        **GSM8K_KEYS,
+    )
+
+
+TASKS: dict[str, Callable[..., Task]] = {"minigsm": minigsm_task, "gsm8k": gsm8k_task, "add": add_task}
+"""The --task names and their factories. make_task calls a factory with the keywords mini (MiniGSMArgs), dataset
+and dataset_config; it takes those it needs and ignores the rest (**_). A fork adds an entry (README "Fork it")."""
+TASK_NAMES = TASKS.keys()  # a live view: a task registered later (a fork's, at the end of this file) is in it
+
+
 def make_task(name: str, mini: MiniGSMArgs | None = None, dataset: str = "auto", dataset_config: str = "main") -> Task:
     """The task called `name`; raises ValueError naming a bad name or setting (before any engine starts)."""
-    if name == "minigsm":
-        mini = mini or MiniGSMArgs()
-        check_mini_args(mini)
-        return Task(
-            "minigsm",
-            lambda split, limit=None: (_limit(minigsm_problems(mini, split), limit), 0),
-            gsm8k.format_prompt,
-            score_gsm8k_style,
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[name](mini=mini or MiniGSMArgs(), dataset=dataset, dataset_config=dataset_config)
+
+
+def prompt_text(task: Task, row: dict) -> str:
+    """The prompt as the model reads it without a chat template: system prompt and a blank line, prompt, prefill."""
+    system = f"{task.system_prompt}\n\n" if task.system_prompt else ""
+    return system + task.prompt(row) + task.prefill
+
+
+def check_reward_settings(task: Task, reward_mode: str | None, format_bonus: float) -> None:
+    """--reward-mode names a score key of the task; --format-bonus > 0 needs the task's format key."""
+    if reward_mode is not None and reward_mode not in task.score_keys:
+        raise ValueError(
+            f"--reward-mode must be a score key of task {task.name!r} ({', '.join(task.score_keys)}), "
+            f"got {reward_mode!r}"
         )
-    if name == "gsm8k":
-        source = (local_gsm8k_dir() or "openai/gsm8k") if dataset == "auto" else dataset
-        return Task(
-            "gsm8k",
-            lambda split, limit=None: gsm8k.load_gsm8k(source, split, limit=limit, config=dataset_config),
-            gsm8k.format_prompt,
-            score_gsm8k_style,
+    if format_bonus > 0 and task.format_key is None:
+        raise ValueError(
+            f"--format-bonus {format_bonus} needs a format key, and task {task.name!r} has none (Task.format_key)"
         )
-    if name == "add":
-        return Task(
-            "add", lambda split, limit=None: (_limit(addition_problems(), limit), 0), lambda q: q, score_addition
+
+
+def check_scorer(task: Task, rows: list[dict]) -> None:
+    """The scorer returns every declared key (an empty response scored against each of `rows`: a missing key fails
+    here, not after the engine has started)."""
+    for row in rows:
+        scores = task.score("", row)
+        missing = [k for k in (*task.score_keys, task.format_key) if k is not None and k not in scores]
+        if missing:
+            raise ValueError(f"task {task.name!r}: its scorer returned the keys {sorted(scores)}, without {missing}")
+
+
+def check_coverage(tokenizer, texts, what: str = "prompt") -> None:
+    """Raise ValueError naming the first text (by index) holding a character the tokenizer cannot encode: its
+    encode -> decode round trip (between two letters, as in running text) loses it, or it becomes the unknown token.
+    A byte-level BPE drops a byte outside its alphabet without a word. A Unicode normalisation (Qwen2's tokenizer
+    applies NFC) is not a loss."""
+    first = {}
+    for i, text in enumerate(texts):
+        for ch in set(text) - first.keys():
+            first[ch] = i
+    unk = getattr(tokenizer, "unk_token_id", None)
+    bad = []
+    for ch, i in first.items():
+        probe = f"a{ch}a"
+        ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        decoded = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        if (unk is not None and unk in ids) or decoded not in {probe, *(normalize(f, probe) for f in ("NFC", "NFKC"))}:
+            bad.append((i, ch))
+    if bad:
+        i, ch = min(bad)
+        raise ValueError(
+            f"{what} {i} holds the character {ch!r} (U+{ord(ch):04X}), which the tokenizer cannot encode "
+            f"(it is lost or becomes the unknown token): use a model whose tokenizer covers it, or change the task"
         )
-    raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
 
 
 def _limit(rows, limit):
@@ -245,13 +363,13 @@ def addition_problems() -> list[dict]:
     return [{"question": f"{a}+{b}=", "gold": str(a + b)} for a in range(10) for b in range(10) if a + b <= 9]
 
 
-def score_addition(response: str, gold: str) -> dict:
-    """1.0 if the first run of ASCII digits in the response equals the gold number, else 0.0 (all three keys).
+def score_addition(response: str, row: dict) -> dict:
+    """1.0 if the first run of ASCII digits in the response equals the row's gold number, else 0.0 (all three keys).
 
     ASCII only: str.isdigit() also accepts '³' or '٣', which int() then rejects (a sampled byte-level
     token can decode to them)."""
     match = re.search(r"[0-9]+", response)
-    ok = float(match is not None and int(match.group()) == int(gold))
+    ok = float(match is not None and int(match.group()) == int(row["gold"]))
     return {"strict": ok, "flexible": ok, "well_formed": float(match is not None)}
 
 
@@ -262,14 +380,42 @@ def cache_root() -> str:
     return os.environ.get("RC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rc_train"))
 
 
-def base_model_path(task: str, mini: MiniGSMArgs, seed: int, log: Callable[[str], None] = print) -> str:
-    """The model behind `--model tiny`: the warm-started base for minigsm (one per setting of MiniGSMArgs, shared
-    by every run seed), a random net initialised from the run seed for add/gsm8k."""
-    if task == "minigsm":
+def base_model_path(task: Task, mini: MiniGSMArgs, seed: int, log: Callable[[str], None] | None = print) -> str:
+    """The model behind `--model tiny`: for a task with a warm start, its warm-started base (one per setting, shared by
+    every run seed; mini's sft_* fields and model_seed); for any other task, a random net initialised from the run
+    seed, whose tokenizer encodes every character of the task's prompts. `log` (None: quiet, no progress bar) gets
+    a line saying where the model is cached."""
+    show_progress, log = log is not None, log or (lambda _: None)
+    if task.warm_start is not None:
+        prompts, solutions = warm_start_corpus(task, mini)
         return cached_build(
-            f"minigsm-base-{settings_hash(mini)}", lambda path: build_minigsm_base(mini, path, log), log
+            warm_base_name(task, mini, prompts, solutions),
+            lambda path: build_warm_base(task, mini, prompts, solutions, path, log, show_progress),
+            log,
         )
-    return cached_build(f"tiny-qwen2-v160-s{seed}", lambda path: build_random_tiny(path, seed), log)
+    prompts = [prompt_text(task, row) for split in ("train", "test") for row in task.problems(split)[0]]
+    corpus, alphabet = tiny_corpus(), tiny_alphabet(prompts)
+    vocab_size = TINY_VOCAB + len(alphabet) - len(tiny_alphabet([]))  # one more token per extra alphabet symbol
+    digest = _digest({"version": TINY_BUILDER_VERSION, "corpus": corpus, "alphabet": alphabet, "vocab": vocab_size})
+    return cached_build(
+        f"tiny-qwen2-v{vocab_size}-{digest[:12]}-s{seed}",
+        lambda path: build_random_tiny(path, seed, corpus, alphabet, vocab_size),
+        log,
+    )
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def warm_base_name(task: Task, mini: MiniGSMArgs, prompts: list[str], solutions: list[str]) -> str:
+    """The cache name of a warm-started base: the SFT settings and the corpus, hashed (a changed setting or problem
+    never reuses a stale model). minigsm keeps the name its base has always had, settings_hash(mini): every
+    MiniGSMArgs field, the generator's included, so the cached default base stays valid."""
+    if task.name == "minigsm":
+        return f"minigsm-base-{settings_hash(mini)}"
+    sft = {k: v for k, v in asdict(mini).items() if k.startswith("sft_") or k == "model_seed"}
+    return f"{task.name}-base-{_digest({'version': BUILDER_VERSION, **sft, 'corpus': [prompts, solutions]})[:16]}"
 
 
 def settings_hash(mini: MiniGSMArgs) -> str:
@@ -297,6 +443,7 @@ def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], N
         try:
             with open(stamp) as f:
                 if json.load(f)["sha256"] == _weights_digest(path):
+                    log(f"model: {path} (cached)")
                     return path
         except (OSError, ValueError, KeyError):
             pass
@@ -313,13 +460,14 @@ def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], N
         os.rename(tmp, path)
     except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
+    log(f"model: built once and cached in {path}; later runs reuse it")
     return path
 
 
-def make_tokenizer(texts, vocab_size: int, full_byte_alphabet: bool):
+def make_tokenizer(texts, vocab_size: int, alphabet: list[str] | None = None):
     """Byte-level BPE with digits split one per token (as Qwen2's tokenizer does). transformers and vLLM load it
-    as a Qwen2 tokenizer. full_byte_alphabet: every byte encodable (any text round-trips), else only the corpus's
-    bytes (a smaller vocabulary: a random policy hits a given digit with chance ~1/150 rather than ~1/300)."""
+    as a Qwen2 tokenizer. alphabet: the byte-level symbols it starts from (tiny_alphabet), beside those of `texts`;
+    None = all 256 (any text round-trips). A byte outside the alphabet is dropped silently when encoding."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -328,9 +476,11 @@ def make_tokenizer(texts, vocab_size: int, full_byte_alphabet: bool):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet() if full_byte_alphabet else []
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if alphabet is None else alphabet,
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
@@ -358,35 +508,62 @@ def make_qwen2(vocab_size: int, eos: int, hidden: int, layers: int, intermediate
     return Qwen2ForCausalLM(config)
 
 
-def build_random_tiny(path: str, seed: int) -> dict:
-    """A random 0.3M-parameter Qwen2 (2 layers, hidden 128) and a 160-token BPE: the add/gsm8k smoke model."""
-    folder = local_gsm8k_dir()
-    if folder:
-        rows, _ = gsm8k.load_gsm8k(folder, "train")
-        texts = [t for r in rows for t in (r["question"], r["answer"])]
-    else:
-        rng = random.Random(0)
-        texts = []
-        for _ in range(20000):
-            a, b = rng.randint(0, 999), rng.randint(0, 999)
-            texts.append(f"What is {a} plus {b}? {a}+{b}={a + b}. #### {a + b}")
-    tokenizer = make_tokenizer(texts, 160, full_byte_alphabet=False)
+TINY_VOCAB = 160  # the random tiny net's vocabulary on printable ASCII: a random policy hits a digit ~1 time in 160
+PRINTABLE = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def tiny_corpus() -> list[str]:
+    """The text the random tiny net's tokenizer learns its merges from, all generated here (never a file outside the
+    repository, so the tokenizer is the same on every machine): the default miniature GSM8K's questions and solutions
+    and the addition prompts."""
+    rows = minigsm_problems(MiniGSMArgs(), "train")
+    return [t for r in rows for t in (r["question"], r["answer"])] + [p["question"] for p in addition_problems()]
+
+
+def tiny_alphabet(prompts: list[str]) -> list[str]:
+    """The byte-level symbols of printable ASCII, newline and every character of `prompts` (the UTF-8 bytes of each
+    character, mapped as GPT-2's byte-level BPE maps bytes), sorted: each of those characters encodes."""
+    from tokenizers import pre_tokenizers
+
+    chars = "".join(sorted(set(PRINTABLE).union(*prompts)))
+    mapped = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(chars)
+    return sorted(set("".join(piece for piece, _ in mapped)))
+
+
+def build_random_tiny(path: str, seed: int, corpus: list[str], alphabet: list[str], vocab_size: int) -> dict:
+    """A random 0.3M-parameter Qwen2 (2 layers, hidden 128) and a ~160-token BPE: the smoke model of every task
+    without a warm start."""
+    tokenizer = make_tokenizer(corpus, vocab_size, alphabet)
     model = make_qwen2(len(tokenizer), tokenizer.eos_token_id, hidden=128, layers=2, intermediate=256, seed=seed)
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
-    return {"kind": "random tiny"}
+    return {"kind": "random tiny", "alphabet": "".join(alphabet)}
 
 
-def build_minigsm_base(mini: MiniGSMArgs, path: str, log: Callable[[str], None]) -> dict:
-    """Tokenizer (trained on the task's prompts and solutions) + a 1M-parameter Qwen2 (4 layers, hidden 128),
-    warm-started by supervised fine-tuning on the train split: loss on the solution tokens and EOS only, the
-    prompt built exactly as rc_train.py builds it. Sizing and measurements: docs/running.md "The miniature GSM8K"."""
-    t0 = time.time()
-    train = minigsm_problems(mini, "train")
+def warm_start_corpus(task: Task, mini: MiniGSMArgs) -> tuple[list[str], list[str]]:
+    """(prompts, solutions) of the train split: the prompt as rc_train.py writes it without a chat template, and one
+    warm-start solution per row (drawn in row order from a generator seeded by mini.model_seed)."""
+    train, _ = task.problems("train")
     rng = random.Random(f"warm-start/{mini.model_seed}")
-    solutions = [warm_start_solution(p, rng, mini.format_share) for p in train]
-    prompts = [gsm8k.format_prompt(p["question"]) for p in train]
-    tokenizer = make_tokenizer(prompts + solutions, 512, full_byte_alphabet=True)
+    solutions = [task.warm_start(row, rng) for row in train]
+    return [prompt_text(task, row) for row in train], solutions
+
+
+def build_warm_base(
+    task: Task,
+    mini: MiniGSMArgs,
+    prompts: list[str],
+    solutions: list[str],
+    path: str,
+    log: Callable[[str], None],
+    show_progress: bool = False,
+) -> dict:
+    """Tokenizer (trained on the task's prompts and solutions, warm_start_corpus) + a 1M-parameter Qwen2 (4 layers,
+    hidden 128), warm-started by supervised fine-tuning on the train split: loss on the solution tokens and EOS only,
+    the prompt built exactly as rc_train.py builds it. Sizing and measurements of the minigsm base: docs/running.md
+    "The miniature GSM8K"."""
+    t0 = time.time()
+    tokenizer = make_tokenizer(prompts + solutions, 512)
     eos = tokenizer.eos_token_id
     model = make_qwen2(len(tokenizer), eos, hidden=128, layers=4, intermediate=512, seed=mini.model_seed)
     examples = [
@@ -403,8 +580,10 @@ def build_minigsm_base(mini: MiniGSMArgs, path: str, log: Callable[[str], None])
     torch.set_num_threads(os.cpu_count() or 1)  # the build has the machine to itself
     model.train()
     loss = float("nan")
+    desc = f"building the {task.name} base model (once)"
+    bar = tqdm(range(mini.sft_steps), desc=desc, disable=not show_progress, leave=False, dynamic_ncols=True)
     try:
-        for step in range(mini.sft_steps):
+        for step in bar:
             idx = torch.randint(len(examples), (mini.sft_batch_size,), generator=order).tolist()
             input_ids, labels = sft_batch([examples[i] for i in idx], eos)
             out = model(input_ids=input_ids, labels=labels)  # right padding: causal attention never sees it
@@ -414,16 +593,18 @@ def build_minigsm_base(mini: MiniGSMArgs, path: str, log: Callable[[str], None])
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             loss = out.loss.item()
-            if step % 100 == 0 or step == mini.sft_steps - 1:
-                log(f"warm start: step {step + 1}/{mini.sft_steps}, loss {loss:.3f}, {time.time() - t0:.0f} s")
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{loss:.3f}")
     finally:
+        bar.close()
         torch.set_num_threads(threads)
+    log(f"warm start: {mini.sft_steps} steps, final loss {loss:.3f}, {time.time() - t0:.0f} s")
     if not math.isfinite(loss) and mini.sft_steps:
         raise RuntimeError(f"warm start diverged (loss {loss})")
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
     return {
-        "kind": "minigsm base",
+        "kind": f"{task.name} base",
         "settings": asdict(mini),
         "sft_final_loss": loss,
         "build_seconds": round(time.time() - t0, 1),

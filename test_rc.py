@@ -133,13 +133,11 @@ def test_safety_clip_bounds_at_twenty():
     assert rc.SAFETY_BOUND == 20.0
 
 
-def test_sequence_and_geometric_log_ratios():
+def test_sequence_log_ratio():
     train, rollout, mask = make([[2.0, 8.0], [4.0], []])
     ell = rc.token_log_ratio(train, rollout)
     seq = rc.sequence_log_ratio(ell, mask)
-    geo = rc.geometric_log_ratio(ell, mask)
     assert seq.tolist() == [approx(math.log(16.0)), approx(math.log(4.0)), 0.0]
-    assert geo.tolist() == [approx(math.log(4.0)), approx(math.log(4.0)), 0.0]
 
 
 def test_log_probs_from_logits_hand_value():
@@ -585,14 +583,14 @@ def test_veto_is_anded_after_rs():
 
 
 def test_is_mean_is_token_weighted_and_seq_mean_row_weighted():
-    # docs/seed-readings.md §20: at sequence level the two agree only for equal lengths or equal weights
+    # docs/design-readings.md §20: at sequence level the two agree only for equal lengths or equal weights
     rows = [[2.0], [0.2 ** (1 / 3)] * 3]  # sequence weights 2 (one token) and 0.2 (three tokens)
     _, _, met = corr(*make(rows), rollout_is="sequence", rollout_is_threshold=5.0)
     assert met["rollout_is_mean"] == approx(0.65) and met["rollout_is_seq_mean"] == approx(1.1)
 
 
 def test_chi2_token_estimate_is_negative_when_every_ratio_is_below_one():
-    # docs/seed-readings.md §21: <rho^2> - 1 over the sampled tokens, not clipped at 0
+    # docs/design-readings.md §21: <rho^2> - 1 over the sampled tokens, not clipped at 0
     _, _, met = corr(*make([[0.9, 0.9], [0.9]]))
     assert met["chi2_token"] == approx(0.81 - 1.0)
 
@@ -626,7 +624,7 @@ def test_k3_is_never_negative_for_near_identical_policies():
     rollout = -torch.rand(64, 32, generator=gen) * 1e-3  # near-certain tokens: log-ratios of ~1e-8 are representable
     train = rollout + (torch.rand(64, 32, generator=gen) - 0.5) * 1e-7
     mask = torch.ones(64, 32)
-    met = rc.compute_offpolicy_metrics(train, rollout, mask)
+    _, _, met = corr(train, rollout, mask)
     assert 0.0 <= met["k3_kl"] < 1e-10
     assert bool((rc.rs_base_statistic(train - rollout, "k3") >= 0).all())
     old = torch.exp(train - rollout) - 1.0 - (train - rollout)
@@ -635,7 +633,7 @@ def test_k3_is_never_negative_for_near_identical_policies():
 
 def test_offpolicy_metrics_by_hand():
     train, rollout, mask = _offpolicy_example()
-    met = rc.compute_offpolicy_metrics(train, rollout, mask)
+    _, _, met = corr(train, rollout, mask)
     e = math.exp
     assert met["training_ppl"] == approx((e(1.5) + e(0.5)) / 2)
     assert met["training_log_ppl"] == approx(1.0)
@@ -652,9 +650,6 @@ def test_offpolicy_metrics_by_hand():
     assert met["ppl_ratio"] == approx((e(d[0]) + e(d[1])) / 2)
     assert met["chi2_token"] == approx((e(1) + e(-1) + e(1)) / 3 - 1)
     assert met["chi2_seq"] == approx((e(0) + e(1.0)) / 2 - 1)
-    only = rc.compute_offpolicy_metrics(train, None, mask)
-    assert set(only) == {"training_ppl", "training_log_ppl"}
-    assert only["training_log_ppl"] == approx(1.0)
 
 
 def test_consistency_and_tv_metrics_by_hand():
@@ -672,7 +667,7 @@ def test_consistency_and_tv_metrics_by_hand():
     vy = sum((b - my) ** 2 for b in p_ro)
     assert met["rollout_actor_probs_pearson_corr"] == approx(cov / math.sqrt(vx * vy))
     assert met["tv_mismatch"] == approx(0.5 * (2 * abs(1 - e(0.5)) + abs(1 - e(-0.5))) / 3)
-    single = rc.compute_consistency_metrics(train[:1, :1], rollout[:1, :1], mask[:1, :1])
+    _, _, single = corr(train[:1, :1], rollout[:1, :1], mask[:1, :1])
     assert single["rollout_probs_diff_std"] == 0.0
     assert math.isnan(single["rollout_actor_probs_pearson_corr"])
 
@@ -1026,6 +1021,18 @@ def test_grpo_matches_loop_reference_with_tensor_ids_token_scores_and_mask():
         rc.compute_grpo_outcome_advantage(token_scores, ids[:39])
 
 
+def test_compute_advantage_grpo_is_exactly_the_grpo_call_and_unknown_names_fail():
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 4, (16,), generator=gen)
+    scores, mask = torch.rand(16, generator=gen), (torch.rand((16, 3), generator=gen) > 0.3).float()
+    for norm in (True, False):
+        direct = rc.compute_grpo_outcome_advantage(scores, ids, response_mask=mask, norm_adv_by_std=norm)
+        assert torch.equal(rc.compute_advantage("grpo", scores, ids, response_mask=mask, norm_adv_by_std=norm), direct)
+    assert list(rc.ADVANTAGE_ESTIMATORS) == ["grpo"]  # README "Fork it" adds "rloo" (tests/test_recipes.py)
+    with pytest.raises(ValueError, match="'ppo'.*grpo"):
+        rc.compute_advantage("ppo", scores, ids)
+
+
 @PROPS
 @given(
     st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 1.0, 0.5, 2.0])), min_size=1, max_size=20),
@@ -1141,6 +1148,15 @@ def test_config_errors_name_the_bad_value(kwargs, exc, fragment):
     assert fragment in str(info.value)
 
 
+def test_rs_statistics_registry_names_every_option_statistic():
+    assert {name.rsplit("_", 1)[1] for name in rc.RS_OPTIONS} == set(rc.RS_STATISTICS) == {"k1", "k2", "k3"}
+    lam = torch.tensor([-0.5, 0.0, 0.25], dtype=F64)
+    assert torch.equal(rc.rs_base_statistic(lam, "k1"), -lam)
+    assert torch.equal(rc.rs_base_statistic(lam, "k2"), rc.k2_divergence(lam))
+    with pytest.raises(ValueError, match="'k9'"):
+        rc.rs_base_statistic(lam, "k9")
+
+
 def test_error_messages_list_alternatives():
     with pytest.raises(ValueError) as info:
         C(rollout_rs="seq_max_k1", rollout_rs_threshold=1.0)
@@ -1205,7 +1221,7 @@ def test_tensor_validation_errors():
     with pytest.raises(ValueError, match="at least one valid token"):
         rc.compute_policy_loss_reinforce(good, good, good, torch.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"\(3, 3\)"):
-        rc.compute_offpolicy_metrics(good, torch.zeros((3, 3)), mask)
+        rc.compute_rollout_correction_and_rejection_mask(good, torch.zeros((3, 3)), mask, plain)
     with pytest.raises(ValueError, match="at least one valid token"):
         rc.agg_loss(good, torch.zeros((2, 3)))
 
@@ -1675,7 +1691,7 @@ def test_k1_single_upper_bound_form():
 # ---- The +/-20 safety clip in the k3 and chi2 metrics (§2, §6.4) -------------------------------------
 def test_k3_and_chi2_metrics_clip_log_ratios_beyond_twenty():
     train, rollout, mask = logs([[25.0, 0.0], [-25.0]])
-    met = rc.compute_offpolicy_metrics(train, rollout, mask)
+    _, _, met = corr(train, rollout, mask)
     e = math.exp
     k3 = [e(20.0) - 1 - 20.0, 0.0, e(-20.0) - 1 + 20.0]  # l = 25 and -25 enter as +/-20
     assert met["k3_kl"] == pytest.approx(sum(k3) / 3, rel=1e-12)

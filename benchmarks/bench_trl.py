@@ -136,7 +136,7 @@ def write_spec(args, seed: int, out: str) -> str:
 
     mini = tasks.MiniGSMArgs()
     task = tasks.make_task("minigsm", mini)
-    model_path = tasks.base_model_path("minigsm", mini, seed, log=lambda m: print(f"[base] {m}", flush=True))
+    model_path = tasks.base_model_path(task, mini, seed, log=lambda m: print(f"[base] {m}", flush=True))
     train_rows, _ = task.problems("train", None)
     eval_rows, _ = task.problems("test", SHAPE["eval_limit"])
     order = prompt_indices(len(train_rows), seed, 0, args.steps * SHAPE["prompts_per_step"])
@@ -262,14 +262,14 @@ def trl_worker(args) -> None:
     task = tasks.make_task("minigsm", tasks.MiniGSMArgs())
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-    prompts = [task.prompt(r["question"]) for r in spec["train"]]
+    prompts = [task.prompt(r) for r in spec["train"]]
     # The prompt tokens must be the trainer's: rc_train encodes without special tokens, TRL with the default.
     for text in prompts[:8]:
         assert tokenizer(text)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], text
     data = Dataset.from_list([{"prompt": p, "gold": r["gold"]} for p, r in zip(prompts, spec["train"])])
 
     def strict_reward(completions, gold, **_):
-        return [float(task.score(c, g)["strict"]) for c, g in zip(completions, gold)]
+        return [float(task.score(c, {"gold": g})["strict"]) for c, g in zip(completions, gold)]
 
     per_rollout = spec["prompts_per_step"] * spec["samples_per_prompt"]
     optimizer_steps = spec["num_minibatches"]
@@ -310,7 +310,7 @@ def trl_worker(args) -> None:
         vllm_max_model_length=spec["max_model_len"],
     )
 
-    eval_prompts = [task.prompt(r["question"]) for r in spec["eval"]]
+    eval_prompts = [task.prompt(r) for r in spec["eval"]]
 
     def evaluate(policy) -> float:
         tokenizer.padding_side = "left"
@@ -327,7 +327,7 @@ def trl_worker(args) -> None:
                     eos_token_id=tokenizer.eos_token_id,
                 )
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                correct += sum(task.score(t, r["gold"])["strict"] for t, r in zip(texts, spec["eval"][i : i + 100]))
+                correct += sum(task.score(t, r)["strict"] for t, r in zip(texts, spec["eval"][i : i + 100]))
         policy.train()
         return correct / len(eval_prompts)
 

@@ -80,11 +80,14 @@ BAD = [
     (dict(resume=True), "--resume", "--run-name"),
     (dict(log_with=["wandbb"]), "--log-with", "'wandbb'"),
     (dict(clip_ratio=1.5), "--clip-ratio", "1.5"),  # rc_core's check; the message says where the value came from
+    (dict(adv_estimator="rloo"), "--adv-estimator", "'rloo'"),  # not built in: README "Fork it" adds it
     # YAML values reach the fields untyped: the type is checked too
     (dict(num_steps="ten"), "--num-steps", "'ten'"),
     (dict(learning_rate="1e-4x"), "--learning-rate", "'1e-4x'"),
     (dict(learning_rate=True), "--learning-rate", "True"),
     (dict(reward_mode="strik"), "--reward-mode", "'strik'"),
+    (dict(task="add", reward_mode="correct"), "--reward-mode", "'correct'"),  # a score key of another task
+    (dict(task="countdown"), "--task", "'countdown'"),  # not registered in tasks.TASKS
     (dict(rollout_dtype="float8"), "--rollout-dtype", "'float8'"),
     (dict(rollout_weight_quant="int2"), "--rollout-weight-quant", "'int2'"),
     (dict(overwrite="yes"), "--overwrite", "'yes'"),
@@ -148,6 +151,7 @@ def test_bad_yaml_values_name_the_key(tmp_path):
         ("eval_every: -1\n", "--eval-every", "-1"),
         ("num_samples_per_prompt: 1\n", "--num-samples-per-prompt", "1"),
         ("vllm_sleep_level: 1.0\n", "--vllm-sleep-level", "1.0"),
+        ("adv_estimator: ppo\n", "--adv-estimator", "'ppo'"),
         ("mini:\n  max_steps: '3'\n", "--mini.max-steps", "'3'"),
     ]:
         path = tmp_path / "bad.yaml"
@@ -192,6 +196,9 @@ GOOD = [
     dict(log_with=[]),
     dict(log_with=["all"]),
     dict(mini=tasks.MiniGSMArgs(model_seed=-1)),
+    dict(task="add", reward_mode="flexible", format_bonus=0.1),
+    dict(task="gsm8k", reward_mode=None),  # None: the task's reward key
+    dict(adv_estimator="grpo", norm_adv_by_std=False),
 ]
 
 
@@ -217,12 +224,37 @@ def test_shipped_configs_pass(path):
     tasks.check_mini_args(args.mini)
 
 
+def test_legacy_use_policy_gradient_reaches_the_correction_config(monkeypatch):
+    """--rc.use-policy-gradient (docs/corrections.md §9.1) sets loss_type where neither the preset nor --rc.loss-type
+    did, and is refused where they set another one."""
+
+    def config(*flags):
+        monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
+        return rc_train.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+
+    bypass = ["--rc.preset", "disabled", "--rc.bypass-mode", "True"]
+    assert config(*bypass).loss_type == "ppo_clip"
+    assert config(*bypass, "--rc.use-policy-gradient", "True").loss_type == "reinforce"
+    assert config("--rc.loss-type", "none", "--rc.use-policy-gradient", "True").loss_type == "reinforce"
+    with pytest.raises(ValueError, match="conflicts with loss_type='ppo_clip'"):
+        config("--rc.preset", "bypass_ppo_clip", "--rc.use-policy-gradient", "True")
+
+
+def test_format_bonus_needs_the_tasks_format_key(monkeypatch):
+    plain = tasks.Task("plain", lambda split, limit=None: ([{"q": "1"}], 0), lambda row: row["q"], lambda r, row: {})
+    monkeypatch.setitem(tasks.TASKS, "plain", lambda **_: plain)
+    rc_infra.validate_args(with_(task="plain"), world_size=1)
+    message = refused(with_(task="plain", format_bonus=0.5))
+    assert "--format-bonus 0.5" in message and "'plain'" in message and "format key" in message
+
+
 # ---- the real script: refused before the engine, nothing written ---------------------------------------------
 @pytest.mark.parametrize(
     "flags, needle",
     [
         (["--num-samples-per-prompt", "1"], "--num-samples-per-prompt"),
         (["--model", "/path/that/does/not/exist"], "/path/that/does/not/exist"),
+        (["--reward-mode", "correct"], "'correct'"),
     ],
 )
 def test_refused_before_engine_and_run_folder(tmp_path, flags, needle):

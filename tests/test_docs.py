@@ -17,6 +17,7 @@ import warnings
 import torch
 
 import rc_core as rc
+import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CORRECTIONS = os.path.join(ROOT, "docs", "corrections.md")
@@ -36,11 +37,16 @@ LITERAL_FILES = ("rc_train.py", "rc_infra.py", "rc_rollout.py", "rc_core.py")
 # Metric names built at run time, each handled on purpose: (file, the start of its f-string) -> how it is collected.
 DYNAMIC = {
     ("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
-    "calls rc_core for every preset, RS option, batch norm and the veto"
+    "calls rc_core for every preset, RS option, batch norm and the veto",
+    ("rc_train.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress reads one); "
+    "task_metrics collects those of every task in tasks.TASKS",
+    ("rc_infra.py", 'f"eval/accuracy_{'): "print_summary reads the task's accuracy key, one of task_metrics",
 }
-# The one placeholder docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
-# rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_...").
+# The placeholders docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
+# rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_..."),
+# and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_train.evaluate).
 OPTION = "<option>"
+KEY = "<key>"
 
 
 def read(path: str) -> str:
@@ -205,8 +211,14 @@ def literal_metrics() -> frozenset:
     return frozenset(names)
 
 
+@functools.cache
+def task_metrics() -> frozenset:
+    """eval/accuracy_<key> for every score key of every task in tasks.TASKS (rc_train.evaluate's names)."""
+    return frozenset(f"eval/accuracy_{k}" for name in tasks.TASKS for k in tasks.make_task(name).score_keys)
+
+
 def logged_metrics() -> frozenset:
-    return core_metrics() | literal_metrics()
+    return core_metrics() | literal_metrics() | task_metrics()
 
 
 def doc_metrics(metrics_text: str) -> set:
@@ -215,17 +227,20 @@ def doc_metrics(metrics_text: str) -> set:
 
 
 def pattern(name: str) -> re.Pattern:
-    """A documented name as a regular expression: <option> stands for any RS option of rc_core."""
+    """A documented name as a regular expression: <option> stands for any RS option of rc_core, <key> for any score
+    key of a task."""
     options = "|".join(map(re.escape, rc.RS_OPTIONS))
-    return re.compile(re.escape(name).replace(re.escape(OPTION), f"(?:{options})"))
+    keys = "|".join(sorted({re.escape(n.removeprefix("eval/accuracy_")) for n in task_metrics()}))
+    text = re.escape(name).replace(re.escape(OPTION), f"(?:{options})")
+    return re.compile(text.replace(re.escape(KEY), f"(?:{keys})"))
 
 
 def metric_problems(metrics_text: str, logged: frozenset) -> list[str]:
     documented = doc_metrics(metrics_text)
     problems = [
-        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION})"
+        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION} and {KEY})"
         for n in sorted(documented)
-        if set("<>") & set(n.replace(OPTION, ""))
+        if set("<>") & set(n.replace(OPTION, "").replace(KEY, ""))
     ]
     # The name column of every table spells each name out: no shorthand such as `_max` or `rollout_is_*`.
     for table in tables(metrics_text):

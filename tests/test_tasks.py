@@ -1,14 +1,23 @@
-"""Tests of tasks.py: the miniature GSM8K generator, the task interface and the model cache (no engine)."""
+"""Tests of tasks.py: the miniature GSM8K generator, the task interface, the tiny models and their cache (no engine,
+but for the README's task recipe, trained for two steps by the real script)."""
 
 import dataclasses
 import json
 import os
+import random
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 import gsm8k
+import rc_train
 import tasks
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 MINI = tasks.MiniGSMArgs()
 
 
@@ -33,7 +42,7 @@ def test_reference_solutions_have_gsm8k_shape_and_correct_arithmetic():
             lhs, rhs = line.split("=")
             assert eval(lhs) == int(rhs) >= 0  # noqa: S307 - digits and one operator, written by the generator
         assert int(lines[-1].split("=")[1]) == int(p["gold"])
-        assert tasks.score_gsm8k_style(p["answer"], p["gold"]) == {"strict": 1.0, "flexible": 1.0, "well_formed": 1.0}
+        assert tasks.score_gsm8k_style(p["answer"], p) == {"strict": 1.0, "flexible": 1.0, "well_formed": 1.0}
 
 
 def test_difficulty_knobs_change_length_and_range():
@@ -57,7 +66,7 @@ def test_warm_start_format_share():
     strict = sum(t == p["answer"] for t in texts) / len(texts)
     assert 0.26 < strict < 0.34
     loose = next(t for t in texts if t != p["answer"])
-    assert tasks.score_gsm8k_style(loose, p["gold"]) == {"strict": 0.0, "flexible": 1.0, "well_formed": 0.0}
+    assert tasks.score_gsm8k_style(loose, p) == {"strict": 0.0, "flexible": 1.0, "well_formed": 0.0}
     assert all(tasks.warm_start_solution(p, rng, 1.0) == p["answer"] for _ in range(50))
 
 
@@ -83,18 +92,26 @@ def test_task_interface_and_unknown_name():
         task = tasks.make_task(name, MINI)
         rows, skipped = task.problems("test", 5)
         assert len(rows) == 5 and skipped == 0 and set(rows[0]) >= {"question", "gold"}
-        assert (
-            task.score(rows[0]["gold"] if name == "add" else f"#### {rows[0]['gold']}", rows[0]["gold"])["strict"] == 1
+        assert task.score(rows[0]["gold"] if name == "add" else f"#### {rows[0]['gold']}", rows[0])["strict"] == 1
+        assert (task.score_keys, task.reward_key, task.accuracy_key, task.format_key) == (
+            ("strict", "flexible"),
+            "strict",
+            "strict",
+            "well_formed",
         )
-    assert tasks.make_task("minigsm", MINI).prompt("Q?") == gsm8k.format_prompt("Q?")  # the GSM8K code path
+        tasks.check_scorer(task, rows)
+    assert tasks.make_task("minigsm", MINI).prompt({"question": "Q?"}) == gsm8k.format_prompt("Q?")  # GSM8K's code
     with pytest.raises(ValueError, match="'nope'.*minigsm, gsm8k, add"):
         tasks.make_task("nope")
 
 
 def test_score_addition_reads_first_ascii_integer():
-    assert tasks.score_addition("7", "7")["strict"] == 1.0 and tasks.score_addition(" 7 and 3", "7")["strict"] == 1.0
-    assert tasks.score_addition("17", "7")["strict"] == 0.0 and tasks.score_addition("x", "7")["strict"] == 0.0
-    assert tasks.score_addition("³7", "7")["strict"] == 1.0 and tasks.score_addition("³", "3")["strict"] == 0.0
+    def score(response, gold):
+        return tasks.score_addition(response, {"question": "3+4=", "gold": gold})["strict"]
+
+    assert score("7", "7") == 1.0 and score(" 7 and 3", "7") == 1.0
+    assert score("17", "7") == 0.0 and score("x", "7") == 0.0
+    assert score("³7", "7") == 1.0 and score("³", "3") == 0.0
     problems = tasks.addition_problems()
     assert len(problems) == 55 and all(int(p["gold"]) <= 9 for p in problems)
 
@@ -146,7 +163,7 @@ def test_tiny_warm_start_builds_a_loadable_model(tmp_path, monkeypatch):
 
     monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path))
     mini = dataclasses.replace(MINI, train_size=200, test_size=20, sft_steps=3, sft_batch_size=4)
-    path = tasks.base_model_path("minigsm", mini, seed=1, log=lambda _: None)
+    path = tasks.base_model_path(tasks.make_task("minigsm", mini), mini, seed=1, log=lambda _: None)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.head_dim == 64 and model.config.num_hidden_layers == 4
@@ -154,3 +171,288 @@ def test_tiny_warm_start_builds_a_loadable_model(tmp_path, monkeypatch):
     assert tok.decode(ids) == "27+18=45 #### 45"
     assert [tok.decode([i]) for i in tok("27")["input_ids"]] == ["2", "7"]  # digits one per token
     assert json.load(open(os.path.join(path, "build.json")))["settings"]["sft_steps"] == 3
+
+
+def test_minigsm_base_keeps_its_cache_name_and_corpus():
+    """The default job's base is cached as minigsm-base-1fa400aac5e0bdb3; the generic warm start must rebuild exactly
+    it: same name, same prompts and solutions as the minigsm-only builder wrote (re-implemented here)."""
+    task = tasks.make_task("minigsm", MINI)
+    prompts, solutions = tasks.warm_start_corpus(task, MINI)
+    assert tasks.warm_base_name(task, MINI, prompts, solutions) == "minigsm-base-1fa400aac5e0bdb3"
+    train = tasks.minigsm_problems(MINI, "train")
+    rng = random.Random(f"warm-start/{MINI.model_seed}")
+    assert solutions == [tasks.warm_start_solution(p, rng, MINI.format_share) for p in train]
+    assert prompts == [gsm8k.format_prompt(p["question"]) for p in train]
+
+
+# ---- The interface: registry, declared score keys, reward, evaluation, prompts -----------------------------
+def toy_task(**changes) -> tasks.Task:
+    """A task of the tests' own: each row carries a word, and the scorer reads it from the row."""
+    rows = [{"word": w} for w in ("cat", "dog", "sun")]
+    fields = dict(
+        name="rev",
+        problems=lambda split, limit=None: (rows[:limit] if limit else rows, 0),
+        prompt=lambda row: f"Reverse {row['word']}:",
+        score=lambda response, row: {
+            "correct": float(response.strip() == row["word"][::-1]),
+            "well_formed": float(len(response.strip()) == 3),
+        },
+        score_keys=("correct", "well_formed"),
+    )
+    return tasks.Task(**{**fields, **changes})
+
+
+def test_registry_takes_a_new_task_without_editing_make_task(monkeypatch):
+    monkeypatch.setitem(tasks.TASKS, "rev", lambda **_: toy_task())
+    assert "rev" in tasks.TASK_NAMES and tasks.make_task("rev").name == "rev"
+    with pytest.raises(ValueError, match="'nope'.*minigsm, gsm8k, add, rev"):
+        tasks.make_task("nope")
+
+
+def test_declared_score_keys_are_checked():
+    with pytest.raises(ValueError, match="reward_key 'strict' is not one of its score_keys"):
+        toy_task(reward_key="strict")
+    with pytest.raises(ValueError, match="accuracy_key 'exact'"):
+        toy_task(accuracy_key="exact")
+    with pytest.raises(ValueError, match="clash"):
+        toy_task(score_keys=("correct", "tokens"))
+    with pytest.raises(ValueError, match=r"without \['exact'\]"):
+        tasks.check_scorer(toy_task(score_keys=("correct", "exact")), [{"word": "cat"}])
+    tasks.check_reward_settings(toy_task(), "well_formed", 0.0)
+    with pytest.raises(ValueError, match="--reward-mode .*'rev' \\(correct, well_formed\\), got 'strict'"):
+        tasks.check_reward_settings(toy_task(), "strict", 0.0)
+    with pytest.raises(ValueError, match="--format-bonus 0.5 .*'rev' has none"):
+        tasks.check_reward_settings(toy_task(), None, 0.5)
+    tasks.check_reward_settings(toy_task(format_key="well_formed"), None, 0.5)
+
+
+def test_reward_reads_the_reward_mode_and_the_tasks_format_key():
+    scores = {"correct": 0.0, "well_formed": 1.0}
+    args = dataclasses.replace(rc_train.Args(), reward_mode="correct", format_bonus=0.25)
+    assert rc_train.reward(args, toy_task(format_key="well_formed"), scores) == 0.25
+    assert rc_train.reward(dataclasses.replace(args, format_bonus=0.0), toy_task(), scores) == 0.0
+    args = dataclasses.replace(rc_train.Args(), reward_mode="flexible", format_bonus=0.5)
+    assert rc_train.reward(args, tasks.make_task("add"), {"strict": 0.0, "flexible": 1.0, "well_formed": 1.0}) == 1.5
+
+
+class FakeRollouts:
+    """rc_rollout.Rollouts.evaluate for rc_train.evaluate: prompt [i] gets responses[i], 3 tokens long."""
+
+    def __init__(self, responses):
+        self.responses = responses
+
+    def evaluate(self, prompts, version, restore):
+        return [[([0, 0, 0], [], self.responses[p[0]])] for p in prompts]
+
+
+class OneRank:
+    def gather(self, x):
+        return [x]
+
+
+def test_evaluate_logs_one_accuracy_per_score_key():
+    minigsm = tasks.make_task("minigsm", MINI)
+    rows, _ = minigsm.problems("test", 2)
+    rollouts = FakeRollouts([f"#### {rows[0]['gold']}", f"The answer is {rows[1]['gold']}."])
+    metrics, samples = rc_train.evaluate(minigsm, rollouts, [[0], [1]], rows, 0, 1, OneRank(), 1)
+    # The names and samples of the GSM8K-style tasks, exactly as before the keys were the task's.
+    assert metrics == {"eval/accuracy_strict": 0.5, "eval/accuracy_flexible": 1.0, "eval/response_length": 3.0}
+    assert list(samples[0]) == ["index", "question", "gold", "response", "strict", "flexible", "tokens"]
+    toy = toy_task()
+    rows, _ = toy.problems("test", 2)
+    metrics, samples = rc_train.evaluate(toy, FakeRollouts(["tac", "dgo"]), [[0], [1]], rows, 0, 1, OneRank(), 1)
+    assert metrics == {"eval/accuracy_correct": 0.5, "eval/accuracy_well_formed": 1.0, "eval/response_length": 3.0}
+    assert samples[1] == {"index": 1, "response": "dgo", "correct": 0.0, "well_formed": 1.0, "tokens": 3}
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def byte_tokenizer(chat_template=None):
+    """A small byte-level BPE (every byte encodable), with or without a chat template."""
+    tokenizer = tasks.make_tokenizer([p["question"] for p in tasks.minigsm_problems(MINI, "test")], 300)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def old_encode(name: str, tokenizer, rows) -> list[list[int]]:
+    """rc_train.encode_prompts before tasks had system prompts and prefills: task.prompt(question), as the user
+    message of the chat template when the tokenizer has one."""
+    out = []
+    for row in rows:
+        text = row["question"] if name == "add" else gsm8k.format_prompt(row["question"])
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append(ids)
+    return out
+
+
+@pytest.mark.parametrize("chat_template", [None, CHAT_TEMPLATE], ids=["plain", "chat"])
+def test_prompt_ids_of_the_shipped_tasks_are_unchanged(chat_template):
+    tokenizer = byte_tokenizer(chat_template)
+    args = rc_train.Args(max_model_len=4096)
+    gsm8k_rows = [{"question": "Ann’s lunch costs 5 €. She buys 2.\nHow much?", "gold": "10"}]
+    for name, rows in [
+        ("minigsm", tasks.minigsm_problems(MINI, "test")[:20]),
+        ("add", tasks.addition_problems()),
+        ("gsm8k", gsm8k_rows),
+    ]:
+        task = tasks.make_task(name, MINI)
+        assert rc_train.encode_prompts(args, task, tokenizer, rows) == old_encode(name, tokenizer, rows), name
+
+
+def test_system_prompt_and_prefill():
+    task = dataclasses.replace(tasks.make_task("add"), system_prompt="One digit.", prefill="=> ")
+    row = {"question": "3+4=", "gold": "7"}
+    assert tasks.prompt_text(task, row) == "One digit.\n\n3+4==> "
+    args = rc_train.Args()
+    plain = byte_tokenizer()
+    assert rc_train.encode_prompts(args, task, plain, [row]) == [plain("One digit.\n\n3+4==> ")["input_ids"]]
+    chat = byte_tokenizer(CHAT_TEMPLATE)
+    [ids] = rc_train.encode_prompts(args, task, chat, [row])
+    assert chat.decode(ids) == "<|system|>One digit.\n<|user|>3+4=\n<|assistant|>=> "  # the response continues it
+    assert ids[-len(chat("=> ")["input_ids"]) :] == chat("=> ")["input_ids"]
+
+
+# ---- Coverage: every prompt character encodes, checked before the engine starts -----------------------------
+def test_coverage_check_names_the_prompt_and_the_character():
+    ascii_only = tasks.make_tokenizer(["What is 3 plus 4? 3+4=7"], 120, tasks.tiny_alphabet([]))
+    texts = ["3+4=", "It costs 5 €.", "Ann’s"]
+    with pytest.raises(ValueError, match=r"^prompt 1 holds the character '€' \(U\+20AC\)"):
+        tasks.check_coverage(ascii_only, texts)
+    with pytest.raises(ValueError, match="eval prompt 0 .*'’'"):
+        tasks.check_coverage(ascii_only, texts[2:], "eval prompt")
+    tasks.check_coverage(ascii_only, texts[:1] + ["".join(tasks.PRINTABLE)])
+    # A Unicode normalisation is not a loss: Qwen2's tokenizer composes 'e' + U+0301 into 'é' (NFC)
+    from tokenizers import normalizers
+
+    nfc = byte_tokenizer()
+    nfc.backend_tokenizer.normalizer = normalizers.NFC()
+    tasks.check_coverage(nfc, ["Cafe\u0301 ’ €"])
+    # A tokenizer with an unknown token: the character becomes [UNK]
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="[UNK]"))
+    raw.decoder = decoders.Fuse()
+    raw.train_from_iterator(["abc cab ba"], trainers.BpeTrainer(special_tokens=["[UNK]"], show_progress=False))
+    with_unk = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    tasks.check_coverage(with_unk, ["abc", "b a"])
+    with pytest.raises(ValueError, match="prompt 1 .*'€'"):
+        tasks.check_coverage(with_unk, ["abc", "a€b"])
+
+
+def test_tiny_tokenizer_covers_the_tasks_characters(tmp_path, monkeypatch):
+    """--model tiny without a warm start: a tokenizer from text generated here, its alphabet printable ASCII, newline
+    and every character of the task's prompts (one more token per extra byte); the alphabet is in the cache name."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path))
+    add = tasks.make_task("add")
+    path = tasks.base_model_path(add, MINI, seed=1, log=lambda _: None)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert len(tokenizer) == 160 and os.path.basename(path).startswith("tiny-qwen2-v160-")
+    tasks.check_coverage(tokenizer, [tasks.prompt_text(add, r) for r in add.problems("test")[0]])
+    tasks.check_coverage(tokenizer, ["".join(tasks.PRINTABLE)])
+    assert [tokenizer.decode([i]) for i in tokenizer("27")["input_ids"]] == ["2", "7"]  # digits one per token
+    assert tasks.base_model_path(add, MINI, seed=1, log=lambda _: None) == path  # reused
+    rows = [{"question": "Ann’s lunch costs 5 €.", "gold": "5"}]
+    gsm8k_like = tasks.Task(
+        "gsm8k-like",
+        lambda split, limit=None: (rows, 0),
+        tasks.gsm8k_prompt,
+        tasks.score_gsm8k_style,
+        **tasks.GSM8K_KEYS,
+    )
+    with pytest.raises(ValueError, match="'’'"):
+        tasks.check_coverage(tokenizer, [rows[0]["question"]])
+    wide_path = tasks.base_model_path(gsm8k_like, MINI, seed=1, log=lambda _: None)
+    wide = AutoTokenizer.from_pretrained(wide_path)
+    assert len(wide) == 165  # five more bytes: E2 80 99 (’) and 82 AC (€)
+    assert os.path.basename(wide_path).startswith("tiny-qwen2-v165-")
+    tasks.check_coverage(wide, [tasks.prompt_text(gsm8k_like, r) for r in rows])
+
+
+def test_any_task_with_a_warm_start_gets_a_warm_base(tmp_path, monkeypatch):
+    monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path))
+    task = toy_task(warm_start=lambda row, rng: row["word"][::-1])
+    mini = dataclasses.replace(MINI, sft_steps=2, sft_batch_size=2)
+    path = tasks.base_model_path(task, mini, seed=1, log=lambda _: None)
+    assert os.path.basename(path).startswith("rev-base-")
+    assert json.load(open(os.path.join(path, "build.json")))["kind"] == "rev base"
+    # Another corpus (other solutions) or other SFT settings never reuse it
+    other = dataclasses.replace(task, warm_start=lambda row, rng: row["word"])
+    assert tasks.base_model_path(other, mini, seed=1, log=lambda _: None) != path
+    longer = dataclasses.replace(mini, sft_steps=3)
+    assert tasks.base_model_path(task, longer, seed=1, log=lambda _: None) != path
+
+
+# ---- The README's task recipe, run as it stands ----------------------------------------------------------------
+def readme_task_recipe() -> str:
+    """The code block after README.md's "**A new task.**" paragraph."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return re.search(r"```python\n(.*?)```", text[text.index("**A new task.**") :], re.S).group(1)
+
+
+def recipe_task() -> tasks.Task:
+    """The recipe's task, its code run as if appended to tasks.py (against a copy of the registry)."""
+    namespace = {**vars(tasks), "TASKS": dict(tasks.TASKS)}
+    exec(readme_task_recipe(), namespace)  # noqa: S102 - the README's own code block
+    [name] = set(namespace["TASKS"]) - set(tasks.TASKS)
+    return namespace["TASKS"][name]()
+
+
+def test_readme_task_recipe_scores_the_row():
+    task = recipe_task()
+    rows, skipped = task.problems("train")
+    a, b = rows[0]["numbers"]
+    assert skipped == 0 and task.score(f"{a}*{b}", rows[0]) == {"correct": 1.0, "well_formed": 1.0}
+    assert task.score(f"{a}+{b}", rows[0]) == {"correct": float(a + b == a * b), "well_formed": 1.0}
+    other = next(r for r in rows if sorted(r["numbers"]) != sorted([a, b]))
+    assert task.score(f"{a}*{b}", other) == {"correct": 0.0, "well_formed": 0.0}  # same response, another row
+    assert task.score("no idea", rows[0]) == {"correct": 0.0, "well_formed": 0.0}
+    tasks.check_scorer(task, rows)
+
+
+def test_readme_task_recipe_trains(tmp_path):
+    """The recipe appended to a copy of tasks.py; the copied rc_train.py trains it for two steps with --model tiny."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), repo / name)
+    shutil.copytree(os.path.join(ROOT, "configs"), repo / "configs")
+    with open(repo / "tasks.py", "a", encoding="utf-8") as f:
+        f.write("\n\n" + readme_task_recipe())
+    task = recipe_task()
+    short = ["--num-steps", "2", "--num-prompts-per-step", "4", "--num-samples-per-prompt", "4"]
+    flags = [*short, "--max-response-length", "4", "--eval-limit", "8", "--no-save-final"]
+    cmd = [sys.executable, "rc_train.py", "--config", "configs/cpu_add.yaml", "--task", task.name, "--model", "tiny"]
+    cmd += [*flags, "--output-dir", str(tmp_path / "runs"), "--run-name", "run"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = tmp_path / "runs" / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/accuracy_correct" in r]
+    assert [r["step"] for r in evals] == [-1, 1] and all("eval/accuracy_well_formed" in r for r in evals)
+    assert not any("eval/accuracy_strict" in r for r in records)
+    assert f"eval accuracy (correct, greedy, 8 problems): {evals[0]['eval/accuracy_correct']:.3f}" in proc.stdout
+    sample = json.loads((run / "eval_samples.jsonl").read_text().splitlines()[0])
+    assert {"question", "response", "correct", "well_formed"} <= set(sample)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["args"]["reward_mode"] == "correct"  # the task's reward key
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
+    texts = [tasks.prompt_text(task, r) for split in ("train", "test") for r in task.problems(split)[0]]
+    tasks.check_coverage(tokenizer, texts)

@@ -1,0 +1,235 @@
+"""The README's "Fork it" recipes, run as written, so that they cannot rot.
+
+Each test takes a recipe's code block from README.md (the first ```python block after the paragraph whose bold heading
+it names: readme_block), adds it to a copy of the repository (copy_repo, append_to), and checks the result by hand:
+in-process on the copy's own modules (imported_from), and where the recipe is a trainer flag, with the copy's real
+rc_train.py (run_copy). A recipe must add something the repository does not have yet; each test checks that too.
+"""
+
+import contextlib
+import importlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rc_core
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+README = os.path.join(ROOT, "README.md")
+
+
+# ---- helpers for every recipe ----------------------------------------------------------------------------------
+def readme_block(heading: str) -> str:
+    """The code of the ```python block that follows the README paragraph starting with **heading** (before the next
+    bold paragraph heading or section)."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    start = text.find(f"**{heading}**")
+    assert start >= 0, f"README.md has no paragraph **{heading}**"
+    fence = text.find("```python\n", start)
+    after = re.compile(r"^(\*\*[^*\n]+\*\*|#+ )", re.M).search(text, start + len(heading) + 4)
+    assert fence >= 0 and (after is None or fence < after.start()), f"**{heading}** has no ```python block"
+    body = fence + len("```python\n")
+    return text[body : text.index("\n```", body) + 1]
+
+
+def copy_repo(tmp_path) -> str:
+    """A copy of the repository's top-level .py files and configs/ in tmp_path/repo: enough to import and run
+    rc_train.py. Returns its path."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy2(os.path.join(ROOT, name), repo / name)
+    shutil.copytree(os.path.join(ROOT, "configs"), repo / "configs")
+    return str(repo)
+
+
+def append_to(repo: str, module: str, code: str) -> None:
+    """Append `code` to the copy's module file (e.g. 'rc_core.py'), as the recipe says."""
+    with open(os.path.join(repo, module), "a", encoding="utf-8") as f:
+        f.write("\n\n" + code)
+
+
+def ruff_problems(repo: str, module: str) -> str:
+    """ruff's format and lint report on the copy's module under the repository's own settings ('' when clean)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "ruff")
+    ruff = [exe] if os.path.exists(exe) else [sys.executable, "-m", "ruff"]
+    config = ["--config", os.path.join(ROOT, "pyproject.toml")]
+    out = ""
+    for args in (["format", "--check", "--diff"], ["check"]):
+        proc = subprocess.run([*ruff, *args, *config, module], capture_output=True, text=True, cwd=repo, timeout=120)
+        out += proc.stdout + proc.stderr if proc.returncode else ""
+    return out
+
+
+@contextlib.contextmanager
+def imported_from(repo: str, *names: str):
+    """The copy's modules `names` (its rc_core, rc_infra, rc_train, ...), imported under their own names so that they
+    import each other; afterwards sys.modules holds the repository's own modules again."""
+    shadowed = [name[: -len(".py")] for name in os.listdir(repo) if name.endswith(".py")]
+    saved = {name: sys.modules.pop(name, None) for name in shadowed}
+    sys.path.insert(0, repo)
+    try:
+        yield [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(repo)
+        for name in shadowed:
+            sys.modules.pop(name, None)
+            if saved[name] is not None:
+                sys.modules[name] = saved[name]
+
+
+def run_copy(repo: str, tmp_path, *flags, name: str = "run", timeout: int = 300):
+    """Run the copy's rc_train.py on the one-token fixture (configs/cpu_add.yaml), small: 8 prompts x 8 samples, a
+    10-problem evaluation at the end only. Returns (metrics rows of the training steps, completed process)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    quick = ["--config", os.path.join("configs", "cpu_add.yaml"), "--num-prompts-per-step", "8"]
+    quick += ["--num-samples-per-prompt", "8", "--eval-limit", "10", "--no-eval-before", "--no-save-final"]
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "rc_train.py", *quick, "--output-dir", str(out), "--run-name", name, *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
+    assert proc.returncode == 0, f"rc_train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    lines = (out / name / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["step"] >= 0], proc
+
+
+# ---- A new advantage estimator: RLOO -------------------------------------------------------------------------
+def rloo_by_hand(scores: list[float], index: list) -> list[float]:
+    """A_i = R_i - (sum of the other R_j of i's group) / (n_g - 1); a group of one keeps R_i."""
+    out = []
+    for score, group in zip(scores, index):
+        others = [s for s, g in zip(scores, index) if g == group]
+        others.remove(score)
+        out.append(score - sum(others) / len(others) if others else score)
+    return out
+
+
+# Appended after the recipe for the training run: each call of the "rloo" entry is written to TRACE_PATH, so the
+# test sees that the trainer dispatched through ADVANTAGE_ESTIMATORS, and with which scores, groups and mask.
+TRACE_RLOO = """
+import json
+
+_recipe_rloo = ADVANTAGE_ESTIMATORS["rloo"]
+
+
+def _traced_rloo(scores, index, **kwargs):
+    adv = _recipe_rloo(scores, index, **kwargs)
+    call = {"scores": torch.as_tensor(scores).tolist(), "index": torch.as_tensor(index).tolist(), "adv": adv.tolist()}
+    with open(TRACE_PATH, "a") as f:
+        f.write(json.dumps({**call, "mask": kwargs["response_mask"].tolist()}) + "\\n")
+    return adv
+
+
+ADVANTAGE_ESTIMATORS["rloo"] = _traced_rloo
+"""
+
+
+def test_rloo_recipe(tmp_path):
+    assert "rloo" not in rc_core.ADVANTAGE_ESTIMATORS  # the recipe adds an estimator the repository lacks
+    repo = copy_repo(tmp_path)
+    append_to(repo, "rc_core.py", readme_block("A new advantage estimator."))
+    assert ruff_problems(repo, "rc_core.py") == ""
+
+    # In-process, by hand: two groups of four and two, a group of one, a group whose scores are all equal.
+    scores = [1.0, 0.0, 1.0, 0.0, 0.7, 0.3, 0.3, 0.3, 1.0, 0.0]
+    index = ["a", "a", "a", "a", "solo", "b", "b", "b", "c", "c"]
+    want = [2 / 3, -2 / 3, 2 / 3, -2 / 3, 0.7, 0.0, 0.0, 0.0, 1.0, -1.0]
+    assert rloo_by_hand(scores, index) == pytest.approx(want)
+    with imported_from(repo, "rc_core", "rc_infra", "rc_train") as (core, infra, trainer):
+        adv = core.compute_advantage("rloo", torch.tensor(scores, dtype=torch.float64), index)
+        assert adv.tolist() == pytest.approx(want, abs=1e-12)
+        # the trainer's call: an integer group tensor, token scores summed over T, A_i m_it back
+        ids = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2, 3, 3])
+        token_scores = torch.tensor(scores, dtype=torch.float64)[:, None] * torch.tensor([0.25, 0.75])
+        mask = torch.ones(10, 2)
+        mask[1, 1] = mask[4, 0] = 0.0
+        full = core.compute_advantage("rloo", token_scores, ids, response_mask=mask, norm_adv_by_std=True)
+        torch.testing.assert_close(full, torch.tensor(want, dtype=torch.float64)[:, None] * mask)
+        infra.validate_args(trainer.Args(adv_estimator="rloo"), world_size=1)  # now a valid --adv-estimator
+        with pytest.raises(ValueError, match="--adv-estimator.*grpo, rloo.*'ppo'"):
+            infra.validate_args(trainer.Args(adv_estimator="ppo"), world_size=1)
+
+    # The copy's real trainer, two steps on the one-token fixture with --adv-estimator rloo.
+    trace = tmp_path / "rloo_calls.jsonl"
+    append_to(repo, "rc_core.py", TRACE_RLOO.replace("TRACE_PATH", repr(str(trace))))
+    rows, _ = run_copy(repo, tmp_path, "--num-steps", "2", "--adv-estimator", "rloo")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["actor/pg_loss"]) and 0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    assert trace.exists(), "the trainer never called the 'rloo' estimator: its loop must call rc_core.compute_advantage"
+    calls = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(calls) == 2  # one advantage per step, on this one rank
+    for call in calls:
+        scores, index = call["scores"], call["index"]
+        assert len(scores) == 64 and sorted(set(index)) == list(range(8))  # 8 prompts x 8 samples, one group each
+        want = rloo_by_hand(scores, index)
+        assert call["adv"] == [[pytest.approx(a * m, abs=1e-6) for m in row] for a, row in zip(want, call["mask"])]
+
+
+# ---- A new rejection rule: a chi^2 gate ------------------------------------------------------------------------
+def test_chi2_gate_recipe(tmp_path, monkeypatch):
+    option, p = "seq_mean_chi2", "rollout_corr/rollout_rs_seq_mean_chi2_"
+    with pytest.raises(ValueError, match=f"unknown option '{option}'"):  # the recipe adds an option the repo lacks
+        rc_core.RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=0.1)
+    repo = copy_repo(tmp_path)
+    append_to(repo, "rc_core.py", readme_block("A new rejection rule."))
+    assert ruff_problems(repo, "rc_core.py") == ""
+
+    # Token ratios rho = pi_train / mu: row 0 (1.5, 0.5), row 1 (1.2, 1.0), row 2 (0.9) and a padded slot (NaN).
+    # Row values Q_i = mean_t (rho_t - 1)^2 = 0.25, 0.02, 0.01: the gate U = 0.1 rejects row 0 only.
+    ratios = [[1.5, 0.5], [1.2, 1.0], [0.9, math.nan]]
+    train_lp = torch.tensor(ratios, dtype=torch.float64).log()
+    rollout_lp = torch.where(train_lp.isnan(), train_lp, torch.zeros_like(train_lp))
+    mask = (~train_lp.isnan()).double()
+    q, rows_q = [0.25, 0.25, 0.02, 0.02, 0.01], [0.25, 0.02, 0.01]  # Q_i broadcast over each row's tokens; Q_i
+    clipped = [min(v, 0.1) for v in q]  # q clipped to the option's interval [0, U]
+    by_hand = {
+        "mean": sum(q) / 5,  # token-weighted
+        "max": 0.25,
+        "min": 0.01,
+        "fraction_high": 1 / 3,  # of the rows
+        "fraction_low": 0.0,  # one-sided: nothing is below
+        "std": math.sqrt(sum(v * v for v in clipped) / 5 - (sum(clipped) / 5) ** 2),
+        "seq_mean": sum(rows_q) / 3,
+        "seq_std": math.sqrt(sum((v - sum(rows_q) / 3) ** 2 for v in rows_q) / 2),
+        "seq_max": 0.25,
+        "seq_min": 0.01,
+        "seq_max_deviation": 0.25,
+        "seq_fraction_high": 1 / 3,
+        "masked_fraction": 2 / 5,  # of the valid tokens
+        "seq_masked_fraction": 1 / 3,
+    }
+    with imported_from(repo, "rc_core", "rc_infra", "rc_train") as (core, infra, trainer):
+        assert option in core.RS_OPTIONS and "chi2" in core.RS_STATISTICS
+
+        def correct(rollout_rs, threshold):
+            config = core.RolloutCorrectionConfig(rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
+            return core.compute_rollout_correction_and_rejection_mask(train_lp, rollout_lp, mask, config)
+
+        weights, keep, metrics = correct(option, 0.1)
+        assert weights is None and keep.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 0.0]]
+        assert {k[len(p) :]: v for k, v in metrics.items() if k.startswith(p)} == pytest.approx(by_hand, abs=1e-12)
+        assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
+        # the metric names of a built-in one-sided option, each reduced by its own last word
+        k3_names = set(correct("seq_mean_k3", 0.1)[2])
+        assert {k.replace(option, "seq_mean_k3") for k in metrics} == k3_names
+        assert [infra.metric_kind(p + word) for word in ("mean", "max", "seq_min")] == ["mean", "max", "min"]
+        # AND-ed with a built-in option: token_k1 at [0.95, 1.3] also rejects row 2's rho = 0.9
+        keep = correct(f"{option},token_k1", "0.1,0.95_1.3")[1]
+        assert keep.tolist() == [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+
+        # The copy's trainer takes it from the command line: parsed, validated and built into its correction config.
+        config = os.path.join(repo, "configs", "cpu_add.yaml")
+        flags = ["--rc.rollout-rs", option, "--rc.rollout-rs-threshold", "0.1"]
+        monkeypatch.setattr(sys, "argv", ["rc_train.py", "--config", config, *flags])
+        args = infra.parse_cli(trainer.Args, trainer.load_yaml_defaults)
+        trainer.validate_args(args, 1)
+        (spec,) = trainer.build_correction_config(args.rc).rs_specs
+        assert spec == core.RSOption(option, "chi2", "seq_mean", None, 0.1)

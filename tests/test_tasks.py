@@ -5,8 +5,6 @@ import dataclasses
 import json
 import os
 import random
-import re
-import shutil
 import subprocess
 import sys
 
@@ -16,6 +14,7 @@ import yaml
 import gsm8k
 import rc_train
 import tasks
+from tests.test_recipes import append_to, copy_repo, readme_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 MINI = tasks.MiniGSMArgs()
@@ -398,9 +397,7 @@ def test_any_task_with_a_warm_start_gets_a_warm_base(tmp_path, monkeypatch):
 # ---- The README's task recipe, run as it stands ----------------------------------------------------------------
 def readme_task_recipe() -> str:
     """The code block after README.md's "**A new task.**" paragraph."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    return re.search(r"```python\n(.*?)```", text[text.index("**A new task.**") :], re.S).group(1)
+    return readme_block("A new task.")
 
 
 def recipe_task() -> tasks.Task:
@@ -425,14 +422,8 @@ def test_readme_task_recipe_scores_the_row():
 
 def test_readme_task_recipe_trains(tmp_path):
     """The recipe appended to a copy of tasks.py; the copied rc_train.py trains it for two steps with --model tiny."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in os.listdir(ROOT):
-        if name.endswith(".py"):
-            shutil.copy(os.path.join(ROOT, name), repo / name)
-    shutil.copytree(os.path.join(ROOT, "configs"), repo / "configs")
-    with open(repo / "tasks.py", "a", encoding="utf-8") as f:
-        f.write("\n\n" + readme_task_recipe())
+    repo = copy_repo(tmp_path)
+    append_to(repo, "tasks.py", readme_task_recipe())
     task = recipe_task()
     short = ["--num-steps", "2", "--num-prompts-per-step", "4", "--num-samples-per-prompt", "4"]
     flags = [*short, "--max-response-length", "4", "--eval-limit", "8", "--no-save-final"]

@@ -929,8 +929,9 @@ if __name__ == "__main__":
         # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs, seeded by
         # (seed, step, 0, the prompt's place in the step). The batch of step t was sampled by policy version
         # max(0, t - k) (--max-staleness k; rc_rollout.Rollouts queued it k steps ago, or now when k = 0)
+        timer = rc_infra.StepTimer({"timing/old_log_prob_s": 0.0})  # timing/step_s counts the wait for the batch too
         groups, version, rollout_seconds = rollouts.take(step)
-        timer = rc_infra.StepTimer({**rollout_seconds, "timing/old_log_prob_s": 0.0})
+        timer.seconds.update(rollout_seconds)  # timing/rollout_s, rollout_wait_s, engine_idle_s: the engine's clocks
         # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
         with timer("timing/reward_s"):
             samples = [(i, g, resp) for g, (i, group) in enumerate(zip(step_indices(step), groups)) for resp in group]

@@ -91,6 +91,8 @@ def test_fp32_mismatch_is_near_zero_and_old_log_prob_passes(tmp_path, preset):
     for r in rows:
         assert abs(r["rollout_corr/kl"]) < 1e-4 and abs(r["rollout_corr/k3_kl"]) < 1e-4, r
         assert r["actor/sync_count"] == r["step"] + 1
+        parts = ("rollout_wait_s", "reward_s", "old_log_prob_s", "ref_log_prob_s", "update_s", "sync_s")
+        assert r["timing/step_s"] >= sum(r[f"timing/{p}"] for p in parts), r  # the whole step, the wait included
     if preset.startswith("bypass"):  # no old-log-prob forward pass at all
         assert all(r["actor/old_log_prob_passes"] == 0 and r["timing/old_log_prob_s"] == 0 for r in rows)
     else:  # exactly one per rollout batch

@@ -54,8 +54,9 @@ class CorrectionArgs:
     rc_core.RolloutCorrectionConfig; None (the default) keeps the preset's value, and the literal 'none' (CLI or
     YAML) switches an option off (it becomes None in the config)."""
 
-    preset: str = "bypass_ppo_clip"
-    """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled"""
+    preset: str = "decoupled_k3_rs_token_tis"
+    """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled. The default,
+    token-TIS with a k3 rejection gate in decoupled mode, logs every dashboard panel (docs/corrections.md §9.2)"""
     rollout_is: str | None = None
     """override: IS level 'token' | 'sequence'; 'none' switches IS off"""
     rollout_is_threshold: rc_infra.Threshold = None
@@ -150,10 +151,11 @@ class Args:
     """compute dtype of the trainer's forward passes (autocast; master weights stay float32)"""
     sync_every: int = 1
     """push trainer weights into vLLM every k steps; 0 = never after the start (stale engine)"""
-    max_staleness: int = 0
+    max_staleness: int | None = None
     """asynchronous rollout: the batch of step t is sampled by policy version max(0, t-k) (k = this value) in a
     rollout worker process while the trainer updates; 0 = the synchronous loop. Each sample carries its version
-    (rc_rollout.py, docs/async.md)"""
+    (rc_rollout.py, docs/async.md). None = 1 on a CPU (rollout overlaps the update, and the one-version lag is a real
+    mismatch for the correction), 0 on GPUs (the rollout worker is CPU-only)"""
     rollout_worker: bool = False
     """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -789,6 +791,8 @@ if __name__ == "__main__":
     except (ValueError, ImportError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    if args.max_staleness is None:  # the default: asynchronous on a CPU, synchronous on GPUs (see the field)
+        args.max_staleness = 0 if torch.cuda.is_available() else 1
     torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     try:
         validate_args(args, world)

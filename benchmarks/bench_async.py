@@ -1,7 +1,8 @@
 """Asynchronous rollout against the synchronous loop, side by side in one run (a benchmark, not a test).
 
 Every arm is the default job (`python rc_train.py`: the miniature GSM8K, its warm-started base model, 50 steps,
-greedy evaluation on 200 test problems), one process at a time on this machine:
+greedy evaluation on 200 test problems) with one correction preset (--preset, default bypass_ppo_clip), one process
+at a time on this machine:
 
   sync      --max-staleness 0, OMP_NUM_THREADS=1: rollout, then update, each on one core in turn
   sync_2t   --max-staleness 0, OMP_NUM_THREADS=2: the same loop, each phase given both cores (the default on 2 cores)
@@ -45,6 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="1,2,3", help="comma list of run seeds (default 1,2,3)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {tuple(ARMS)} (default all)")
     p.add_argument("--steps", type=int, default=50, help="training steps per run (default 50: the default job)")
+    p.add_argument(
+        "--preset",
+        default="bypass_ppo_clip",
+        help="correction preset of every arm (default bypass_ppo_clip, the preset of the figures in docs/async.md §7; "
+        "the default job's decoupled_k3_rs_token_tis adds a pi_old pass to the trainer's side of the overlap)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_async"), help="folder for runs and results")
     p.add_argument("--from-results", help="print the report of an earlier results.json (its seeds and arms)")
     args = p.parse_args(argv)
@@ -55,6 +62,10 @@ def parse_args(argv=None):
         p.error(f"--arms must name {tuple(ARMS)} and include sync (the baseline), got {args.arms}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    import rc_core
+
+    if args.preset not in rc_core.PRESET_NAMES:
+        p.error(f"--preset must be one of rc_core.PRESET_NAMES, got {args.preset!r}")
     return args
 
 
@@ -75,6 +86,8 @@ def run_one(args, arm: str, seed: int) -> dict:
         name,
         "--overwrite",
         "--no-save-final",
+        "--rc.preset",
+        args.preset,
         *flags,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=threads)

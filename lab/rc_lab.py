@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import glob
 import gzip
 import json
@@ -169,6 +170,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
     clash = [f for f in extra if f.split("=")[0] in RESERVED + tuple(swept)]
     if clash:
         raise LabError(f"extra flag(s) {', '.join(clash)} are set by the sweep itself")
+    # The real trainer's default --max-staleness is 1 on a CPU; a sweep measures against the synchronous loop unless
+    # its dial, a level or an extra flag sets the bound.
+    set_k = "--max-staleness" in swept or any(f.split("=")[0] == "--max-staleness" for f in extra)
+    synchronous = [] if fields is None or set_k else ["--max-staleness", "0"]
     out, runs = os.path.abspath(args.out), []
     for preset in presets:
         for level in levels:
@@ -187,6 +192,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
                     *level_flags_of[level],
                     "--num-steps",
                     str(args.steps),
+                    *synchronous,
                     *extra,
                 ]
                 runs.append({"name": name, "preset": preset, "level": level, "seed": seed, "cmd": cmd})
@@ -356,6 +362,9 @@ EXPORT_KEYS = (
     "rollout_corr/rollout_is_veto_fraction",
     "rollout_corr/rollout_is_catastrophic_token_fraction",
     "timing/step_s",
+    "rollout/staleness_mean",
+    "rollout/dropped_samples",
+    "rollout_corr/training_ppl",
 )
 
 
@@ -506,6 +515,23 @@ def reward_drop(records: list[dict], window: int = 3) -> float | None:
     return float(smooth.max() - smooth[-1])
 
 
+def ppl_rise(records: list[dict], window: int = 3) -> float | None:
+    """Collapse signature: the largest rise of the `window`-step moving average of `rollout_corr/training_ppl` (the
+    trainer's perplexity on the sampled responses) over its running minimum, as a ratio minus 1 (0 for a run whose
+    perplexity never climbs back; a spike comes with collapse, docs/metrics.md)."""
+    _, values = run_series(records, "rollout_corr/training_ppl")
+    if values.size < window:
+        return None
+    smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+    return float(np.max(smooth / np.minimum.accumulate(smooth)) - 1.0)
+
+
+def _total(records: list[dict], key: str) -> float | None:
+    """Sum over steps of `key` (None if never logged)."""
+    _, values = run_series(records, key)
+    return float(values.sum()) if values.size else None
+
+
 def planted_prob(dial: str, level: str) -> float | None:
     """The --rollout-corrupt-prob of a dial level (None when the sweep does not set it; 0 at the mismatch `none`)."""
     flags = level_flags(dial, level)
@@ -546,6 +572,9 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
     rows = []
     has_veto = any(
         r["records"] and any("rollout_corr/rollout_is_veto_fraction" in x for x in r["records"]) for r in sweep["runs"]
+    )
+    has_staleness = any(
+        r["records"] and any("rollout/staleness_mean" in x for x in r["records"]) for r in sweep["runs"]
     )
     for preset in sweep["presets"]:
         for level in sweep["levels"]:
@@ -590,6 +619,12 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                 alpha1=alphas["rollout_corr/tv_mismatch"],
                 reward_drop=_mean_std([reward_drop(x) for x in recs])[0],
             )
+            if has_staleness:  # the asynchronous mode's own columns (sweeps of --max-staleness)
+                rows[-1].update(
+                    staleness=_mean_std([_series_stat(x, "rollout/staleness_mean", np.mean) for x in recs])[0],
+                    dropped=_mean_std([_total(x, "rollout/dropped_samples") for x in recs])[0],
+                    ppl_rise=_mean_std([ppl_rise(x) for x in recs])[0],
+                )
             if has_veto:
                 rows[-1]["veto_fraction"] = (
                     float(np.mean([_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs]))
@@ -647,6 +682,9 @@ COLUMNS = (  # (row key, csv header, markdown header, format)
     ("expected_veto", "expected_veto", "planted rows", "{:.4f}"),
     ("catastrophic_fraction", "catastrophic_token_fraction", "catastrophic tokens", "{:.5f}"),
     ("reward_drop", "reward_drop", "reward drop", "{:.3f}"),
+    ("ppl_rise", "training_ppl_rise", "ppl rise", "{:.3f}"),
+    ("staleness", "staleness_mean", "staleness", "{:.2f}"),
+    ("dropped", "dropped_samples", "dropped", "{:.0f}"),
     ("alpha0", "alpha0_mean", "α₀", "{:.2e}"),
     ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
     ("delta_eval_acc", "delta_eval_acc_vs_level0", "Δ vs level 0", "{:+.3f}"),
@@ -738,6 +776,13 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         "signature), mean over seeds. α₀, α₁: mean over steps of `actor/tv_update` and "
         "`rollout_corr/tv_mismatch` (defined in docs/corrections.md §12.6, estimated as in §12.7), mean over seeds."
     )
+    if any("staleness" in r for r in rows):
+        columns += (
+            " Ppl rise: largest rise of the 3-step moving average of `rollout_corr/training_ppl` over its running "
+            "minimum, as a ratio minus 1 (collapse signature), mean over seeds. Staleness: mean over steps of "
+            "`rollout/staleness_mean` (trainer version − sample version), mean over seeds; dropped: "
+            "`rollout/dropped_samples` summed over steps, mean over seeds."
+        )
     if any("expected_veto" in r for r in rows):
         columns += (
             " Planted rows: mean over steps of 1 − (1 − p)^T̄ (T̄ = mean response length, p = "
@@ -835,6 +880,47 @@ def plot_alpha(sweep: dict, path: str) -> str:
     return path
 
 
+STALENESS_DIAL = "max_staleness"  # a sweep of this dial also gets staleness.png: the summary against k
+
+
+def _column(rows: list[dict], key: str) -> np.ndarray:
+    """`key` of each row as floats (NaN where missing)."""
+    return np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
+
+
+def plot_against_staleness(rows: list[dict], sweep: dict, path: str) -> str:
+    """The summary against k = --max-staleness, one line per preset: final eval acc (mean ± std over seeds), final
+    reward, and alpha_0 (solid) / alpha_1 (dashed) on a log axis. k is placed evenly (0, 1, 2, 4, 8 read as a
+    doubling)."""
+    fig, axes = _new_figure(3, sharey=False)
+    levels = sweep["levels"]
+    x = np.arange(len(levels))
+    for i, preset in enumerate(sweep["presets"]):
+        color, at = f"C{i % 10}", [next(r for r in rows if r["preset"] == preset and r["level"] == lv) for lv in levels]
+        series = functools.partial(_column, at)
+        std = np.nan_to_num(series("eval_acc_std"))
+        axes[0].errorbar(x, series("eval_acc"), yerr=std, color=color, label=preset, marker="o", capsize=3, lw=1.3)
+        axes[1].errorbar(
+            x, series("final_reward"), yerr=np.nan_to_num(series("final_reward_std")), color=color, marker="o",
+            capsize=3, lw=1.3,
+        )  # fmt: skip
+        for key, style in (("alpha0", "-"), ("alpha1", "--")):
+            vals = series(key)
+            if np.any(vals > 0):
+                axes[2].plot(x, vals, color=color, linestyle=style, marker="o", lw=1.3)
+    if any(line.get_ydata().size for line in axes[2].get_lines()):
+        axes[2].set_yscale("log", nonpositive="mask")
+    for ax, ylabel in zip(axes, ("final eval acc (mean ± std)", "final reward (mean ± std)", "α₀ solid, α₁ dashed")):
+        ax.set_xticks(x, [str(lv) for lv in levels])
+        ax.set_xlabel("k = --max-staleness")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("staleness: results against the bound k (each point 3 seeds unless the table says otherwise)")
+    fig.savefig(path, dpi=90)
+    return path
+
+
 def plot_is_hist(sweep: dict, path: str, step: int | None = None) -> str | None:
     """Histogram of the token IS ratio exp(log ratio) at `step` (default: the largest step all runs dumped),
     one panel per dial level, presets overlaid (seeds pooled). Returns None (with a note) if nothing to plot."""
@@ -888,6 +974,8 @@ def report(out: str, reward_level: float = 0.5, hist_step: int | None = None) ->
     written.append(plot_curves(sweep, "reward/mean", os.path.join(out, "reward.png"), "reward/mean"))
     written.append(plot_curves(sweep, "rollout_corr/k3_kl", os.path.join(out, "k3.png"), "k3 KL", log=True))
     written.append(plot_alpha(sweep, os.path.join(out, "alpha.png")))
+    if sweep["dial"] == STALENESS_DIAL:
+        written.append(plot_against_staleness(rows, sweep, os.path.join(out, "staleness.png")))
     hist = plot_is_hist(sweep, os.path.join(out, "is_hist.png"), hist_step)
     written += [hist] if hist else []
     lengths = length_rows(sweep)

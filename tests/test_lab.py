@@ -588,10 +588,21 @@ def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, c
         "0.5",
         "--num-steps",
         "40",
+        "--max-staleness",  # the synchronous loop, pinned: rc_train.py's own default on a CPU is 1
+        "0",
         "--eval-every",
         "5",
     ]
     assert "--rollout-dtype" not in cmds["naive__none__s3"]
+    # a sweep of the bound itself, or an extra flag that sets it, is not pinned
+    args.dial, args.levels = "max_staleness", "0,4"
+    assert rc_lab.build_spec(args, [])["runs"][1]["cmd"][-4:] == ["--max-staleness", "4", "--num-steps", "40"]
+    args.dial, args.levels = "mismatch", "none"
+    assert rc_lab.build_spec(args, ["--max-staleness=2"])["runs"][0]["cmd"][-3:] == [
+        "--num-steps",
+        "40",
+        "--max-staleness=2",
+    ]
     for flags, needle in (
         (["--levels", "none,rollout_dtyp=bfloat16"], "'rollout_dtyp'"),
         (["--levels", "none,seed=4"], "--seed"),
@@ -886,3 +897,43 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
     config = rc_lab.read_compact(str(dest))["naive__none__s1"]["config"]
     assert "run_name: naive__none__s1" in config and str(tmp_path) not in config
     assert rc_lab.main(["export", str(out), str(out)]) == 2
+
+
+def test_two_cell_staleness_sweep_with_the_real_trainer(tmp_path):
+    """The staleness lab's sweep end to end with rc_train.py itself (the lab/staleness commands at a toy size): naive
+    at --max-staleness 0 and 2, one seed, 3 steps of the one-token fixture. The summary carries the asynchronous
+    mode's columns (staleness min(step, k) averaged over steps 0..2, nothing dropped) and staleness.png is drawn;
+    the exported compact form regenerates the same table."""
+    out = tmp_path / "lab"
+    env = {**LAB_ENV, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("RC_LAB_TRAIN", None)
+    flags = ["--presets", "naive", "--dial", "max_staleness", "--levels", "0,2", "--seeds", "1", "--steps", "3"]
+    trainer = ["--config", os.path.join(ROOT, "configs", "cpu_add.yaml"), "--num-prompts-per-step", "8"]
+    trainer += ["--num-samples-per-prompt", "8", "--max-response-length", "6", "--eval-limit", "10", "--no-save-final"]
+    p = subprocess.run(
+        [*RC_LAB, "sweep", "--out", str(out), *flags, "--", *trainer],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+        check=False,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout
+    md = (out / "summary.md").read_text()
+    assert md.index("Reading rule") < md.index("| preset | level |")
+    header = md[md.index("| preset | level |") :].splitlines()[0]
+    assert "| staleness | dropped |" in header and "ppl rise" in header
+    with open(out / "summary.csv") as f:
+        table = {t["level"]: t for t in csv.DictReader(f)}
+    assert table["0"]["flag"] == "ref" and float(table["0"]["staleness_mean"]) == 0.0
+    assert float(table["2"]["staleness_mean"]) == pytest.approx((0 + 1 + 2) / 3)
+    assert float(table["0"]["dropped_samples"]) == 0.0 == float(table["2"]["dropped_samples"])
+    records = rc_lab.load_metrics(str(out / "naive__max_staleness=2__s1"))
+    assert [r["rollout/policy_version"] for r in records if r["step"] >= 0] == [0, 0, 0]
+    assert float(table["2"]["alpha1_mean"]) > 1e-4 > float(table["0"]["alpha1_mean"])  # pi_old != mu only when stale
+    assert imread(out / "staleness.png").shape[1] > 0
+    dest = tmp_path / "committed"
+    assert rc_lab.main(["export", str(out), str(dest)]) == 0
+    assert (dest / "summary.md").read_text() == md and (dest / "staleness.png").exists()

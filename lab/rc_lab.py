@@ -646,20 +646,28 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
             row["delta_eval_acc"], row["flag"] = (0.0, "ref") if ref["eval_acc"] is not None else (None, "ref")
         elif row["eval_acc"] is not None and ref["eval_acc"] is not None:
             row["delta_eval_acc"] = row["eval_acc"] - ref["eval_acc"]
-            dof = row["n_eval"] + ref["n_eval"] - 2
-            pooled = (
-                math.sqrt(
-                    (
-                        (row["n_eval"] - 1) * (row["eval_acc_std"] or 0) ** 2
-                        + (ref["n_eval"] - 1) * (ref["eval_acc_std"] or 0) ** 2
-                    )
-                    / dof
-                )
-                if dof > 0
-                else 0.0
-            )
-            row["flag"] = "below" if -row["delta_eval_acc"] > max(2 * pooled, 0.05) else ""
+            row["flag"] = "below" if clearly_below(row, ref) else ""
     return rows
+
+
+def clearly_below(row: dict, ref: dict) -> bool:
+    """The reading rule's test: `row`'s mean eval acc is more than max(2 x pooled std, 0.05) below `ref`'s, pooled std
+    = sqrt(((n1-1)s1^2 + (n2-1)s2^2) / (n1+n2-2)) over the two rows' seeds (0 when n1+n2 <= 2)."""
+    if row["eval_acc"] is None or ref["eval_acc"] is None:
+        return False
+    dof = row["n_eval"] + ref["n_eval"] - 2
+    pooled = (
+        math.sqrt(
+            (
+                (row["n_eval"] - 1) * (row["eval_acc_std"] or 0) ** 2
+                + (ref["n_eval"] - 1) * (ref["eval_acc_std"] or 0) ** 2
+            )
+            / dof
+        )
+        if dof > 0
+        else 0.0
+    )
+    return ref["eval_acc"] - row["eval_acc"] > max(2 * pooled, 0.05)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,6 +714,8 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
     """One line per non-reference level, the reading rule applied: naive below, corrected presets held?"""
     if not any(is_naive(p) for p in sweep["presets"]):
         return []
+    if sweep["dial"] == STALENESS_DIAL:
+        return staleness_verdicts(rows, sweep)
     lines = ["Verdicts (the rule above, applied):"]
     for level in sweep["levels"][1:]:
         at = [r for r in rows if r["level"] == level]
@@ -723,6 +733,30 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
         lines.append(
             f"- `{level}`: naive Δ {delta} ({'below' if broke else 'not below'}); corrected presets "
             f"holding: {', '.join(held) or 'none'} → **{verdict}**"
+        )
+    return lines
+
+
+def staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """The staleness rule (STALENESS_RULE) applied at each k >= the second level: naive below its k = 0 row? which
+    corrected presets are clearly above naive at the same k (repair), which are not below their own k = 0 (hold)?"""
+    lines = ["Verdicts (the rule above, applied):"]
+    for level in sweep["levels"][1:]:
+        at = [r for r in rows if r["level"] == level]
+        naive = next(r for r in at if is_naive(r["preset"]))
+        corrected = [r for r in at if not is_naive(r["preset"])]
+        repair = [r["preset"] for r in corrected if clearly_below(naive, r)]
+        held = [r["preset"] for r in corrected if r["flag"] == ""]
+        broke = naive["flag"] == "below"
+        verdict = (
+            "reproduced"
+            if broke and len(repair) >= 2
+            else ("not reproduced: naive holds" if not broke else "not reproduced: fewer than two presets repair")
+        )
+        lines.append(
+            f"- `{level_title(sweep, level)}`: naive Δ {_fmt(naive['delta_eval_acc'], '{:+.3f}')} "
+            f"({'below' if broke else 'not below'}); above naive at this k (repair): {', '.join(repair) or 'none'}; "
+            f"not below their own k = 0 (hold): {', '.join(held) or 'none'} → **{verdict}**"
         )
     return lines
 
@@ -748,6 +782,8 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         '"mismatch breaks naive, correction repairs it" when the naive row is `below` and at least two corrected '
         "presets are not."
     )
+    if sweep["dial"] == STALENESS_DIAL:
+        rule = rule.rsplit(" A level reproduces", 1)[0] + " " + STALENESS_RULE
     lines = [
         f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps",
         "",
@@ -881,6 +917,13 @@ def plot_alpha(sweep: dict, path: str) -> str:
 
 
 STALENESS_DIAL = "max_staleness"  # a sweep of this dial also gets staleness.png: the summary against k
+STALENESS_RULE = (  # the reading rule of a --max-staleness sweep, fixed before lab/staleness ran
+    "Under staleness every preset learns from older samples, so a correction can remove the bias of stale samples "
+    "but not their lag: each k is also read across presets. A corrected preset *repairs* at k when its mean eval acc "
+    "is above naive's at the same k by more than the same margin, max(2 × pooled std, 0.05); it *holds* when it is not "
+    '`below` its own k = 0 row. A level reproduces "staleness breaks naive, correction repairs it" when the naive '
+    "row is `below` and at least two corrected presets repair."
+)
 
 
 def _column(rows: list[dict], key: str) -> np.ndarray:

@@ -333,7 +333,12 @@ def test_stale_rows_and_the_bound():
     assert not rc_rollout.stale_rows(versions, 5, None).any()
     bound = [
         rc_rollout.staleness_bound(dataclasses.replace(rc_train.Args(), **c))
-        for c in (dict(), dict(max_staleness=3), dict(sync_every=4), dict(sync_every=0))
+        for c in (
+            dict(max_staleness=0),
+            dict(max_staleness=3),
+            dict(max_staleness=0, sync_every=4),
+            dict(max_staleness=0, sync_every=0),
+        )
     ]
     assert bound == [0, 3, 3, None]
 

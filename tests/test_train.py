@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rc_core
+import rc_plot
 import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -81,6 +82,14 @@ def test_default_run_learns_multi_token_answers(tmp_path):
     console = proc.stdout + proc.stderr
     assert " INFO " not in console and "WARNING" not in console, console[-3000:]
     assert "Failed to load weights" not in (tmp_path / "run" / "engine.log").read_text()
+    # The first run shows the subject: asynchronous by one version (a CPU's default), so every dashboard panel has
+    # data and the mismatch is real, well above fp32 rounding (k3 ~1e-13 when the engine holds the trainer's weights).
+    assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * (SHORT_STEPS - 1)
+    for panel in rc_plot.PANELS:
+        assert any(s.key in r for s in panel.series for r in everything), panel.title
+    assert min(r["rollout_corr/k3_kl"] for r in rows[1:]) > 1e-6
+    assert max(r["rollout_corr/rollout_rs_masked_fraction"] for r in rows) > 0  # the k3 gate acts
+    assert all(r["actor/tv_update"] > 0 for r in rows)
 
 
 # ---- 1. Mismatch is ~0 when nothing differs (fp32/fp32, sync every step); bf16 rollout shows it ----------

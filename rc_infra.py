@@ -1,6 +1,7 @@
-"""Infrastructure of rc_train.py, kept out of its reading path: configuration (YAML defaults, the CLI, checks), the
-engine's scheduler limits, log files and memory on GPU, metric reduction across ranks, gradient norms, the run folder
-and its logs, checkpoints and resume, data-parallel checksums.
+"""Infrastructure of rc_train.py, kept out of its reading path: configuration (YAML defaults, the CLI, checks, the
+correction config), the engine's scheduler limits, log files and memory on GPU, the micro-batches of the trainer's
+forward passes, metric reduction across ranks, gradient norms, the step's metrics and progress bar, the prompt order
+and evaluation, the run folder and its logs, checkpoints and resume, data-parallel checksums.
 
 Nothing here changes the algorithm; every piece is unit-tested on CPU (tests/test_infra.py) or end to end
 (tests/test_train.py).
@@ -22,6 +23,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import Counter
 from typing import Annotated
 
 import numpy as np
@@ -433,6 +435,19 @@ def validate_args(args, world_size: int) -> None:
         if side is None:
             raise
         raise ValueError(f"{e} (--clip-ratio-{side} is unset: it takes --clip-ratio {args.clip_ratio})") from None
+
+
+SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
+
+
+def build_correction_config(rc) -> rc_core.RolloutCorrectionConfig:
+    """The preset, with every field the user set replaced; SWITCH_OFF ('none') becomes None. rc_core validates."""
+    set_fields = {
+        k: None if isinstance(v, str) and v.strip().lower() == SWITCH_OFF else v
+        for k, v in dataclasses.asdict(rc).items()
+        if k != "preset" and v is not None
+    }
+    return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -853,6 +868,75 @@ def planted_tokens_processor():
 
 
 # ---------------------------------------------------------------------------------------------
+# The trainer's forward passes: micro-batches sorted by length, trimmed inputs, one forward per shared prompt
+# ---------------------------------------------------------------------------------------------
+def micro_batches(
+    rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None, by_group: bool = False
+) -> list[torch.Tensor]:
+    """One minibatch's rows, sorted by length and cut into micro-batches of at most `size` sequences and, with a
+    token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
+    micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
+    padding small, like verl's dynamic batch size. The loss has global denominators, so the grouping does not
+    change it (tests/test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
+    p, t = batch["prompt_len"][rows], batch["response_len"][rows]
+    # by_group (--share-prompt-prefix): a group's rows side by side, so a micro-batch holds few distinct prompts
+    key = batch["group"][rows] * (int(t.max()) + 1) + t if by_group else p + t
+    order = torch.argsort(key, stable=True)
+    rows, p, t = rows[order], p[order], t[order]
+    groups, start = [], 0
+    while start < len(rows):
+        end = min(start + size, len(rows))
+        if max_tokens:  # the longest run whose padded size, n x (longest prompt + longest response), fits
+            n = torch.arange(1, end - start + 1)
+            padded = n * (torch.cummax(p[start:end], 0).values + torch.cummax(t[start:end], 0).values)
+            end = start + max(1, int((padded <= max_tokens).sum()))
+        groups.append(rows[start:end])
+        start = end
+    return groups
+
+
+def trimmed_inputs(batch: dict, rows: torch.Tensor):
+    """input_ids and attention_mask of `rows`, cut to their own longest prompt and response; and that response width."""
+    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    p, t = int(batch["prompt_len"][rows].max()), max(1, int(batch["response_len"][rows].max()))
+    cols = slice(P - p, P + t)
+    return batch["input_ids"][rows][:, cols], batch["attention_mask"][rows][:, cols], t
+
+
+def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
+    """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
+    prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
+    responses on it. Same positions and masks as one pass over [prompt | response] (tests/test_train.py). DDP must see
+    one forward per backward: pass 1 calls the inner module when pass 2 follows."""
+    P = input_ids.shape[1] - T
+    distinct, row_prompt = torch.unique(group, return_inverse=True)
+    first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
+    first[row_prompt] = torch.arange(len(group), device=group.device)  # any row of each prompt: they are identical
+    prompt_mask = attention_mask[first, :P]
+    out = (getattr(model, "module", model) if T > 1 else model)(
+        input_ids=input_ids[first, :P],
+        attention_mask=prompt_mask,
+        logits_to_keep=1,
+        use_cache=True,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+    )
+    cache = out.past_key_values
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[row_prompt], layer.values[row_prompt]
+    if T == 1:
+        return out.logits[row_prompt]
+    position_ids = prompt_mask.sum(-1)[row_prompt, None] + torch.arange(T - 1, device=input_ids.device)
+    logits = model(
+        input_ids=input_ids[:, P:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    return torch.cat([out.logits[row_prompt], logits], 1)
+
+
+# ---------------------------------------------------------------------------------------------
 # Metrics across micro-batches and ranks
 # ---------------------------------------------------------------------------------------------
 # An RS option's own name (seq_max_k2) is not a reduction word: rollout_rs_seq_max_k2_mean is a mean.
@@ -927,6 +1011,105 @@ def clip_and_step(accelerator, model, optimizer, max_norm: float) -> float:
     norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's bookkeeping: engine faults, the rollout batch's metrics, the progress bar
+# ---------------------------------------------------------------------------------------------
+def drop_nonfinite(mask: torch.Tensor, rollout_log_prob: torch.Tensor) -> int:
+    """Responses with a NaN/inf rollout log-prob (an engine fault) are dropped: mask zeroed, those log-probs set to 0.
+    Returns the number of such tokens (rollout/nonfinite_logprob_tokens)."""
+    bad = ~torch.isfinite(rollout_log_prob) & (mask > 0)
+    mask[bad.any(-1)] = 0.0
+    rollout_log_prob[~torch.isfinite(rollout_log_prob)] = 0.0
+    return int(bad.sum())
+
+
+def batch_metrics(args, rewards: list, corrects: list, mask, n_nonfinite: int, version: int, step: int, stale):
+    """reward/*, response_length/* and rollout/* of this rank's rollout batch (means over its responses). Every
+    response of the batch was sampled by policy version `version`: its staleness is step - version."""
+    lengths, staleness = mask.sum(-1), torch.full((len(mask),), step - version)
+    return {
+        "reward/mean": float(np.mean(rewards)),
+        "reward/std": float(np.std(rewards)),
+        "reward/correct": float(np.mean(corrects)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
+        "rollout/nonfinite_logprob_tokens": float(n_nonfinite),
+        "rollout/policy_version": float(version),
+        "rollout/staleness_mean": float(staleness.float().mean()),
+        "rollout/staleness_max": float(staleness.max()),
+        "rollout/dropped_samples": float(stale.sum()),
+    }
+
+
+def pass_metrics(size: Counter, seconds: float) -> dict:
+    """perf/* of the trainer's forward passes this step (pi_old, reference, update): `size` as
+    rc_train.forward_log_probs counts it, `seconds` their wall time."""
+    return {
+        "perf/padding_fraction": 1.0 - size["tokens"] / max(1, size["positions"]),
+        "perf/train_tokens_per_s": size["tokens"] / max(1e-9, seconds),
+    }
+
+
+def progress(metrics: dict, last_eval: dict | None, accuracy_key: str) -> dict:
+    """The few numbers on the progress bar (eval: the task's accuracy key, Task.accuracy_key)."""
+    shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
+    if last_eval:
+        name = f"eval/accuracy_{accuracy_key}"
+        shown["eval"] = f"{last_eval[name]:.3f}"
+    return {**shown, "k3": f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", "step_s": f"{metrics['timing/step_s']:.1f}"}
+
+
+def progress_bar(start_step: int, num_steps: int, show: bool):
+    """The console's progress bar over the run's steps, shown by the main process (its numbers: progress)."""
+    from tqdm import tqdm
+
+    return tqdm(range(start_step, num_steps), initial=start_step, total=num_steps, disable=not show, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order and evaluation
+# ---------------------------------------------------------------------------------------------
+def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
+    """Rows position .. position+count-1 of an endless stream of seeded epoch permutations.
+
+    The stream depends only on (seed, position), so a checkpoint needs nothing but the position.
+    """
+    out = []
+    while len(out) < count:
+        epoch, offset = divmod(position + len(out), n_rows)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        out.extend(perm[offset : offset + count - len(out)].tolist())
+    return out
+
+
+def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, restore: bool = True):
+    """Greedy pass@1 of policy version `version` on the eval set (each rank its shard): metrics (eval/accuracy_<key>
+    for each score key of the task), and every problem with its response and scores (gathered from all ranks, in
+    problem order; the row's question and gold when it has them)."""
+    shard = list(range(rank, len(prompts), world))
+    outs = rollouts.evaluate([prompts[i] for i in shard], version, restore)  # every rank: a load can be collective
+    samples = []
+    for i, group in zip(shard, outs):
+        ids, _, text = group[0]
+        scores = task.score(text, rows[i])
+        samples.append(
+            {
+                "index": i,
+                **{k: rows[i][k] for k in ("question", "gold") if k in rows[i]},
+                "response": text,
+                **{k: scores[k] for k in task.score_keys},
+                "tokens": len(ids),
+            }
+        )
+    samples = [s for part in host.gather(samples) for s in part]
+    samples.sort(key=lambda r: r["index"])
+    n = max(1, len(samples))
+    metrics = {f"eval/accuracy_{k}": sum(r[k] for r in samples) / n for k in task.score_keys}
+    metrics["eval/response_length"] = sum(r["tokens"] for r in samples) / n
+    return metrics, samples
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 # and the schedule that decides which policy version samples which step's batch (--max-staleness).
 """Rollout engines and the staleness schedule (infrastructure: a reader of rc_train.py can skip this file).
 
-rc_train.py asks `Rollouts` for the batch of a step (take), hands it the new weights after each update (sync),
-queues the batch k steps ahead (request) and asks it for greedy evaluations (evaluate).
+rc_train.py starts its engine (make_engine; `generate` samples with processed log-probs), asks `Rollouts` for the
+batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead (request)
+and asks it for greedy evaluations (evaluate).
 
 Policy versions. Version v is the trainer's weights after v updates (one update per rollout batch, however many
 optimizer steps it takes: those are PPO's own off-policy steps, measured by actor/ppo_kl). The trainer holds version
@@ -31,6 +32,7 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
 from __future__ import annotations
 
 import gc
+import os
 import queue
 import time
 
@@ -44,6 +46,46 @@ def load_weights(llm, weights) -> None:
     with the old weights (a cache kept across a load made the KL grow for a peer)."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM generation with processed log-probs (rc_infra starts the engine, load_weights feeds it weights)
+# ---------------------------------------------------------------------------------------------
+def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
+    """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
+
+    Prompt i is seeded with rc_infra.sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU
+    and a prompt gets the same seed whichever rank samples it."""
+    from vllm import SamplingParams
+
+    sampling = dict(
+        temperature=args.rollout_temperature or args.temperature,
+        top_p=args.top_p,
+        logprobs=0,
+        extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob},
+    )  # greedy: the defaults at temperature 0
+    params = [
+        SamplingParams(
+            n=n,
+            max_tokens=args.max_response_length,
+            **(
+                {"temperature": 0.0}
+                if greedy
+                else {**sampling, "seed": rc_infra.sampling_seed(*seed_keys, first_index + i)}
+            ),
+        )
+        for i in range(len(prompt_ids))
+    ]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    result = []
+    for out in outputs:
+        group = []
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
+            group.append((ids, lps, o.text))
+        result.append(group)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +237,24 @@ class RolloutWorker:
             q.join_thread()
         self.requests = self.results = None
         gc.collect()
+
+
+def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator):
+    """The rank's engine (seeded with args.seed + rank, its log lines in run_dir/engine{rank or ''}.log, its limits
+    sized for the longest of `prompts`): a rollout worker process of its own when rollouts overlap the update
+    (--max-staleness k >= 1, or --rollout-worker), else vLLM in the trainer's process (LocalEngine)."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    on_gpu = torch.cuda.is_available()
+    limits = rc_infra.engine_limits(args, world, max(map(len, prompts)), on_gpu)
+    engine_log = os.path.join(run_dir, f"engine{rank or ''}.log")
+    if args.max_staleness or args.rollout_worker:  # a process of its own: rollouts overlap the update
+        return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
+    placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
+    os.environ.update(env)
+    llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
+    return LocalEngine(
+        llm, rc_infra.EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 # GRPO with rollout correction: vLLM rollouts, rc_core corrections, in-place weight sync.
 # Read alongside rc_core.py (the formulas), docs/corrections.md (their semantics, cited as §N), docs/running.md
 # (commands) and docs/metrics.md (metrics glossary). Infrastructure (config files, checks, logs, checkpoints) is in
-# rc_infra.py.
+# rc_infra.py, with micro-batching, the step's metrics and evaluation; the engine and generation in rc_rollout.py.
 """One CleanRL-style script: Args -> rollout (vLLM) -> reward -> GRPO advantage -> update -> sync.
 
     python rc_train.py                                  # CPU: miniature GSM8K, a 1M-parameter base built here
@@ -17,7 +17,6 @@ Two update modes (docs/corrections.md §7.2 decoupled, §7.3/§7.4 bypass):
 Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT TO MODIFY` marks the plumbing.
 """
 
-import dataclasses
 import functools
 import os
 import random
@@ -45,7 +44,6 @@ import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = "tiny"
-SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
 
 
 @dataclass
@@ -263,24 +261,11 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Configuration (YAML loading, the CLI and the checks themselves live in rc_infra.py)
+# Configuration (YAML loading, the CLI, the checks and the correction config live in rc_infra.py)
 # ---------------------------------------------------------------------------------------------
 def load_yaml_defaults(path: str) -> Args:
     """Args whose defaults come from a YAML file (flat keys, plus nested `rc:` and `mini:` mappings)."""
     return rc_infra.load_yaml_defaults(Args, path, config=path)
-
-
-validate_args = rc_infra.validate_args  # validate_args(args, world_size): every check before the engine starts
-
-
-def build_correction_config(rc: CorrectionArgs) -> rc_core.RolloutCorrectionConfig:
-    """The preset, with every field the user set replaced; SWITCH_OFF ('none') becomes None. rc_core validates."""
-    set_fields = {
-        k: None if isinstance(v, str) and v.strip().lower() == SWITCH_OFF else v
-        for k, v in dataclasses.asdict(rc).items()
-        if k != "preset" and v is not None
-    }
-    return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,46 +304,6 @@ def reward(args: Args, task: tasks.Task, scores: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: vLLM engine (rc_infra starts it, rc_rollout feeds it weights): generate with processed log-probs
-# ---------------------------------------------------------------------------------------------
-def generate(llm, prompt_ids, n, args: Args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
-    """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
-
-    Prompt i is seeded with rc_infra.sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU
-    and a prompt gets the same seed whichever rank samples it."""
-    from vllm import SamplingParams
-
-    sampling = dict(
-        temperature=args.rollout_temperature or args.temperature,
-        top_p=args.top_p,
-        logprobs=0,
-        extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob},
-    )  # greedy: the defaults at temperature 0
-    params = [
-        SamplingParams(
-            n=n,
-            max_tokens=args.max_response_length,
-            **(
-                {"temperature": 0.0}
-                if greedy
-                else {**sampling, "seed": rc_infra.sampling_seed(*seed_keys, first_index + i)}
-            ),
-        )
-        for i in range(len(prompt_ids))
-    ]
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    result = []
-    for out in outputs:
-        group = []
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
-            group.append((ids, lps, o.text))
-        result.append(group)
-    return result
-
-
-# ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: batch tensors, the trainer's log-probs, the loss
 # ---------------------------------------------------------------------------------------------
 def make_batch(prompt_ids, responses, pad_id, group_ids=None):
@@ -394,39 +339,6 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     )
 
 
-def micro_batches(
-    rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None, by_group: bool = False
-) -> list[torch.Tensor]:
-    """One minibatch's rows, sorted by length and cut into micro-batches of at most `size` sequences and, with a
-    token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
-    micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
-    padding small, like verl's dynamic batch size. The loss has global denominators, so the grouping does not
-    change it (tests/test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
-    p, t = batch["prompt_len"][rows], batch["response_len"][rows]
-    # by_group (--share-prompt-prefix): a group's rows side by side, so a micro-batch holds few distinct prompts
-    key = batch["group"][rows] * (int(t.max()) + 1) + t if by_group else p + t
-    order = torch.argsort(key, stable=True)
-    rows, p, t = rows[order], p[order], t[order]
-    groups, start = [], 0
-    while start < len(rows):
-        end = min(start + size, len(rows))
-        if max_tokens:  # the longest run whose padded size, n x (longest prompt + longest response), fits
-            n = torch.arange(1, end - start + 1)
-            padded = n * (torch.cummax(p[start:end], 0).values + torch.cummax(t[start:end], 0).values)
-            end = start + max(1, int((padded <= max_tokens).sum()))
-        groups.append(rows[start:end])
-        start = end
-    return groups
-
-
-def trimmed_inputs(batch: dict, rows: torch.Tensor):
-    """input_ids and attention_mask of `rows`, cut to their own longest prompt and response; and that response width."""
-    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    p, t = int(batch["prompt_len"][rows].max()), max(1, int(batch["response_len"][rows].max()))
-    cols = slice(P - p, P + t)
-    return batch["input_ids"][rows][:, cols], batch["attention_mask"][rows][:, cols], t
-
-
 def sequence_log_probs(
     model,
     input_ids,
@@ -438,13 +350,13 @@ def sequence_log_probs(
     group: torch.Tensor | None = None,
 ):
     """log pi(y_t | y_<t) of the last T tokens at the rollout temperature (processed log-probs).
-    With `group` (each row's prompt group), shared_prefix_logits computes each distinct prompt once."""
+    With `group` (each row's prompt group), rc_infra.shared_prefix_logits computes each distinct prompt once."""
     autocast = torch.autocast(
         device_type=input_ids.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"
     )
     with autocast:
         if group is not None:
-            logits = shared_prefix_logits(model, input_ids, attention_mask, T, group)
+            logits = rc_infra.shared_prefix_logits(model, input_ids, attention_mask, T, group)
         else:
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(
@@ -458,39 +370,6 @@ def sequence_log_probs(
     log_prob = rc_core.log_probs_from_logits(logits, labels, temperature=temperature)
     entropy = rc_core.entropy_from_logits(logits, temperature) if with_entropy else None  # chunked, no grad
     return log_prob, entropy
-
-
-def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
-    """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
-    prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
-    responses on it. Same positions and masks as one pass over [prompt | response] (tests/test_train.py). DDP must see
-    one forward per backward: pass 1 calls the inner module when pass 2 follows."""
-    P = input_ids.shape[1] - T
-    distinct, row_prompt = torch.unique(group, return_inverse=True)
-    first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
-    first[row_prompt] = torch.arange(len(group), device=group.device)  # any row of each prompt: they are identical
-    prompt_mask = attention_mask[first, :P]
-    out = (getattr(model, "module", model) if T > 1 else model)(
-        input_ids=input_ids[first, :P],
-        attention_mask=prompt_mask,
-        logits_to_keep=1,
-        use_cache=True,
-        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-    )
-    cache = out.past_key_values
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[row_prompt], layer.values[row_prompt]
-    if T == 1:
-        return out.logits[row_prompt]
-    position_ids = prompt_mask.sum(-1)[row_prompt, None] + torch.arange(T - 1, device=input_ids.device)
-    logits = model(
-        input_ids=input_ids[:, P:-1],
-        attention_mask=attention_mask[:, :-1],
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits
-    return torch.cat([out.logits[row_prompt], logits], 1)
 
 
 def policy_loss(
@@ -553,7 +432,7 @@ def micro_batch_metrics(
 def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, with_grad: bool, with_entropy=False):
     """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width; and
     the pass's size: the positions computed and the real tokens among them (perf/*; a shared prompt counts once)."""
-    input_ids, attention, t = trimmed_inputs(batch, rows)
+    input_ids, attention, t = rc_infra.trimmed_inputs(batch, rows)
     group = batch["group"][rows] if share_prefix else None
     p, once = input_ids.shape[1] - t, slice(None)
     if group is not None:
@@ -583,7 +462,7 @@ def no_grad_pass(net, batch: dict, args: Args, share_prefix: bool) -> tuple[torc
     """Log-probs of every row of the batch, without gradients (the decoupled pi_old, the reference model), and the
     size of the passes (forward_log_probs)."""
     out, size = torch.zeros(batch["response_mask"].shape), Counter()
-    for rows in micro_batches(
+    for rows in rc_infra.micro_batches(
         torch.arange(out.shape[0]), batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix
     ):
         log_prob, _, micro_size = forward_log_probs(net, batch, rows, args, share_prefix, False)
@@ -630,7 +509,9 @@ def update_policy(
                 global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k
             )
             loss_sum = kl_sum = 0.0
-            micro = micro_batches(rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix)
+            micro = rc_infra.micro_batches(
+                rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix
+            )
             for j, micro_rows in enumerate(micro):
                 log_prob, entropy, micro_size = forward_log_probs(
                     model, batch, micro_rows, args, share_prefix, True, True
@@ -675,98 +556,6 @@ def update_policy(
     return step_metrics, actor, size
 
 
-# ---------------------------------------------------------------------------------------------
-# The step's bookkeeping: engine faults, the rollout batch's metrics, the progress bar
-# ---------------------------------------------------------------------------------------------
-def drop_nonfinite(mask: torch.Tensor, rollout_log_prob: torch.Tensor) -> int:
-    """Responses with a NaN/inf rollout log-prob (an engine fault) are dropped: mask zeroed, those log-probs set to 0.
-    Returns the number of such tokens (rollout/nonfinite_logprob_tokens)."""
-    bad = ~torch.isfinite(rollout_log_prob) & (mask > 0)
-    mask[bad.any(-1)] = 0.0
-    rollout_log_prob[~torch.isfinite(rollout_log_prob)] = 0.0
-    return int(bad.sum())
-
-
-def batch_metrics(args: Args, rewards: list, corrects: list, mask, n_nonfinite: int, version: int, step: int, stale):
-    """reward/*, response_length/* and rollout/* of this rank's rollout batch (means over its responses). Every
-    response of the batch was sampled by policy version `version`: its staleness is step - version."""
-    lengths, staleness = mask.sum(-1), torch.full((len(mask),), step - version)
-    return {
-        "reward/mean": float(np.mean(rewards)),
-        "reward/std": float(np.std(rewards)),
-        "reward/correct": float(np.mean(corrects)),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
-        "rollout/nonfinite_logprob_tokens": float(n_nonfinite),
-        "rollout/policy_version": float(version),
-        "rollout/staleness_mean": float(staleness.float().mean()),
-        "rollout/staleness_max": float(staleness.max()),
-        "rollout/dropped_samples": float(stale.sum()),
-    }
-
-
-def pass_metrics(size: Counter, seconds: float) -> dict:
-    """perf/* of the trainer's forward passes this step (pi_old, reference, update): `size` as forward_log_probs
-    counts it, `seconds` their wall time."""
-    return {
-        "perf/padding_fraction": 1.0 - size["tokens"] / max(1, size["positions"]),
-        "perf/train_tokens_per_s": size["tokens"] / max(1e-9, seconds),
-    }
-
-
-def progress(metrics: dict, last_eval: dict | None, accuracy_key: str) -> dict:
-    """The few numbers on the progress bar (eval: the task's accuracy key, Task.accuracy_key)."""
-    shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
-    if last_eval:
-        name = f"eval/accuracy_{accuracy_key}"
-        shown["eval"] = f"{last_eval[name]:.3f}"
-    return {**shown, "k3": f"{metrics.get('rollout_corr/k3_kl', 0):.1e}", "step_s": f"{metrics['timing/step_s']:.1f}"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Data order and evaluation (metric reduction, checkpoints and resume live in rc_infra.py)
-# ---------------------------------------------------------------------------------------------
-def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
-    """Rows position .. position+count-1 of an endless stream of seeded epoch permutations.
-
-    The stream depends only on (seed, position), so a checkpoint needs nothing but the position.
-    """
-    out = []
-    while len(out) < count:
-        epoch, offset = divmod(position + len(out), n_rows)
-        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
-        out.extend(perm[offset : offset + count - len(out)].tolist())
-    return out
-
-
-def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, restore: bool = True):
-    """Greedy pass@1 of policy version `version` on the eval set (each rank its shard): metrics (eval/accuracy_<key>
-    for each score key of the task), and every problem with its response and scores (gathered from all ranks, in
-    problem order; the row's question and gold when it has them)."""
-    shard = list(range(rank, len(prompts), world))
-    outs = rollouts.evaluate([prompts[i] for i in shard], version, restore)  # every rank: a load can be collective
-    samples = []
-    for i, group in zip(shard, outs):
-        ids, _, text = group[0]
-        scores = task.score(text, rows[i])
-        samples.append(
-            {
-                "index": i,
-                **{k: rows[i][k] for k in ("question", "gold") if k in rows[i]},
-                "response": text,
-                **{k: scores[k] for k in task.score_keys},
-                "tokens": len(ids),
-            }
-        )
-    samples = [s for part in host.gather(samples) for s in part]
-    samples.sort(key=lambda r: r["index"])
-    n = max(1, len(samples))
-    metrics = {f"eval/accuracy_{k}": sum(r[k] for r in samples) / n for k in task.score_keys}
-    metrics["eval/response_length"] = sum(r["tokens"] for r in samples) / n
-    return metrics, samples
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "plot":
         import rc_plot
@@ -775,7 +564,6 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: setup -- CLI, every check before the engine starts, run folder, seeding
     args = rc_infra.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
     from accelerate import Accelerator
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -795,9 +583,9 @@ if __name__ == "__main__":
         args.max_staleness = 0 if torch.cuda.is_available() else 1
     torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     try:
-        validate_args(args, world)
+        rc_infra.validate_args(args, world)  # every check before the engine starts
         rc_infra.check_distributed(accelerator, args)
-        rc_config = build_correction_config(args.rc)
+        rc_config = rc_infra.build_correction_config(args.rc)
         replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world, args.max_staleness)
         task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
         args.reward_mode = args.reward_mode or task.reward_key  # --reward-mode's default: the task's reward key
@@ -852,26 +640,15 @@ if __name__ == "__main__":
     if args.resume:
         ckpt, start_step, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
         in_flight = rc_infra.load_in_flight(ckpt, rank)  # batches already sampled for the next k steps
-    on_gpu = torch.cuda.is_available()
-    limits = rc_infra.engine_limits(args, world, max(map(len, train_prompts)), on_gpu)
-    engine_log = os.path.join(run_dir, f"engine{rank or ''}.log")
-    if args.max_staleness or args.rollout_worker:  # a process of its own: rollouts overlap the update
-        engine = rc_rollout.RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
-    else:
-        placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
-        os.environ.update(env)
-        llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
-        engine = rc_rollout.LocalEngine(
-            llm, rc_infra.EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args
-        )
+    engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # vLLM here or in a worker
     if args.resume:  # an engine in this process reseeded the global RNGs when it started
         rc_infra.restore_rng(ckpt, rank)
     prompts_per_rank = args.num_prompts_per_step // world
 
     def step_indices(step: int) -> list[int]:
         """This rank's share of the step's prompts (the stream depends on seed and step only)."""
-        P = args.num_prompts_per_step
-        return prompt_indices(len(train_prompts), args.seed, step * P, P)[rank * prompts_per_rank :][:prompts_per_rank]
+        P, first = args.num_prompts_per_step, rank * prompts_per_rank
+        return rc_infra.prompt_indices(len(train_prompts), args.seed, step * P, P)[first : first + prompts_per_rank]
 
     rollouts = rc_rollout.Rollouts(
         args,
@@ -890,7 +667,9 @@ if __name__ == "__main__":
             rollouts.in_flight(step)
         with timer("timing/eval_s"):  # a dialed engine gets its perturbed weights back unless this is the last eval
             restore = step < args.num_steps - 1
-            metrics, samples = evaluate(task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore)
+            metrics, samples = rc_infra.evaluate(
+                task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore
+            )
         log.eval_samples(step, samples)
         evals.append(metrics)
         return metrics
@@ -901,13 +680,7 @@ if __name__ == "__main__":
     rollouts.begin(start_step, in_flight)  # the batches of the first k+1 steps are queued
     bound = rc_rollout.staleness_bound(args)  # a sample more versions behind is never trained on
     log.start_trackers(args, run_name)
-    bar = tqdm(
-        range(start_step, args.num_steps),
-        initial=start_step,
-        total=args.num_steps,
-        disable=not accelerator.is_main_process,
-        dynamic_ncols=True,
-    )
+    bar = rc_infra.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # one forward per distinct prompt; not under gradient checkpointing (no KV cache) nor FSDP2 (rc_infra.shard_model)
     share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
@@ -944,7 +717,7 @@ if __name__ == "__main__":
             rewards, corrects = [reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
             batch = make_batch([train_prompts[i] for i in rows], responses, pad_id, group_ids)
             mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
-            n_nonfinite = drop_nonfinite(mask, rollout_lp)
+            n_nonfinite = rc_infra.drop_nonfinite(mask, rollout_lp)
             stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, bound)  # beyond the bound
             mask[stale] = 0.0  # never trained on
             advantages = rc_core.compute_advantage(  # --adv-estimator: GRPO by default
@@ -982,7 +755,7 @@ if __name__ == "__main__":
             step_metrics, actor_metrics, update_size = update(batch, tensors, gen, share_prefix, batch_correction, dump)
         dump.save()
         train_s = sum(timer.seconds[k] for k in ("timing/old_log_prob_s", "timing/ref_log_prob_s", "timing/update_s"))
-        perf = pass_metrics(size + update_size, train_s)
+        perf = rc_infra.pass_metrics(size + update_size, train_s)
 
         # TRY NOT TO MODIFY: weight sync -- the new weights (version step+1) reach the engine in place, between two
         # generations, its prefix cache dropped; then the batch of step+1+k is queued (sampled by version step+1)
@@ -996,13 +769,13 @@ if __name__ == "__main__":
         # rank's batch) by its tokens, batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial
         # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
         step_metrics.add({**batch_correction, **perf}, weight=float(mask.sum()))
-        rollout_metrics = batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
+        rollout_metrics = rc_infra.batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
         counts = {"actor/old_log_prob_passes": counters["old_log_prob_passes"], "actor/sync_count": rollouts.sync_count}
         step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
         metrics = {**rc_infra.reduce_metrics(step_metrics, host), **eval_metrics}
         log.log(step, metrics)
-        bar.set_postfix(**progress(metrics, evals[-1] if evals else None, task.accuracy_key))
+        bar.set_postfix(**rc_infra.progress(metrics, evals[-1] if evals else None, task.accuracy_key))
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
             response_ids = [r[0] for r in responses]
             rc_infra.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_infra.full_weights(unwrapped))

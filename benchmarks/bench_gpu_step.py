@@ -35,6 +35,7 @@ from collections import Counter
 import torch
 
 import rc_core
+import rc_infra
 import rc_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -187,7 +188,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     if ns.tiny:
         train = dataclasses.replace(train, **TINY_ARGS)
     train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
-    rc_train.validate_args(train, world_size=world)  # the trainer's own checks of the config
+    rc_infra.validate_args(train, world_size=world)  # the trainer's own checks of the config
     if train.fsdp and world < 2:
         raise ValueError(
             "--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun --nproc_per_node N"
@@ -208,7 +209,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
             f"--response-len {response_len} is larger than max_response_length "
             f"{train.max_response_length}{' (--tiny)' if ns.tiny else ''} of config {path!r}"
         )
-    correction = rc_train.build_correction_config(train.rc)
+    correction = rc_infra.build_correction_config(train.rc)
     plan = Plan(path, train, size, prompt_len, response_len, ns.repeats, ns.seed, correction, world)
     (_, p_max), (_, r_max) = plan.length_ranges()
     if p_max + r_max > train.max_model_len:
@@ -350,8 +351,6 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     optimizer and scheduler as rc_train.py builds them, and this rank's synthetic batch."""
     from accelerate import Accelerator
 
-    import rc_infra
-
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     args = plan.train
     model = build_model(plan, accelerator.device)
@@ -485,8 +484,6 @@ def main(argv=None) -> int:
     for key, value in rows:
         say(f"  {key:<{width}}  {value}")
     say(json.dumps(result))
-    import rc_infra
-
     rc_infra.exit_cleanly(plan.world)
     return 0
 

@@ -11,7 +11,7 @@ weights on the same prompts in the same order, one after the other on this machi
 Each at its best thread setting on 2 cores (measured: docs/results.md "The race against TRL"): ours the trainer's own
 default, TRL OMP_NUM_THREADS=2 (--ours-threads / --trl-threads to change them).
 
-Matched: base model, prompt order (ours: rc_train.prompt_indices; TRL: the same rows in that order, no
+Matched: base model, prompt order (ours: rc_infra.prompt_indices; TRL: the same rows in that order, no
 shuffle), 32 prompts x 16 samples per rollout, 64 response tokens, temperature 1, 4 optimizer steps of 128
 responses per rollout in micro-batches of 32, AdamW at a constant 1e-4 (no weight decay, grad-norm clip 1),
 clip 0.2 both sides, token-mean over each optimizer step's tokens (TRL's "dapo" = our "token-mean"),
@@ -131,8 +131,9 @@ def parse_args(argv=None):
 # ---- The shared specification: model, prompts in order, eval set --------------------------------------------
 def write_spec(args, seed: int, out: str) -> str:
     """Build (or reuse) the base model and write everything both trainers must share to out/spec.json."""
+    import rc_train  # noqa: F401 (its environment defaults reach both trainers' processes, as they always have)
     import tasks
-    from rc_train import prompt_indices
+    from rc_infra import prompt_indices
 
     mini = tasks.MiniGSMArgs()
     task = tasks.make_task("minigsm", mini)

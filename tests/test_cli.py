@@ -230,7 +230,7 @@ def test_legacy_use_policy_gradient_reaches_the_correction_config(monkeypatch):
 
     def config(*flags):
         monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
-        return rc_train.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+        return rc_infra.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
 
     bypass = ["--rc.preset", "disabled", "--rc.bypass-mode", "True"]
     assert config(*bypass).loss_type == "ppo_clip"

@@ -38,13 +38,12 @@ LITERAL_FILES = ("rc_train.py", "rc_infra.py", "rc_rollout.py", "rc_core.py")
 DYNAMIC = {
     ("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
     "calls rc_core for every preset, RS option, batch norm and the veto",
-    ("rc_train.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress reads one); "
-    "task_metrics collects those of every task in tasks.TASKS",
-    ("rc_infra.py", 'f"eval/accuracy_{'): "print_summary reads the task's accuracy key, one of task_metrics",
+    ("rc_infra.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress and print_summary "
+    "read the task's accuracy key, one of them); task_metrics collects those of every task in tasks.TASKS",
 }
 # The placeholders docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
 # rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_..."),
-# and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_train.evaluate).
+# and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_infra.evaluate).
 OPTION = "<option>"
 KEY = "<key>"
 
@@ -213,7 +212,7 @@ def literal_metrics() -> frozenset:
 
 @functools.cache
 def task_metrics() -> frozenset:
-    """eval/accuracy_<key> for every score key of every task in tasks.TASKS (rc_train.evaluate's names)."""
+    """eval/accuracy_<key> for every score key of every task in tasks.TASKS (rc_infra.evaluate's names)."""
     return frozenset(f"eval/accuracy_{k}" for name in tasks.TASKS for k in tasks.make_task(name).score_keys)
 
 

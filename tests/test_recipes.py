@@ -230,6 +230,6 @@ def test_chi2_gate_recipe(tmp_path, monkeypatch):
         flags = ["--rc.rollout-rs", option, "--rc.rollout-rs-threshold", "0.1"]
         monkeypatch.setattr(sys, "argv", ["rc_train.py", "--config", config, *flags])
         args = infra.parse_cli(trainer.Args, trainer.load_yaml_defaults)
-        trainer.validate_args(args, 1)
-        (spec,) = trainer.build_correction_config(args.rc).rs_specs
+        infra.validate_args(args, 1)
+        (spec,) = infra.build_correction_config(args.rc).rs_specs
         assert spec == core.RSOption(option, "chi2", "seq_mean", None, 0.1)

@@ -911,7 +911,7 @@ def test_correction_flags_reach_the_config_with_their_types(monkeypatch, flags, 
     import rc_train
 
     monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
-    config = rc_train.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+    config = rc_infra.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
     for name, value in expected.items():
         assert getattr(config, name) == value and type(getattr(config, name)) is type(value), (name, config)
     if flags[-1] == "0.5_5":
@@ -922,6 +922,7 @@ def test_length_batching_gives_the_same_loss_and_gradients():
     # One optimizer step over a minibatch of mixed lengths: (a) the whole batch width, micro-batches in row order
     # (the trainer before length batching); (b) sorted by length, cut by a token budget, each micro-batch trimmed.
     # The loss has global denominators, so (a) and (b) are the same sum: same loss, same gradients.
+    import rc_infra
     import rc_train
 
     torch.manual_seed(0)
@@ -945,7 +946,7 @@ def test_length_batching_gives_the_same_loss_and_gradients():
         total = 0.0
         for rows in groups:
             if trim:
-                ids, att, t = rc_train.trimmed_inputs(batch, rows)
+                ids, att, t = rc_infra.trimmed_inputs(batch, rows)
             else:
                 ids, att, t = batch["input_ids"][rows], batch["attention_mask"][rows], mask.shape[1]
             lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
@@ -959,7 +960,7 @@ def test_length_batching_gives_the_same_loss_and_gradients():
 
     rows = torch.arange(10)
     plain = one_step([rows[:4], rows[4:8], rows[8:]], trim=False)
-    groups = rc_train.micro_batches(rows, batch, size=4, max_tokens=40)
+    groups = rc_infra.micro_batches(rows, batch, size=4, max_tokens=40)
     assert len(groups) > 3 and sorted(torch.cat(groups).tolist()) == list(range(10))  # every row once
     widths = [int(batch["prompt_len"][g].max() + batch["response_len"][g].max()) for g in groups]
     assert all(len(g) * w <= 40 or len(g) == 1 for g, w in zip(groups, widths))  # the budget holds
@@ -973,6 +974,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     # GRPO's n responses of a prompt share it: --share-prompt-prefix forwards each distinct prompt of a micro-batch
     # once and runs the responses on its KV cache. Against one pass over every full row: same log-probs, loss and
     # gradients (float64), with micro-batches grouped by prompt, for the policy and for a no-grad pass.
+    import rc_infra
     import rc_train
 
     model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
@@ -999,7 +1001,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
         model.zero_grad()
         total, log_probs = 0.0, torch.zeros(mask.shape, dtype=torch.float64)
         for rows in micro:
-            ids, att, t = rc_train.trimmed_inputs(batch, rows)
+            ids, att, t = rc_infra.trimmed_inputs(batch, rows)
             lp, _ = rc_train.sequence_log_probs(
                 model, ids, att, t, 1.0, "float32", group=batch["group"][rows] if shared else None
             )
@@ -1014,7 +1016,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
 
     rows = torch.arange(len(group_ids))
     plain = one_step([rows[:5], rows[5:]], shared=False)
-    micro = rc_train.micro_batches(rows, batch, size=5, max_tokens=None, by_group=True)
+    micro = rc_infra.micro_batches(rows, batch, size=5, max_tokens=None, by_group=True)
     assert sorted(torch.cat(micro).tolist()) == rows.tolist()
     assert any(len(set(batch["group"][m].tolist())) < len(m) for m in micro)  # a prompt really is shared
     shared = one_step(micro, shared=True)
@@ -1027,7 +1029,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(shared[2][name], grad, rtol=1e-5, atol=1e-9)
     # one-token responses: the prompt pass alone gives every logit
     one = rc_train.make_batch(flat_prompts[:3], [(r[0][:1], r[1][:1], "") for r in responses[:3]], 0, group_ids[:3])
-    ids, att, t = rc_train.trimmed_inputs(one, torch.arange(3))
+    ids, att, t = rc_infra.trimmed_inputs(one, torch.arange(3))
     with torch.no_grad():
         a, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
         b, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32", group=one["group"])

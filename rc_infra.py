@@ -328,7 +328,7 @@ def validate_args(args, world_size: int) -> None:
     )
     need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
     k = args.max_staleness
-    need(k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
+    need(k is None or k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
     if k or args.rollout_worker:
         need(
             args.sync_every == 1,
@@ -569,6 +569,18 @@ class HostGroup:
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
+    """--max-staleness as given, or its default (None): on --resume the bound the checkpoint was written with (its
+    batches in flight belong to that schedule); else 0 on GPUs (the rollout worker is CPU-only) or with --sync-every
+    other than 1 (the synchronous loop's own lag dial), and 1 on a CPU."""
+    if args.max_staleness is not None:
+        return args.max_staleness
+    if args.resume and checkpoint_dirs(run_dir):
+        with open(os.path.join(checkpoint_dirs(run_dir)[-1], "trainer_state.json")) as f:
+            return json.load(f).get("max_staleness", 0)
+    return 0 if on_gpu or args.sync_every != 1 else 1
 
 
 def torch_threads(max_staleness: int, environ=os.environ) -> int:

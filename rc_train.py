@@ -153,7 +153,7 @@ class Args:
     """asynchronous rollout: the batch of step t is sampled by policy version max(0, t-k) (k = this value) in a
     rollout worker process while the trainer updates; 0 = the synchronous loop. Each sample carries its version
     (rc_rollout.py, docs/async.md). None = 1 on a CPU (rollout overlaps the update, and the one-version lag is a real
-    mismatch for the correction), 0 on GPUs (the rollout worker is CPU-only)"""
+    mismatch for the correction); 0 on GPUs (CPU-only worker) or with --sync-every != 1; the checkpoint's on --resume"""
     rollout_worker: bool = False
     """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -579,8 +579,7 @@ if __name__ == "__main__":
     except (ValueError, ImportError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    if args.max_staleness is None:  # the default: asynchronous on a CPU, synchronous on GPUs (see the field)
-        args.max_staleness = 0 if torch.cuda.is_available() else 1
+    args.max_staleness = rc_infra.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)  # None: by device
     torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     try:
         rc_infra.validate_args(args, world)  # every check before the engine starts

@@ -3,6 +3,7 @@ processes, and an NCCL-like group that serves only CUDA tensors), launcher setti
 FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
 
 import contextlib
+import json
 import os
 import socket
 import types
@@ -341,6 +342,26 @@ def test_stale_rows_and_the_bound():
         )
     ]
     assert bound == [0, 3, 3, None]
+
+
+def test_max_staleness_default_by_device_dial_and_checkpoint(tmp_path):
+    """--max-staleness None: 1 on a CPU, 0 on GPUs or with the synchronous loop's --sync-every dial, and on --resume
+    the bound its checkpoint was written with; a value given is kept."""
+    import dataclasses
+
+    import rc_train
+
+    args = rc_train.Args()
+    assert args.max_staleness is None
+    assert rc_infra.resolve_max_staleness(args, False, str(tmp_path)) == 1
+    assert rc_infra.resolve_max_staleness(args, True, str(tmp_path)) == 0
+    assert rc_infra.resolve_max_staleness(dataclasses.replace(args, sync_every=4), False, str(tmp_path)) == 0
+    assert rc_infra.resolve_max_staleness(dataclasses.replace(args, max_staleness=3), True, str(tmp_path)) == 3
+    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_4" / "trainer_state.json").write_text(json.dumps({"max_staleness": 0}))
+    resuming = dataclasses.replace(args, resume=True)
+    assert rc_infra.resolve_max_staleness(resuming, False, str(tmp_path)) == 0
+    assert rc_infra.resolve_max_staleness(dataclasses.replace(resuming, max_staleness=2), False, str(tmp_path)) == 2
 
 
 class FifoEngine:

@@ -86,6 +86,12 @@ def parse_args(argv=None):
         help="ours: rc_train.py --max-staleness (default 1, the asynchronous rollout; 0 = synchronous)",
     )
     p.add_argument(
+        "--preset",
+        default="bypass_ppo_clip",
+        help="ours: rc_train.py --rc.preset (default bypass_ppo_clip, as in the README's figures: PPO-clip against the "
+        "engine's log-probs, like TRL's loss with its vLLM IS correction; no pi_old pass)",
+    )
+    p.add_argument(
         "--ours-threads",
         type=int,
         help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_infra.torch_threads)",
@@ -122,6 +128,10 @@ def parse_args(argv=None):
             f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}), "
             f"--max-staleness >= 0 (got {args.max_staleness}) and 0 < each target <= 1 (got {bad or 'ok'})"
         )
+    import rc_core
+
+    if args.preset not in rc_core.PRESET_NAMES:
+        p.error(f"--preset must be one of rc_core.PRESET_NAMES, got {args.preset!r}")
     for name in ("ours_threads", "trl_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -170,6 +180,8 @@ def run_ours(args, seed: int, out: str) -> dict:
         str(args.eval_every),
         "--max-staleness",
         str(args.max_staleness),
+        "--rc.preset",
+        args.preset,
         "--output-dir",
         out,
         "--run-name",

@@ -50,7 +50,12 @@ def test_report_again_from_a_results_file(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv, bad",
-    [(["--arms", "sync,turbo"], "turbo"), (["--arms", "async"], "include sync"), (["--steps", "0"], "got 0")],
+    [
+        (["--arms", "sync,turbo"], "turbo"),
+        (["--arms", "async"], "include sync"),
+        (["--steps", "0"], "got 0"),
+        (["--preset", "tis"], "got 'tis'"),
+    ],
 )
 def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
     with pytest.raises(SystemExit):

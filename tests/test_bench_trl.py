@@ -77,6 +77,7 @@ def test_from_results_reports_the_seeds_asked_for(tmp_path, capsys):
         (["--seeds", "1,x"], "integers"),
         (["--max-staleness", "-1"], "got -1"),
         (["--trl-threads", "0"], "--trl-threads must be >= 1, got 0"),
+        (["--preset", "tis"], "--preset must be one of rc_core.PRESET_NAMES, got 'tis'"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
@@ -88,5 +89,6 @@ def test_bad_arguments_are_refused_by_name(argv, bad, capsys):
 def test_defaults_three_seeds_three_targets_ours_asynchronous():
     a = bench_trl.parse_args([])
     assert (a.steps, a.seeds, a.targets, a.max_staleness) == (50, [1, 2, 3], [0.5, 0.8, 0.9], 1)
+    assert a.preset == "bypass_ppo_clip"  # the preset of the README's race figures, not the default job's
     assert bench_trl.parse_args(["--from-results", "r.json"]).seeds is None  # every seed of the results
     assert bench_trl.parse_args(["--quick"]).steps == 20

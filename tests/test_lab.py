@@ -789,7 +789,7 @@ def test_lab_holds_fewer_than_100_files():
 
 def test_committed_sweeps_hold_no_machine_path():
     """sweep.json, the configs in the runs file and every text file of lab/ name no absolute path."""
-    assert COMMITTED == ["collapse", "length", "length_long", "noise_sweep", "stale_sweep", "veto"]
+    assert COMMITTED == ["collapse", "length", "length_long", "noise_sweep", "staleness", "staleness_mu", "veto"]
     for name in COMMITTED:
         spec = json.loads((LAB / name / "sweep.json").read_text())
         strings = [spec["trainer"], *(s for run in spec["runs"] for s in run["cmd"]), *spec["extra"]]
@@ -811,6 +811,7 @@ def test_committed_sweep_regenerates_its_summary(tmp_path, name):
         "length.csv",
         "length_law.png",
         "length_trap.png",
+        "staleness.png",
     }
     written = rc_lab.write_summary(rc_lab.summarise(sweep, 0.5), sweep, str(tmp_path), 0.5)
     if (LAB / name / "length.md").exists():

@@ -69,7 +69,7 @@ BAD = [
     (dict(max_staleness=-1), "--max-staleness", "got -1"),
     (dict(max_staleness=1, sync_every=2), "--max-staleness 1", "--sync-every 2"),
     (dict(max_staleness=2, sync_every=0), "--max-staleness 2", "--sync-every 0"),
-    (dict(rollout_worker=True, sync_every=3), "--max-staleness 0", "--sync-every 3"),
+    (dict(rollout_worker=True, sync_every=3, max_staleness=0), "--max-staleness 0", "--sync-every 3"),
     (dict(seed=-1), "--seed", "got -1"),
     (dict(seed=2**32), "--seed", f"got {2**32}"),
     (dict(exp_name=""), "--exp-name", "''"),
@@ -235,7 +235,8 @@ def test_legacy_use_policy_gradient_reaches_the_correction_config(monkeypatch):
     bypass = ["--rc.preset", "disabled", "--rc.bypass-mode", "True"]
     assert config(*bypass).loss_type == "ppo_clip"
     assert config(*bypass, "--rc.use-policy-gradient", "True").loss_type == "reinforce"
-    assert config("--rc.loss-type", "none", "--rc.use-policy-gradient", "True").loss_type == "reinforce"
+    on_bypass_preset = ["--rc.preset", "bypass_ppo_clip", "--rc.loss-type", "none", "--rc.use-policy-gradient", "True"]
+    assert config(*on_bypass_preset).loss_type == "reinforce"
     with pytest.raises(ValueError, match="conflicts with loss_type='ppo_clip'"):
         config("--rc.preset", "bypass_ppo_clip", "--rc.use-policy-gradient", "True")
 

@@ -821,43 +821,17 @@ def test_committed_sweep_regenerates_its_summary(tmp_path, name):
         assert Path(path).read_bytes() == (LAB / name / os.path.basename(path)).read_bytes(), path
 
 
-def test_two_cell_sweep_with_the_real_trainer(tmp_path):
-    """`lab/rc_lab.py sweep` end to end with rc_train.py itself: naive at no mismatch and at a weight-noise level,
-    one seed, 2 steps of the tiny one-token-fixture model with 6-token answers (seconds per run)."""
+def real_two_cell_sweep(tmp_path, sweep_flags: list[str], trainer_flags: list[str]):
+    """`python -m lab.rc_lab sweep` with rc_train.py itself on the one-token fixture (configs/cpu_add.yaml, 8 prompts
+    x 8 samples, 6-token answers, 10 eval problems): two runs, seconds each. Returns the sweep folder; the sweep must
+    succeed with both runs done."""
     out = tmp_path / "lab"
     env = {**LAB_ENV, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("RC_LAB_TRAIN", None)
+    trainer = ["--config", os.path.join(ROOT, "configs", "cpu_add.yaml"), "--num-prompts-per-step", "8"]
+    trainer += ["--num-samples-per-prompt", "8", "--max-response-length", "6", "--eval-limit", "10", "--no-save-final"]
     p = subprocess.run(
-        [
-            *RC_LAB,
-            "sweep",
-            "--out",
-            str(out),
-            "--presets",
-            "naive",
-            "--dial",
-            "mismatch",
-            "--levels",
-            "none,rollout_weight_noise=1.0",
-            "--seeds",
-            "1",
-            "--steps",
-            "2",
-            "--",
-            "--config",
-            os.path.join(ROOT, "configs", "cpu_add.yaml"),
-            "--num-prompts-per-step",
-            "8",
-            "--num-samples-per-prompt",
-            "8",
-            "--max-response-length",
-            "6",
-            "--eval-limit",
-            "10",
-            "--no-save-final",
-            "--dump-log-ratio-every",
-            "1",
-        ],
+        [*RC_LAB, "sweep", "--out", str(out), *sweep_flags, "--", *trainer, *trainer_flags],
         capture_output=True,
         text=True,
         env=env,
@@ -867,6 +841,16 @@ def test_two_cell_sweep_with_the_real_trainer(tmp_path):
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout
+    return out
+
+
+def test_two_cell_sweep_with_the_real_trainer(tmp_path):
+    """`lab/rc_lab.py sweep` end to end with rc_train.py itself: naive at no mismatch and at a weight-noise level,
+    one seed, 2 steps of the tiny one-token-fixture model with 6-token answers (seconds per run)."""
+    levels = ["--levels", "none,rollout_weight_noise=1.0", "--seeds", "1", "--steps", "2"]
+    out = real_two_cell_sweep(
+        tmp_path, ["--presets", "naive", "--dial", "mismatch", *levels], ["--dump-log-ratio-every", "1"]
+    )
     md = (out / "summary.md").read_text()
     assert md.index("Reading rule") < md.index("| preset | level |")
     assert "| naive | none | 1 |" in md and "| naive | rollout_weight_noise=1.0 | 1 |" in md
@@ -905,23 +889,8 @@ def test_two_cell_staleness_sweep_with_the_real_trainer(tmp_path):
     at --max-staleness 0 and 2, one seed, 3 steps of the one-token fixture. The summary carries the asynchronous
     mode's columns (staleness min(step, k) averaged over steps 0..2, nothing dropped) and staleness.png is drawn;
     the exported compact form regenerates the same table."""
-    out = tmp_path / "lab"
-    env = {**LAB_ENV, "OMP_NUM_THREADS": "1", "RC_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("RC_LAB_TRAIN", None)
     flags = ["--presets", "naive", "--dial", "max_staleness", "--levels", "0,2", "--seeds", "1", "--steps", "3"]
-    trainer = ["--config", os.path.join(ROOT, "configs", "cpu_add.yaml"), "--num-prompts-per-step", "8"]
-    trainer += ["--num-samples-per-prompt", "8", "--max-response-length", "6", "--eval-limit", "10", "--no-save-final"]
-    p = subprocess.run(
-        [*RC_LAB, "sweep", "--out", str(out), *flags, "--", *trainer],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-        check=False,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "rc_lab: 2 ran, 0 skipped, 0 failed" in p.stdout
+    out = real_two_cell_sweep(tmp_path, flags, [])
     md = (out / "summary.md").read_text()
     assert md.index("Reading rule") < md.index("| preset | level |")
     header = md[md.index("| preset | level |") :].splitlines()[0]

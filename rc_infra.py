@@ -577,9 +577,9 @@ def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
     other than 1 (the synchronous loop's own lag dial), and 1 on a CPU."""
     if args.max_staleness is not None:
         return args.max_staleness
-    if args.resume and checkpoint_dirs(run_dir):
-        with open(os.path.join(checkpoint_dirs(run_dir)[-1], "trainer_state.json")) as f:
-            return json.load(f).get("max_staleness", 0)
+    state = newest_checkpoint_state(run_dir) if args.resume else None
+    if state is not None:
+        return state.get("max_staleness", 0)
     return 0 if on_gpu or args.sync_every != 1 else 1
 
 
@@ -1142,6 +1142,15 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
+def newest_checkpoint_state(run_dir: str) -> dict | None:
+    """trainer_state.json of the run's newest complete checkpoint (None when it has none)."""
+    dirs = checkpoint_dirs(run_dir)
+    if not dirs:
+        return None
+    with open(os.path.join(dirs[-1], "trainer_state.json")) as f:
+        return json.load(f)
+
+
 def save_checkpoint(
     run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict, max_staleness: int
 ):
@@ -1293,11 +1302,10 @@ def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1, m
     --max-staleness (its batches in flight were sampled for that schedule); True when the folder must be emptied first
     (--overwrite of an existing run)."""
     exists = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
-    if resume and not checkpoint_dirs(run_dir):
+    state = newest_checkpoint_state(run_dir) if resume else None
+    if resume and state is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
     if resume:
-        with open(os.path.join(checkpoint_dirs(run_dir)[-1], "trainer_state.json")) as f:
-            state = json.load(f)
         written_by, k = state.get("world_size", 1), state.get("max_staleness", 0)
         if written_by != world:
             raise ValueError(

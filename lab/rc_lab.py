@@ -508,28 +508,22 @@ def steps_to_reach(records: list[dict], level: float) -> int | None:
 def reward_drop(records: list[dict], window: int = 3) -> float | None:
     """Collapse signature: peak of the `window`-step moving average of `reward/mean` minus its last value
     (0 for a run that ends at its best; large when reward falls after rising)."""
-    _, values = run_series(records, "reward/mean")
-    if values.size < window:
-        return None
-    smooth = np.convolve(values, np.ones(window) / window, mode="valid")
-    return float(smooth.max() - smooth[-1])
+    smooth = _moving_average(records, "reward/mean", window)
+    return None if smooth is None else float(smooth.max() - smooth[-1])
 
 
 def ppl_rise(records: list[dict], window: int = 3) -> float | None:
     """Collapse signature: the largest rise of the `window`-step moving average of `rollout_corr/training_ppl` (the
     trainer's perplexity on the sampled responses) over its running minimum, as a ratio minus 1 (0 for a run whose
     perplexity never climbs back; a spike comes with collapse, docs/metrics.md)."""
-    _, values = run_series(records, "rollout_corr/training_ppl")
-    if values.size < window:
-        return None
-    smooth = np.convolve(values, np.ones(window) / window, mode="valid")
-    return float(np.max(smooth / np.minimum.accumulate(smooth)) - 1.0)
+    smooth = _moving_average(records, "rollout_corr/training_ppl", window)
+    return None if smooth is None else float(np.max(smooth / np.minimum.accumulate(smooth)) - 1.0)
 
 
-def _total(records: list[dict], key: str) -> float | None:
-    """Sum over steps of `key` (None if never logged)."""
+def _moving_average(records: list[dict], key: str, window: int) -> np.ndarray | None:
+    """The `window`-step moving average of `key` over the logged steps (None with fewer than `window` of them)."""
     _, values = run_series(records, key)
-    return float(values.sum()) if values.size else None
+    return np.convolve(values, np.ones(window) / window, mode="valid") if values.size >= window else None
 
 
 def planted_prob(dial: str, level: str) -> float | None:
@@ -622,7 +616,7 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
             if has_staleness:  # the asynchronous mode's own columns (sweeps of --max-staleness)
                 rows[-1].update(
                     staleness=_mean_std([_series_stat(x, "rollout/staleness_mean", np.mean) for x in recs])[0],
-                    dropped=_mean_std([_total(x, "rollout/dropped_samples") for x in recs])[0],
+                    dropped=_mean_std([_series_stat(x, "rollout/dropped_samples", np.sum) for x in recs])[0],
                     ppl_rise=_mean_std([ppl_rise(x) for x in recs])[0],
                 )
             if has_veto:

@@ -26,6 +26,8 @@ ADD = ["--config", os.path.join(ROOT, "configs", "cpu_add.yaml")]
 SHORT_STEPS = 20
 SHORT_MARGIN = 0.3
 QUICK = [*ADD, "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10", "--no-save-final"]
+# the real GSM8K files: ./data/gsm8k or ../shared/data/gsm8k (a clone alone may have no hub to fall back on)
+needs_local_gsm8k = pytest.mark.skipif(tasks.local_gsm8k_dir() is None, reason="no local GSM8K copy")
 
 
 def train_env(tmp_path):
@@ -700,9 +702,8 @@ def test_resume_with_staleness_continues_exactly(tmp_path):
         assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
 
 
+@needs_local_gsm8k
 def test_gsm8k_smoke_config_on_the_real_files(tmp_path):
-    if tasks.local_gsm8k_dir() is None:  # a clone alone, with no hub to fall back on (as on these machines)
-        pytest.skip("no local GSM8K copy (./data/gsm8k or ../shared/data/gsm8k)")
     rows, _ = run_train(tmp_path, "--config", os.path.join(ROOT, "configs", "cpu_gsm8k_smoke.yaml"), "--no-save-final")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert {"eval/accuracy_strict", "eval/accuracy_flexible"} <= set(rows[1]) and "eval/accuracy_strict" in rows[2]
@@ -789,9 +790,8 @@ print("RESULT", json.dumps({{"sha": sha, "responses": [o.outputs[0].text for o i
 
 
 # ---- GSM8K-length prompts at a realistic batch: no split prefill, reproducible samples ----------------------
+@needs_local_gsm8k
 def test_gsm8k_length_prompts_at_32x8_are_reproducible(tmp_path):
-    if tasks.local_gsm8k_dir() is None:
-        pytest.skip("no local GSM8K copy (./data/gsm8k or ../shared/data/gsm8k)")
     flags = [
         "--config",
         os.path.join(ROOT, "configs", "cpu_gsm8k_smoke.yaml"),

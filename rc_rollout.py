@@ -1,10 +1,13 @@
-# Where the rollouts come from: the vLLM engine in the trainer's process, or in a rollout worker process of its own,
-# and the schedule that decides which policy version samples which step's batch (--max-staleness).
-"""Rollout engines and the staleness schedule (infrastructure: a reader of rc_train.py can skip this file).
+"""The rollout engine: everything that talks to vLLM, and the schedule that decides which policy version samples which
+step's batch.
 
-rc_train.py starts its engine (make_engine; `generate` samples with processed log-probs), asks `Rollouts` for the
-batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead (request)
-and asks it for greedy evaluations (evaluate).
+What belongs here starts, feeds, asks or stops an engine: its scheduler limits, device placement, logs and GPU memory
+(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, the lab's
+engine-side mismatch dials (weights the engine receives, planted tokens), the engine in the trainer's process and the
+rollout worker process, and the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
+the batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead
+(request) and asks it for greedy evaluations (evaluate). What crosses a process boundary is a named tuple: a
+`Request` in, a `Result` of `Response`s out.
 
 Policy versions. Version v is the trainer's weights after v updates (one update per rollout batch, however many
 optimizer steps it takes: those are PPO's own off-policy steps, measured by actor/ppo_kl). The trainer holds version
@@ -31,16 +34,269 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
+import logging
 import os
 import queue
+import sys
 import time
+import warnings
 
 import torch
 
-import rc_infra
+import rc_config
+import rc_run
 
 
+# ---------------------------------------------------------------------------------------------
+# Starting the engine: scheduler limits, device placement, logs, GPU memory (sleep and wake)
+# ---------------------------------------------------------------------------------------------
+def engine_limits(args, world: int, longest_prompt: int, on_gpu: bool) -> dict:
+    """Scheduler settings of the engine: one wave holds this rank's whole rollout batch.
+
+    CPU: chunked prefill is off, so no prefill is ever split across engine steps. vLLM rewinds the random
+    generator of a seeded request whose prompt was only partly prefilled (its sampled token is discarded),
+    and CPU generators cannot rewind: a split prefill crashed the first rollout ("CPU Generator does not use
+    offset") with GSM8K-length prompts. Without chunking, a prompt waits for the next step instead, which only
+    needs a step budget >= --max-model-len (checked in validate_args). GPU generators rewind fine: chunked
+    prefill stays on there and the budget is passed only when set."""
+    batch = rc_config.rollout_batch_size(args, world)
+    max_num_seqs = args.vllm_max_num_seqs or batch
+    tokens = args.vllm_max_num_batched_tokens
+    if tokens is None and not on_gpu:
+        tokens = min(max(batch * longest_prompt, args.max_model_len), max(65536, args.max_model_len))
+    limits = dict(max_num_seqs=max_num_seqs)
+    if tokens is not None:
+        limits["max_num_batched_tokens"] = max(tokens, max_num_seqs)
+    if not on_gpu:
+        limits["enable_chunked_prefill"] = False
+    return limits
+
+
+def engine_placement(on_gpu: bool, rank: int, local_rank: int, world: int) -> tuple[dict, dict]:
+    """(vLLM keyword arguments, environment variables) that give each rank's engine its own device.
+
+    GPU, several processes: vLLM's default in-process executor takes its device from a plain 'cuda' and makes GPU 0
+    current on every rank, so every rank's engine would land on GPU 0. The 'external_launcher' executor (the way
+    TRL's colocate mode starts vLLM) instead joins the launcher's processes: each engine runs on the rank's local
+    GPU (tensor-parallel size 1: one engine per GPU, each sampling its own shard of the prompts). It reads the
+    launcher's RANK / LOCAL_RANK / WORLD_SIZE. CPU, or one GPU: the default executor is right."""
+    if not on_gpu or world == 1:
+        return {}, {}
+    env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world)}
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}, env
+
+
+def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, placement: dict):
+    """vLLM in this process; its log lines and start-up output go to log_path (the run's engine.log).
+    limits: engine_limits; placement: engine_placement (each rank's engine on its own GPU)."""
+    kwargs = dict(
+        model=model_path,
+        dtype=args.rollout_dtype,
+        seed=seed,
+        max_model_len=args.max_model_len,
+        # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
+        logprobs_mode=f"{args.rollout_logprobs}_logprobs",
+        enable_prefix_caching=True,
+        **limits,
+        **placement,
+    )
+    if args.rollout_corrupt_prob > 0:  # the veto lab's sampler dial (planted_tokens_processor)
+        kwargs["logits_processors"] = [planted_tokens_processor()]
+    if torch.cuda.is_available():
+        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+        if args.rollout_corrupt_prob > 0:
+            # On CUDA, vLLM 0.32 defaults to its V2 model runner, whose logits-processor loader refuses V1
+            # LogitsProcessor subclasses (PlantedTokens is one): keep the V1 runner (vllm/envs.py,
+            # VllmConfig.use_v2_model_runner in vllm/config/vllm.py). Read at engine start, so set before LLM().
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    else:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
+        kwargs.update(enforce_eager=True)
+    with engine_output_to(log_path):
+        from vllm import LLM
+
+        return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def output_to(path: str):
+    """Send this process's stdout and stderr (file descriptors 1 and 2: C++ warnings and progress bars
+    included) to a file for the duration; exceptions still reach the console once restored."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+class _BenignReloadWarning(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" after each weight sync. Benign: vLLM's
+    layer-wise reload counts the rotary cos/sin cache as a loadable tensor, no checkpoint holds it (it is
+    computed from the config, not learnt), and the reload puts the existing cache back. The fp32 tests
+    check that the engine's log-probs still match the trainer's to ~1e-8 after every sync."""
+
+    def filter(self, record):
+        return not (
+            record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage()
+        )
+
+
+@contextlib.contextmanager
+def engine_output_to(log_path: str):
+    """Start the engine inside this block: vLLM's log lines go to log_path (the run's engine.log) from now on, and
+    so does everything its start-up prints, C++ warnings and progress bars included (the console stays quiet)."""
+    engine_log = logging.getLogger("vllm")
+    engine_log.setLevel(logging.INFO)
+    engine_log.propagate = False
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_BenignReloadWarning())
+    engine_log.addHandler(handler)
+    with output_to(log_path), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+class EngineMemory:
+    """Which parts of a sleeping-capable GPU engine are awake, and the order that keeps memory free for training.
+
+    A weight sync wakes the weights only; a generation also wakes the KV cache; sleep() before the update puts
+    everything back to sleep (level 1: weights offloaded to CPU RAM, KV cache freed; level 2: both freed, so the
+    next weight sync must rewrite every weight). torch.cuda.empty_cache() runs before every wake-up: the trainer's
+    cached blocks are returned to the device first, so the engine's memory is really there. On CPU (or with
+    --no-vllm-sleep) every call is a no-op: the engine never sleeps."""
+
+    TAGS = ("weights", "kv_cache")
+
+    def __init__(self, llm, enabled: bool, level: int = 1):
+        self.llm, self.enabled, self.level = llm, enabled, level
+        self.awake = set(self.TAGS)  # a new engine starts awake
+
+    def wake(self, *tags: str) -> None:
+        missing = [t for t in self.TAGS if t in tags and t not in self.awake]
+        if self.enabled and missing:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=missing)
+        self.awake.update(missing)
+
+    def sleep(self) -> None:
+        if self.enabled and self.awake:
+            self.llm.sleep(level=self.level)
+            self.awake.clear()
+
+
+@contextlib.contextmanager
+def engine_awake(engine: EngineMemory, *tags: str, sleep_after: bool = False):
+    """Wake `tags` of the engine for the block; with sleep_after, put it all back to sleep at the end (only after a
+    rollout: the update comes next and gets the memory). A weight sync wakes the weights alone and leaves them
+    awake: the KV cache sleeps on until the next generation, and a level-2 sleep would discard the new weights."""
+    engine.wake(*tags)
+    yield
+    if sleep_after:
+        engine.sleep()
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatch dials of the lab (lab/README.md): the weights the engine receives, planted tokens
+# ---------------------------------------------------------------------------------------------
+def fake_quantise(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric per-output-channel round-to-nearest: W_q = s * clamp(round(W / s), -q, q), s = max|W_row| / q,
+    q = 2^(bits-1) - 1. The weight-only INT8/INT4 scheme whose rollout mismatch FlashRL (Yao et al. 2025)
+    measures; quantisation happens once per sync, like a calibration-free quantised engine."""
+    q = 2 ** (bits - 1) - 1
+    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / q
+    return (weight / scale).round().clamp(-q, q) * scale
+
+
+def has_weight_dial(args) -> bool:
+    """True when the engine is sent perturbed weights (--rollout-weight-quant or --rollout-weight-noise)."""
+    return args.rollout_weight_quant != "none" or args.rollout_weight_noise > 0
+
+
+def rollout_weights(weights, args):
+    """The (name, tensor) pairs the engine receives: the trainer's, or perturbed copies when a weight dial is on.
+
+    Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept, as weight-only
+    quantisers do. The noise eps is drawn on the tensor's device from a generator seeded by (--seed, tensor index),
+    so every sync sends the same perturbation pattern (a persistent error, like a quantiser's, not fresh noise) and a
+    GPU draws it on the GPU. One tensor at a time: the pairs stream through (no second copy of the model)."""
+    if not has_weight_dial(args):
+        yield from weights
+        return
+    for i, (name, w) in enumerate(weights):
+        if w.dim() >= 2 and w.is_floating_point():
+            w = w.detach().float()
+            if args.rollout_weight_noise:
+                gen = torch.Generator(device=w.device).manual_seed(args.seed * 100_003 + i)
+                eps = torch.randn(w.shape, generator=gen, device=w.device)
+                w = w + args.rollout_weight_noise * w.pow(2).mean().sqrt() * eps
+            if args.rollout_weight_quant != "none":
+                w = fake_quantise(w, int(args.rollout_weight_quant[3:]))
+        yield name, w
+
+
+CORRUPT_KEY = "rc_corrupt_prob"  # SamplingParams.extra_args key that switches PlantedTokens on for a request
+
+
+def planted_tokens_processor():
+    """The vLLM logits processor behind --rollout-corrupt-prob (imported lazily: vLLM is heavy).
+
+    At each decoding step of a request that carries extra_args[CORRUPT_KEY] = p, with probability p the row's
+    distribution is replaced by a point mass on a token drawn uniformly from the vocabulary. The engine then
+    samples that token and, with processed log-probs, reports mu = 1 for it, while the trainer's pi gives it
+    roughly 1/vocab or far less: a planted catastrophic token, the failure the worst-token veto is built to catch
+    (docs/corrections.md §4.5). Requests without the key (greedy evaluation) are left alone."""
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class PlantedTokens(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.prob: dict[int, float] = {}  # persistent-batch row -> corruption probability
+            self.gen = torch.Generator(device="cpu").manual_seed(vllm_config.model_config.seed or 0)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            def prob(params, _prompt, _output):
+                p = (params.extra_args or {}).get(CORRUPT_KEY, 0.0)
+                return float(p) if p else None
+
+            process_dict_updates(self.prob, batch_update, prob)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.prob:
+                return logits
+            rows = torch.tensor(sorted(self.prob), dtype=torch.long)
+            chance = torch.tensor([self.prob[r] for r in rows.tolist()])
+            draw = torch.rand(len(rows), generator=self.gen)
+            token = torch.randint(logits.shape[-1], (len(rows),), generator=self.gen)
+            hit = draw < chance
+            if hit.any():
+                rows, token = rows[hit].to(logits.device), token[hit].to(logits.device)
+                logits[rows] = float("-inf")
+                logits[rows, token] = 0.0
+            return logits
+
+    return PlantedTokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights in, samples out: the in-place weight load, the sampling seeds, generation with processed log-probs
+# ---------------------------------------------------------------------------------------------
 def load_weights(llm, weights) -> None:
     """Reload (name, tensor) pairs into the engine in place, then drop its prefix cache: the cached KV was computed
     with the old weights (a cache kept across a load made the KL grow for a peer)."""
@@ -48,13 +304,19 @@ def load_weights(llm, weights) -> None:
     llm.reset_prefix_cache()
 
 
-# ---------------------------------------------------------------------------------------------
-# vLLM generation with processed log-probs (rc_infra starts the engine, load_weights feeds it weights)
-# ---------------------------------------------------------------------------------------------
+def sampling_seed(*keys: int) -> int:
+    """A 62-bit seed hashed from (run seed, step, 0, the prompt's place in the step). vLLM seeds the k-th of the n
+    samples of a request with `seed + k`, so consecutive per-prompt seeds would make prompt i+1 replay prompt i's
+    random stream shifted by one sample: every prompt then explores the same few tokens (measured: the CPU demo
+    collapsed onto one answer). Hashed seeds keep the streams apart and the run reproducible."""
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
 def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
     """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
 
-    Prompt i is seeded with rc_infra.sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU
+    Prompt i is seeded with sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU
     and a prompt gets the same seed whichever rank samples it."""
     from vllm import SamplingParams
 
@@ -62,17 +324,13 @@ def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int =
         temperature=args.rollout_temperature or args.temperature,
         top_p=args.top_p,
         logprobs=0,
-        extra_args={rc_infra.CORRUPT_KEY: args.rollout_corrupt_prob},
+        extra_args={CORRUPT_KEY: args.rollout_corrupt_prob},
     )  # greedy: the defaults at temperature 0
     params = [
         SamplingParams(
             n=n,
             max_tokens=args.max_response_length,
-            **(
-                {"temperature": 0.0}
-                if greedy
-                else {**sampling, "seed": rc_infra.sampling_seed(*seed_keys, first_index + i)}
-            ),
+            **({"temperature": 0.0} if greedy else {**sampling, "seed": sampling_seed(*seed_keys, first_index + i)}),
         )
         for i in range(len(prompt_ids))
     ]
@@ -96,9 +354,9 @@ def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int =
 class LocalEngine:
     """vLLM in the trainer's process. A submitted request runs when its result is asked for (the synchronous loop:
     rollout at the start of the step); a load runs at once, so it needs no request to be waiting (k = 0 only).
-    On a GPU the engine sleeps during the update (rc_infra.EngineMemory)."""
+    On a GPU the engine sleeps during the update (EngineMemory)."""
 
-    def __init__(self, llm, memory: rc_infra.EngineMemory, generate, args):
+    def __init__(self, llm, memory: EngineMemory, generate, args):
         self.llm, self.memory, self.generate, self.args = llm, memory, generate, args
         self.version, self.waiting, self.idle, self.free_since = 0, {}, 0.0, time.time()
 
@@ -108,7 +366,7 @@ class LocalEngine:
     def load(self, version: int, weights) -> None:
         assert not self.waiting, "the local engine loads weights only when no request waits (--max-staleness 0)"
         self._busy()
-        with rc_infra.engine_awake(self.memory, "weights"):  # the KV cache sleeps on until the next generation
+        with engine_awake(self.memory, "weights"):  # the KV cache sleeps on until the next generation
             load_weights(self.llm, weights)
         self.version, self.free_since = version, time.time()
 
@@ -119,7 +377,7 @@ class LocalEngine:
         t0 = time.time()
         self._busy()
         prompts, n, seed_keys, first_index, greedy = self.waiting.pop(tag)
-        with rc_infra.engine_awake(self.memory, "weights", "kv_cache", sleep_after=not greedy):  # the update next
+        with engine_awake(self.memory, "weights", "kv_cache", sleep_after=not greedy):  # the update next
             groups = self.generate(self.llm, prompts, n, self.args, seed_keys, first_index, greedy)
         idle, self.idle, self.free_since = self.idle, 0.0, time.time()
         return self.version, groups, time.time() - t0, idle, time.time() - t0
@@ -135,9 +393,9 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
                                        between two generations, then the prefix cache is dropped
     ("generate", tag, request)      -> ("result", tag, version, groups, seconds generating, seconds idle before)
     """
-    torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))
+    torch.set_num_threads(rc_config.torch_threads(args.max_staleness))
     try:
-        llm = rc_infra.start_engine(args, model_path, seed, limits, log_path, {})
+        llm = start_engine(args, model_path, seed, limits, log_path, {})
     except Exception as e:  # the trainer is waiting for ("ready",): tell it why not
         results.put(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -173,7 +431,7 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
 class RolloutWorker:
     """The trainer's handle on the worker process: queue loads and generations; collect results by tag (they come
     back in request order; one that arrives before it is wanted is kept). The worker's torch takes as many threads
-    as the trainer's (rc_infra.torch_threads): at k >= 1, half the cores each."""
+    as the trainer's (rc_config.torch_threads): at k >= 1, half the cores each."""
 
     def __init__(self, args, generate, model_path: str, seed: int, limits: dict, log_path: str):
         import torch.multiprocessing as mp  # its queues pass tensors through shared memory, not through a pipe
@@ -226,7 +484,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Stop the worker, then release the queues' semaphores now: a run of several processes ends with os._exit
-        (rc_infra.exit_cleanly), which skips the finalisers that would, and the resource tracker then warns."""
+        (rc_run.exit_cleanly), which skips the finalisers that would, and the resource tracker then warns."""
         if self.process.is_alive():
             self.requests.put(("stop",))
             self.process.join(timeout=60)
@@ -245,16 +503,14 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
     (--max-staleness k >= 1, or --rollout-worker), else vLLM in the trainer's process (LocalEngine)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     on_gpu = torch.cuda.is_available()
-    limits = rc_infra.engine_limits(args, world, max(map(len, prompts)), on_gpu)
+    limits = engine_limits(args, world, max(map(len, prompts)), on_gpu)
     engine_log = os.path.join(run_dir, f"engine{rank or ''}.log")
     if args.max_staleness or args.rollout_worker:  # a process of its own: rollouts overlap the update
         return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
-    placement, env = rc_infra.engine_placement(on_gpu, rank, accelerator.local_process_index, world)
+    placement, env = engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
-    llm = rc_infra.start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
-    return LocalEngine(
-        llm, rc_infra.EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args
-    )
+    llm = start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
+    return LocalEngine(llm, EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,15 +539,15 @@ class Rollouts:
 
     def __init__(self, args, engine, model, prompts_of, sync_count: int = 0):
         self.args, self.engine, self.model, self.prompts_of = args, engine, model, prompts_of
-        self.k, self.dial = args.max_staleness, rc_infra.has_weight_dial(args)
+        self.k, self.dial = args.max_staleness, has_weight_dial(args)
         self.loaded = (0, False)  # (version, perturbed by a dial) of the last load queued; the engine starts at 0
         self.sync_count = sync_count  # loads that brought the engine a new version (actor/sync_count)
 
     def load(self, version: int, dials: bool = True, count: bool = True) -> None:
         """Queue the trainer's current weights as `version`: perturbed by the lab's weight dial when `dials`
-        (rc_infra.rollout_weights), its own for evaluation; streamed one tensor at a time (rc_infra.full_weights)."""
-        weights = rc_infra.full_weights(self.model)
-        self.engine.load(version, rc_infra.rollout_weights(weights, self.args) if dials else weights)
+        (rollout_weights), its own for evaluation; streamed one tensor at a time (rc_run.full_weights)."""
+        weights = rc_run.full_weights(self.model)
+        self.engine.load(version, rollout_weights(weights, self.args) if dials else weights)
         self.sync_count += int(count and version != self.loaded[0])
         self.loaded = (version, dials and self.dial)
 
@@ -323,13 +579,11 @@ class Rollouts:
             {"timing/rollout_s": generating, "timing/rollout_wait_s": waited, "timing/engine_idle_s": idle},
         )
 
-    def sync(self, step: int) -> bool:
+    def sync(self, step: int) -> None:
         """After the update of `step` the trainer holds version step+1: load it when --sync-every says so."""
         every = self.args.sync_every
         if every and (step + 1) % every == 0:
             self.load(step + 1)
-            return True
-        return False
 
     def evaluate(self, prompts: list, version: int, restore: bool = True) -> list:
         """Greedy responses of the trainer's own weights (version `version`): a stale engine is synced first and a

@@ -1,7 +1,8 @@
 # GRPO with rollout correction: vLLM rollouts, rc_core corrections, in-place weight sync.
 # Read alongside rc_core.py (the formulas), docs/corrections.md (their semantics, cited as §N), docs/running.md
-# (commands) and docs/metrics.md (metrics glossary). Infrastructure (config files, checks, logs, checkpoints) is in
-# rc_infra.py, with micro-batching, the step's metrics and evaluation; the engine and generation in rc_rollout.py.
+# (commands) and docs/metrics.md (metrics glossary). Beside it, each module holds what it touches: rc_config.py the
+# command line and its checks, rc_rollout.py the vLLM engine and the staleness schedule, rc_run.py the run folder and
+# the other ranks (metrics, checkpoints, logs), tasks.py and gsm8k.py the problems and their scores.
 """One CleanRL-style script: Args -> rollout (vLLM) -> reward -> GRPO advantage -> update -> sync.
 
     python rc_train.py                                  # CPU: miniature GSM8K, a 1M-parameter base built here
@@ -17,29 +18,30 @@ Two update modes (docs/corrections.md §7.2 decoupled, §7.3/§7.4 bypass):
 Sections marked `ALGO LOGIC` are the algorithm (fork and edit those); `TRY NOT TO MODIFY` marks the plumbing.
 """
 
-import functools
 import os
 import random
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-# vLLM must live in this process so that weights can be pushed into it in place (see README).
+# vLLM's engine core runs inside the process that holds the engine (this one, or the rollout worker), so that weights
+# can be pushed into it in place (rc_rollout.load_weights).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's CPU build otherwise reserves almost all RAM for its KV cache (docs/running.md "The CPU engine").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# The engine's log lines go to runs/{run_name}/engine.log (rc_infra.engine_output_to), not to the console.
+# The engine's log lines go to runs/{run_name}/engine.log (rc_rollout.engine_output_to), not to the console.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import torch
 
+import rc_config
 import rc_core
-import rc_infra
 import rc_rollout
+import rc_run
 import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,13 +59,13 @@ class CorrectionArgs:
     token-TIS with a k3 rejection gate in decoupled mode, logs every dashboard panel (docs/corrections.md §9.2)"""
     rollout_is: str | None = None
     """override: IS level 'token' | 'sequence'; 'none' switches IS off"""
-    rollout_is_threshold: rc_infra.Threshold = None
+    rollout_is_threshold: rc_config.Threshold = None
     """override: TIS cap (a number, e.g. 3) or IcePop bounds 'L_U' (e.g. 0.5_5, read as text, not as 0.55)"""
     rollout_is_batch_normalize: bool | None = None
     """override: self-normalise IS weights over the batch (docs/corrections.md §3.7)"""
     rollout_rs: str | None = None
     """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'); 'none' switches RS off"""
-    rollout_rs_threshold: rc_infra.Threshold = None
+    rollout_rs_threshold: rc_config.Threshold = None
     """override: rejection thresholds, one entry or one per option (0.999_1.001, 0.01, '0.999_1.001,0.01')"""
     rollout_rs_threshold_lower: float | None = None
     """override: lower bound for the legacy RS names token/sequence/geometric"""
@@ -182,7 +184,7 @@ class Args:
     a synthetic, monotone dial for kernel/quantiser error"""
     rollout_corrupt_prob: float = 0.0
     """per sampled token, chance that the engine samples a uniformly random token instead, reported with mu = 1:
-    planted catastrophic tokens for the veto (rc_infra.planted_tokens_processor)"""
+    planted catastrophic tokens for the veto (rc_rollout.planted_tokens_processor)"""
     rollout_temperature: float | None = None
     """engine samples at this temperature while the trainer scores at --temperature (a sampling-config mismatch);
     None = same"""
@@ -261,15 +263,15 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Configuration (YAML loading, the CLI, the checks and the correction config live in rc_infra.py)
+# Configuration (YAML loading, the CLI, the checks and the correction config live in rc_config.py)
 # ---------------------------------------------------------------------------------------------
 def load_yaml_defaults(path: str) -> Args:
     """Args whose defaults come from a YAML file (flat keys, plus nested `rc:` and `mini:` mappings)."""
-    return rc_infra.load_yaml_defaults(Args, path, config=path)
+    return rc_config.load_yaml_defaults(Args, path, config=path)
 
 
 # ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: prompts and reward (the task itself lives in tasks.py: problems, prompt text, scores)
+# ALGO LOGIC: prompts, their order, the reward (the task itself lives in tasks.py: problems, prompt text, scores)
 # ---------------------------------------------------------------------------------------------
 def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[int]]:
     """Prompt token ids, through the chat template when the tokenizer has one (the task's system prompt as a system
@@ -296,6 +298,19 @@ def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[i
     return out
 
 
+def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
+    """Rows position .. position+count-1 of an endless stream of seeded epoch permutations.
+
+    The stream depends only on (seed, position), so a checkpoint needs nothing but the position.
+    """
+    out = []
+    while len(out) < count:
+        epoch, offset = divmod(position + len(out), n_rows)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        out.extend(perm[offset : offset + count - len(out)].tolist())
+    return out
+
+
 def reward(args: Args, task: tasks.Task, scores: dict) -> float:
     """The training reward: the score under --reward-mode, plus --format-bonus for a well-formed answer (the task's
     format key; validate_args refuses a bonus on a task without one)."""
@@ -303,14 +318,21 @@ def reward(args: Args, task: tasks.Task, scores: dict) -> float:
     return scores[args.reward_mode] + bonus
 
 
-# ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: batch tensors, the trainer's log-probs, the loss
-# ---------------------------------------------------------------------------------------------
+def drop_nonfinite(mask: torch.Tensor, rollout_log_prob: torch.Tensor) -> int:
+    """Responses with a NaN/inf rollout log-prob (an engine fault) are dropped: mask zeroed, those log-probs set to 0.
+    Returns the number of such tokens (rollout/nonfinite_logprob_tokens)."""
+    bad = ~torch.isfinite(rollout_log_prob) & (mask > 0)
+    mask[bad.any(-1)] = 0.0
+    rollout_log_prob[~torch.isfinite(rollout_log_prob)] = 0.0
+    return int(bad.sum())
+
+
 def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     """Left-pad prompts and right-pad responses so every response starts at the same column P.
 
-    Returns input_ids/attention_mask (B, P+T), response ids, rollout log-probs and response mask (B, T), and each
-    row's group (rows of one group share their prompt; default: every row its own).
+    Returns input_ids/attention_mask (B, P+T), rollout log-probs and response mask (B, T), each row's prompt and
+    response length, and each row's group (rows of one group share their prompt; default: every row its own).
+    `responses`: rc_rollout.Response (token ids, rollout log-probs, text) per row.
     """
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r[0]) for r in responses))
@@ -330,7 +352,6 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     return dict(
         input_ids=input_ids,
         attention_mask=attention,
-        responses=input_ids[:, P:],
         rollout_log_prob=rollout_lp,
         response_mask=mask,
         prompt_len=attention[:, :P].sum(-1),
@@ -350,13 +371,13 @@ def sequence_log_probs(
     group: torch.Tensor | None = None,
 ):
     """log pi(y_t | y_<t) of the last T tokens at the rollout temperature (processed log-probs).
-    With `group` (each row's prompt group), rc_infra.shared_prefix_logits computes each distinct prompt once."""
+    With `group` (each row's prompt group), shared_prefix_logits computes each distinct prompt once."""
     autocast = torch.autocast(
         device_type=input_ids.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"
     )
     with autocast:
         if group is not None:
-            logits = rc_infra.shared_prefix_logits(model, input_ids, attention_mask, T, group)
+            logits = shared_prefix_logits(model, input_ids, attention_mask, T, group)
         else:
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(
@@ -373,7 +394,12 @@ def sequence_log_probs(
 
 
 def policy_loss(
-    args: Args, rc_config, log_prob: torch.Tensor, micro: dict, denominators: dict, correction_metrics: bool
+    args: Args,
+    correction: rc_core.RolloutCorrectionConfig,
+    log_prob: torch.Tensor,
+    micro: dict,
+    denominators: dict,
+    correction_metrics: bool,
 ) -> tuple[torch.Tensor, dict]:
     """ALGO LOGIC: the policy-gradient loss of one micro-batch, and its metrics (actor/*, bypass also rollout_corr/*).
 
@@ -383,7 +409,7 @@ def policy_loss(
     mask = micro["response_mask"]
     if mask.sum() == 0:  # every response of this micro-batch was dropped: nothing to learn
         return (log_prob * 0).sum(), {}
-    low, high = (args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
+    low, high = rc_config.clip_bounds(args)
     common = dict(
         log_prob=log_prob,
         rollout_log_prob=micro["rollout_log_prob"],
@@ -395,9 +421,9 @@ def policy_loss(
         clip_ratio_c=args.clip_ratio_c,
         **denominators,
     )
-    if rc_config.bypass_mode:
+    if correction.bypass_mode:
         return rc_core.compute_policy_loss_bypass_mode(
-            **common, config=rc_config, with_correction_metrics=correction_metrics
+            **common, config=correction, with_correction_metrics=correction_metrics
         )
     return rc_core.compute_policy_loss_vanilla(
         **common,
@@ -429,11 +455,138 @@ def micro_batch_metrics(
     return {k: v for k, v in out.items() if k not in batch_correction and (first or not k.startswith("rollout_corr/"))}
 
 
-def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, with_grad: bool, with_entropy=False):
+def decoupled_correction(
+    args: Args, correction: rc_core.RolloutCorrectionConfig, model, batch: dict, tensors: dict, log_ratios=None
+) -> tuple[dict, Counter]:
+    """ALGO LOGIC: decoupled mode's correction (docs/corrections.md §5, §7.2), once per rollout batch, before the first
+    update: pi_old is the trainer's current weights, scored without gradients; the IS weights pi_old/pi_rollout and
+    the rejection mask are computed from it and stay frozen for every epoch and minibatch. Adds old_log_prob,
+    keep_mask and rollout_is_weights (when the preset has IS) to `tensors`; returns the correction's metrics and the
+    size of the pass. `model`: the unwrapped policy (one process's forward; no gradient, no collective)."""
+    model.eval()
+    old_log_prob, size = no_grad_pass(model, batch, args)
+    rollout_log_prob, mask = tensors["rollout_log_prob"], tensors["response_mask"]
+    is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=mask, config=correction
+    )
+    weights = {} if is_weights is None else {"rollout_is_weights": is_weights}  # none when the preset has no IS
+    tensors.update(old_log_prob=old_log_prob, **weights, keep_mask=keep_mask)
+    if log_ratios is not None:
+        log_ratios.add(old_log_prob - rollout_log_prob, mask)
+    return metrics, size
+
+
+@dataclass
+class Learner:
+    """What every update of the run works on, made once at start: the Accelerator, the trainer's own collectives,
+    the policy as prepared (DDP-wrapped, FSDP2-sharded or plain), its optimizer and learning-rate schedule."""
+
+    accelerator: Any
+    host: rc_run.HostGroup
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def update_policy(
+    *,
+    args: Args,
+    correction: rc_core.RolloutCorrectionConfig,
+    learner: Learner,
+    batch: dict,
+    tensors: dict,
+    generator: torch.Generator,
+    batch_correction: dict,
+    log_ratios: rc_run.LogRatioDump | None = None,
+):
+    """ALGO LOGIC: the update on one rollout batch: epochs x minibatches (one optimizer step each) x micro-batches
+    (gradient accumulation). `tensors` holds the step's (B, T) tensors (response_mask, advantages, rollout_log_prob,
+    and old_log_prob, rollout_is_weights, keep_mask, ref_log_prob when they exist); `generator` shuffles the rows
+    into minibatches. Returns the micro-batch metrics (token-weighted), the step's actor/* figures and the size of
+    its forward passes. Bypass mode adds the first minibatch's log(pi_theta/pi_rollout) to `log_ratios`.
+    `batch_correction`: the decoupled correction's metrics, computed once for the batch (decoupled_correction; its
+    names are not taken again from the micro-batches)."""
+    model, host, world = learner.model, learner.host, learner.accelerator.num_processes
+    mask = tensors["response_mask"]
+    model.train()
+    B = mask.shape[0]
+    per_minibatch = B // args.num_minibatches
+    loss_sums, kl_sums, grad_norms, size = [], [], [], Counter()
+    step_metrics = rc_run.MetricSum()  # micro-batch metrics, weighted by their valid tokens
+    scale_k = args.loss_scale_factor or float(args.max_response_length)
+    for epoch in range(args.ppo_epochs):
+        perm = torch.randperm(B, generator=generator)
+        for minibatch in range(args.num_minibatches):
+            rows, first = perm[minibatch * per_minibatch : (minibatch + 1) * per_minibatch], not (epoch or minibatch)
+            # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (docs/corrections.md §7.5)
+            n_tok, n_seq = host.sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())])
+            denominators = dict(
+                global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k
+            )
+            loss_sum = kl_sum = 0.0
+            micro = micro_batches(
+                rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, shares_prefix(args)
+            )
+            for j, micro_rows in enumerate(micro):
+                log_prob, entropy, micro_size = forward_log_probs(model, batch, micro_rows, args, True, True)
+                size += micro_size
+                micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
+                # the policy-gradient loss; bypass mode corrects here, inside the loss (rc_core, docs §7.3/§7.4)
+                loss, loss_metrics = policy_loss(
+                    args, correction, log_prob, micro_tensors, denominators, correction_metrics=first
+                )
+                loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
+                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
+                    kl = rc_core.kl_penalty(log_prob, micro_tensors["ref_log_prob"], args.kl_estimator)
+                    kl_loss = rc_core.agg_loss(
+                        kl,
+                        micro_tensors["response_mask"],
+                        args.loss_agg_mode,
+                        response_mask=micro_tensors["response_mask"],
+                        **denominators,
+                    )
+                    loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
+                with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
+                    learner.accelerator.backward(loss * world)  # partial sum over global denominators; DDP averages
+                step_metrics.add(
+                    micro_batch_metrics(
+                        loss_metrics, log_prob, entropy, micro_tensors, correction.bypass_mode, first, batch_correction
+                    ),
+                    weight=float(micro_tensors["response_mask"].sum()),
+                )
+                if first and log_ratios is not None and correction.bypass_mode:
+                    log_ratios.add(log_prob - micro_tensors["rollout_log_prob"], micro_tensors["response_mask"])
+            grad_norms.append(rc_run.clip_and_step(learner.accelerator, model, learner.optimizer, args.max_grad_norm))
+            learner.scheduler.step()
+            learner.optimizer.zero_grad(set_to_none=True)
+            loss_sums.append(loss_sum)
+            kl_sums.append(kl_sum)
+    actor = {
+        "actor/pg_loss": float(np.mean(loss_sums)) * world,
+        "actor/grad_norm": float(np.mean(grad_norms)),
+        "actor/lr": learner.scheduler.get_last_lr()[0],
+        **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if "ref_log_prob" in tensors else {}),
+    }
+    return step_metrics, actor, size
+
+
+# ---------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: what each forward pass sees -- micro-batches sorted by length, each trimmed to its own longest
+# prompt and response, and one forward per distinct prompt (--share-prompt-prefix). An optimisation: the same
+# log-probs and gradients to float rounding (tests/test_train.py), a fraction of the padding and prompt compute
+# ---------------------------------------------------------------------------------------------
+def shares_prefix(args: Args) -> bool:
+    """Forward each distinct prompt once (--share-prompt-prefix): not under gradient checkpointing (no KV cache
+    there), nor under FSDP2 (every sharded forward is a collective, and this pass runs one or two forwards depending
+    on the lengths, so the ranks could run different numbers)."""
+    return args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
+
+
+def forward_log_probs(net, batch: dict, rows, args: Args, with_grad: bool, with_entropy=False):
     """Log-probs (and entropies) of `rows`, computed on their trimmed inputs, padded back to the batch's width; and
     the pass's size: the positions computed and the real tokens among them (perf/*; a shared prompt counts once)."""
-    input_ids, attention, t = rc_infra.trimmed_inputs(batch, rows)
-    group = batch["group"][rows] if share_prefix else None
+    input_ids, attention, t = trimmed_inputs(batch, rows)
+    group = batch["group"][rows] if shares_prefix(args) else None
     p, once = input_ids.shape[1] - t, slice(None)
     if group is not None:
         once = torch.as_tensor(np.unique(group.numpy(), return_index=True)[1])
@@ -458,102 +611,82 @@ def forward_log_probs(net, batch: dict, rows, args: Args, share_prefix: bool, wi
     return log_prob, entropy, size
 
 
-def no_grad_pass(net, batch: dict, args: Args, share_prefix: bool) -> tuple[torch.Tensor, Counter]:
+def no_grad_pass(net, batch: dict, args: Args) -> tuple[torch.Tensor, Counter]:
     """Log-probs of every row of the batch, without gradients (the decoupled pi_old, the reference model), and the
     size of the passes (forward_log_probs)."""
     out, size = torch.zeros(batch["response_mask"].shape), Counter()
-    for rows in rc_infra.micro_batches(
-        torch.arange(out.shape[0]), batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix
+    for rows in micro_batches(
+        torch.arange(out.shape[0]), batch, args.micro_batch_size, args.max_tokens_per_micro_batch, shares_prefix(args)
     ):
-        log_prob, _, micro_size = forward_log_probs(net, batch, rows, args, share_prefix, False)
+        log_prob, _, micro_size = forward_log_probs(net, batch, rows, args, False)
         out[rows], size = log_prob.cpu(), size + micro_size
     return out, size
 
 
-def update_policy(
-    args: Args,
-    rc_config,
-    accelerator,
-    host,
-    model,
-    optimizer,
-    scheduler,
-    batch: dict,
-    tensors: dict,
-    gen: torch.Generator,
-    share_prefix: bool,
-    batch_correction: dict,
-    log_ratios: rc_infra.LogRatioDump | None = None,
-):
-    """ALGO LOGIC: the update on one rollout batch: epochs x minibatches (one optimizer step each) x micro-batches
-    (gradient accumulation). `tensors` holds the step's (B, T) tensors (response_mask, advantages, rollout_log_prob,
-    and old_log_prob, rollout_is_weights, keep_mask, ref_log_prob when they exist). Returns the micro-batch
-    metrics (token-weighted), the step's actor/* figures and the size of its forward passes. Bypass mode adds the
-    first minibatch's log(pi_theta/pi_rollout) to `log_ratios`. `batch_correction`: the decoupled correction's
-    metrics, computed once for the batch (its names are not taken again from the micro-batches)."""
-    world = accelerator.num_processes
-    mask = tensors["response_mask"]
-    model.train()
-    B = mask.shape[0]
-    per_minibatch = B // args.num_minibatches
-    loss_sums, kl_sums, grad_norms, size = [], [], [], Counter()
-    step_metrics = rc_infra.MetricSum()  # micro-batch metrics, weighted by their valid tokens
-    scale_k = args.loss_scale_factor or float(args.max_response_length)
-    for epoch in range(args.ppo_epochs):
-        perm = torch.randperm(B, generator=gen)
-        for minibatch in range(args.num_minibatches):
-            rows, first = perm[minibatch * per_minibatch : (minibatch + 1) * per_minibatch], not (epoch or minibatch)
-            # Denominators of the whole optimizer-step batch, all ranks, pre-rejection (docs/corrections.md §7.5)
-            n_tok, n_seq = host.sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())])
-            denominators = dict(
-                global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k
-            )
-            loss_sum = kl_sum = 0.0
-            micro = rc_infra.micro_batches(
-                rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, share_prefix
-            )
-            for j, micro_rows in enumerate(micro):
-                log_prob, entropy, micro_size = forward_log_probs(
-                    model, batch, micro_rows, args, share_prefix, True, True
-                )
-                size += micro_size
-                micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
-                loss, loss_metrics = policy_loss(
-                    args, rc_config, log_prob, micro_tensors, denominators, correction_metrics=first
-                )
-                loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
-                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
-                    kl = rc_core.kl_penalty(log_prob, micro_tensors["ref_log_prob"], args.kl_estimator)
-                    kl_loss = rc_core.agg_loss(
-                        kl,
-                        micro_tensors["response_mask"],
-                        args.loss_agg_mode,
-                        response_mask=micro_tensors["response_mask"],
-                        **denominators,
-                    )
-                    loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
-                with rc_infra.accumulating(accelerator, model, j == len(micro) - 1, args.fsdp):
-                    accelerator.backward(loss * world)  # a rank's partial sum over global denominators; DDP averages
-                step_metrics.add(
-                    micro_batch_metrics(
-                        loss_metrics, log_prob, entropy, micro_tensors, rc_config.bypass_mode, first, batch_correction
-                    ),
-                    weight=float(micro_tensors["response_mask"].sum()),
-                )
-                if first and log_ratios is not None and rc_config.bypass_mode:
-                    log_ratios.add(log_prob - micro_tensors["rollout_log_prob"], micro_tensors["response_mask"])
-            grad_norms.append(rc_infra.clip_and_step(accelerator, model, optimizer, args.max_grad_norm))
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_sums.append(loss_sum)
-            kl_sums.append(kl_sum)
-    actor = {
-        "actor/pg_loss": float(np.mean(loss_sums)) * world,
-        "actor/grad_norm": float(np.mean(grad_norms)),
-        "actor/lr": scheduler.get_last_lr()[0],
-        **({"actor/kl_loss": float(np.mean(kl_sums)) * world} if "ref_log_prob" in tensors else {}),
-    }
-    return step_metrics, actor, size
+def micro_batches(
+    rows: torch.Tensor, batch: dict, size: int, max_tokens: int | None, by_group: bool = False
+) -> list[torch.Tensor]:
+    """One minibatch's rows, sorted by length and cut into micro-batches of at most `size` sequences and, with a
+    token budget, at most `max_tokens` padded tokens (a sequence longer than the budget goes alone). Each
+    micro-batch is then trimmed to its own longest prompt and response (trimmed_inputs), so sorting keeps the
+    padding small, like verl's dynamic batch size. The loss has global denominators, so the grouping does not
+    change it (tests/test_train.py::test_length_batching_gives_the_same_loss_and_gradients)."""
+    p, t = batch["prompt_len"][rows], batch["response_len"][rows]
+    # by_group (--share-prompt-prefix): a group's rows side by side, so a micro-batch holds few distinct prompts
+    key = batch["group"][rows] * (int(t.max()) + 1) + t if by_group else p + t
+    order = torch.argsort(key, stable=True)
+    rows, p, t = rows[order], p[order], t[order]
+    groups, start = [], 0
+    while start < len(rows):
+        end = min(start + size, len(rows))
+        if max_tokens:  # the longest run whose padded size, n x (longest prompt + longest response), fits
+            n = torch.arange(1, end - start + 1)
+            padded = n * (torch.cummax(p[start:end], 0).values + torch.cummax(t[start:end], 0).values)
+            end = start + max(1, int((padded <= max_tokens).sum()))
+        groups.append(rows[start:end])
+        start = end
+    return groups
+
+
+def trimmed_inputs(batch: dict, rows: torch.Tensor):
+    """input_ids and attention_mask of `rows`, cut to their own longest prompt and response; and that response width."""
+    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    p, t = int(batch["prompt_len"][rows].max()), max(1, int(batch["response_len"][rows].max()))
+    cols = slice(P - p, P + t)
+    return batch["input_ids"][rows][:, cols], batch["attention_mask"][rows][:, cols], t
+
+
+def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
+    """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
+    prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
+    responses on it. Same positions and masks as one pass over [prompt | response] (tests/test_train.py). DDP must see
+    one forward per backward: pass 1 calls the inner module when pass 2 follows."""
+    P = input_ids.shape[1] - T
+    distinct, row_prompt = torch.unique(group, return_inverse=True)
+    first = torch.empty(len(distinct), dtype=torch.long, device=group.device)
+    first[row_prompt] = torch.arange(len(group), device=group.device)  # any row of each prompt: they are identical
+    prompt_mask = attention_mask[first, :P]
+    out = (getattr(model, "module", model) if T > 1 else model)(
+        input_ids=input_ids[first, :P],
+        attention_mask=prompt_mask,
+        logits_to_keep=1,
+        use_cache=True,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+    )
+    cache = out.past_key_values
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[row_prompt], layer.values[row_prompt]
+    if T == 1:
+        return out.logits[row_prompt]
+    position_ids = prompt_mask.sum(-1)[row_prompt, None] + torch.arange(T - 1, device=input_ids.device)
+    logits = model(
+        input_ids=input_ids[:, P:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    return torch.cat([out.logits[row_prompt], logits], 1)
 
 
 if __name__ == "__main__":
@@ -562,7 +695,7 @@ if __name__ == "__main__":
 
         sys.exit(rc_plot.main(sys.argv[2:]))
     # TRY NOT TO MODIFY: setup -- CLI, every check before the engine starts, run folder, seeding
-    args = rc_infra.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
+    args = rc_config.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -572,21 +705,20 @@ if __name__ == "__main__":
     run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
     run_dir = os.path.join(args.output_dir, run_name)
     try:
-        rc_infra.launcher_settings(args)  # DeepSpeed refused; an Accelerate FSDP2 config turns --fsdp on
+        rc_config.launcher_settings(args)  # DeepSpeed refused; an Accelerate FSDP2 config turns --fsdp on
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(), log_with=args.log_with or None, project_dir=run_dir
         )
     except (ValueError, ImportError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    args.max_staleness = rc_infra.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)  # None: by device
-    torch.set_num_threads(rc_infra.torch_threads(args.max_staleness))  # vLLM and torch share the cores
+    args.max_staleness = rc_config.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)  # None: by device
+    torch.set_num_threads(rc_config.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     try:
-        rc_infra.validate_args(args, world)  # every check before the engine starts
-        rc_infra.check_distributed(accelerator, args)
-        rc_config = rc_infra.build_correction_config(args.rc)
-        replace_run = rc_infra.check_run_dir(run_dir, args.resume, args.overwrite, world, args.max_staleness)
-        task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)
+        task = rc_config.validate_args(args, world)  # every check before the engine starts; the task they built
+        rc_config.check_distributed(accelerator, args)
+        correction = rc_config.build_correction_config(args.rc)
+        replace_run = rc_run.check_run_dir(run_dir, args.resume, args.overwrite, world, args.max_staleness)
         args.reward_mode = args.reward_mode or task.reward_key  # --reward-mode's default: the task's reward key
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
@@ -603,13 +735,13 @@ if __name__ == "__main__":
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
-    host = rc_infra.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
-    rc_infra.open_run_dir(
+    host = rc_run.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
+    rc_run.open_run_dir(
         run_dir,
         replace_run,
         accelerator,
         args,
-        rc_config,
+        correction,
         model_path=model_path,
         train_rows=len(train_rows),
         train_rows_skipped=n_skipped,
@@ -628,8 +760,8 @@ if __name__ == "__main__":
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
         ref_model.eval().requires_grad_(False)
     if args.fsdp:  # FSDP2: shard first, then build the optimizer over the sharded parameters
-        model = rc_infra.shard_model(model, device.type)
-        ref_model = ref_model and rc_infra.shard_model(ref_model, device.type)
+        model = rc_run.shard_model(model, device.type)
+        ref_model = ref_model and rc_run.shard_model(ref_model, device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     if not args.fsdp:
@@ -637,17 +769,17 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}
     if args.resume:
-        ckpt, start_step, counters = rc_infra.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
-        in_flight = rc_infra.load_in_flight(ckpt, rank)  # batches already sampled for the next k steps
+        ckpt, start_step, counters = rc_run.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
+        in_flight = rc_run.load_in_flight(ckpt, rank)  # batches already sampled for the next k steps
     engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # vLLM here or in a worker
     if args.resume:  # an engine in this process reseeded the global RNGs when it started
-        rc_infra.restore_rng(ckpt, rank)
-    prompts_per_rank = args.num_prompts_per_step // world
+        rc_run.restore_rng(ckpt, rank)
+    prompts_per_rank = rc_config.prompts_per_rank(args, world)
 
     def step_indices(step: int) -> list[int]:
         """This rank's share of the step's prompts (the stream depends on seed and step only)."""
         P, first = args.num_prompts_per_step, rank * prompts_per_rank
-        return rc_infra.prompt_indices(len(train_prompts), args.seed, step * P, P)[first : first + prompts_per_rank]
+        return prompt_indices(len(train_prompts), args.seed, step * P, P)[first : first + prompts_per_rank]
 
     rollouts = rc_rollout.Rollouts(
         args,
@@ -656,17 +788,17 @@ if __name__ == "__main__":
         lambda step: ([train_prompts[i] for i in step_indices(step)], rank * prompts_per_rank),
         counters["sync_count"],
     )
-    log = rc_infra.RunLog(run_dir, accelerator)
+    log = rc_run.RunLog(run_dir, accelerator)
     evals = []  # every evaluation's metrics: the first and the last make the closing summary
 
-    def run_eval(step: int, timer: rc_infra.StepTimer) -> dict:
+    def run_eval(step: int, timer: rc_run.StepTimer) -> dict:
         """Greedy eval of the trainer's weights after `step` (version step+1); every problem to eval_samples.jsonl.
         Batches queued before it are waited for first: their generation is the step's time, not the eval's."""
         if step >= 0:
             rollouts.in_flight(step)
         with timer("timing/eval_s"):  # a dialed engine gets its perturbed weights back unless this is the last eval
             restore = step < args.num_steps - 1
-            metrics, samples = rc_infra.evaluate(
+            metrics, samples = rc_run.evaluate(
                 task, rollouts, eval_prompts, eval_rows, rank, world, host, step + 1, restore
             )
         log.eval_samples(step, samples)
@@ -674,22 +806,19 @@ if __name__ == "__main__":
         return metrics
 
     if args.eval_before and not args.resume:  # the initial policy, before any update: logged at step -1
-        timer = rc_infra.StepTimer()
+        timer = rc_run.StepTimer()
         log.log(-1, {**run_eval(-1, timer), **timer.seconds}, trackers=False)
     rollouts.begin(start_step, in_flight)  # the batches of the first k+1 steps are queued
     bound = rc_rollout.staleness_bound(args)  # a sample more versions behind is never trained on
     log.start_trackers(args, run_name)
-    bar = rc_infra.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
+    bar = rc_run.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # one forward per distinct prompt; not under gradient checkpointing (no KV cache) nor FSDP2 (rc_infra.shard_model)
-    share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
-    # the update (ALGO LOGIC, update_policy) on this run's model, optimizer and schedule
-    update = functools.partial(update_policy, args, rc_config, accelerator, host, model, optimizer, scheduler)
+    learner = Learner(accelerator, host, model, optimizer, scheduler)  # what every update works on
 
     def save_checkpoint(step: int) -> None:
         """After the update of `step`: weights, optimizer, schedule, RNGs, counters and the batches in flight."""
         counts = {**counters, "sync_count": rollouts.sync_count}
-        rc_infra.save_checkpoint(
+        rc_run.save_checkpoint(
             run_dir,
             step,
             model,
@@ -705,18 +834,18 @@ if __name__ == "__main__":
         # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs, seeded by
         # (seed, step, 0, the prompt's place in the step). The batch of step t was sampled by policy version
         # max(0, t - k) (--max-staleness k; rc_rollout.Rollouts queued it k steps ago, or now when k = 0)
-        timer = rc_infra.StepTimer({"timing/old_log_prob_s": 0.0})  # timing/step_s counts the wait for the batch too
+        timer = rc_run.StepTimer({"timing/old_log_prob_s": 0.0})  # timing/step_s counts the wait for the batch too
         groups, version, rollout_seconds = rollouts.take(step)
         timer.seconds.update(rollout_seconds)  # timing/rollout_s, rollout_wait_s, engine_idle_s: the engine's clocks
         # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
         with timer("timing/reward_s"):
             samples = [(i, g, resp) for g, (i, group) in enumerate(zip(step_indices(step), groups)) for resp in group]
-            rows, group_ids, responses = zip(*samples)  # each response: (token ids, rollout log-probs, text)
-            scores = [task.score(resp[2], train_rows[i]) for i, _, resp in samples]
+            rows, group_ids, responses = zip(*samples)  # each an rc_rollout.Response: token_ids, log_probs, text
+            scores = [task.score(resp.text, train_rows[i]) for i, _, resp in samples]
             rewards, corrects = [reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
             batch = make_batch([train_prompts[i] for i in rows], responses, pad_id, group_ids)
             mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
-            n_nonfinite = rc_infra.drop_nonfinite(mask, rollout_lp)
+            n_nonfinite = drop_nonfinite(mask, rollout_lp)
             stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, bound)  # beyond the bound
             mask[stale] = 0.0  # never trained on
             advantages = rc_core.compute_advantage(  # --adv-estimator: GRPO by default
@@ -727,34 +856,36 @@ if __name__ == "__main__":
                 norm_adv_by_std=args.norm_adv_by_std,
             )
         tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
-        dump = rc_infra.LogRatioDump(run_dir, step, args.dump_log_ratio_every, accelerator.is_main_process)
+        dump = rc_run.LogRatioDump(run_dir, step, args.dump_log_ratio_every, accelerator.is_main_process)
 
         # ALGO LOGIC: correction -- decoupled: pi_old once per rollout batch, IS weights and rejection mask frozen
-        # for all epochs (docs/corrections.md §5, §7.2). bypass: pi_old := pi_rollout, no forward pass at all.
+        # for all epochs (docs/corrections.md §5, §7.2). bypass: pi_old := pi_rollout, no pass here: the loss
+        # corrects each micro-batch against pi_rollout (policy_loss -> rc_core.compute_policy_loss_bypass_mode)
         batch_correction, size = {}, Counter()
-        if not rc_config.bypass_mode:
+        if not correction.bypass_mode:
             with timer("timing/old_log_prob_s"):
-                model.eval()
-                old_lp, size = no_grad_pass(unwrapped, batch, args, share_prefix)
+                batch_correction, size = decoupled_correction(args, correction, unwrapped, batch, tensors, dump)
                 counters["old_log_prob_passes"] += 1
-                is_weights, keep_mask, batch_correction = rc_core.compute_rollout_correction_and_rejection_mask(
-                    old_log_prob=old_lp, rollout_log_prob=rollout_lp, response_mask=mask, config=rc_config
-                )
-                tensors.update(old_log_prob=old_lp, rollout_is_weights=is_weights, keep_mask=keep_mask)
-                dump.add(old_lp - rollout_lp, mask)
         with timer("timing/ref_log_prob_s"):
             if ref_model is not None:
-                tensors["ref_log_prob"], ref_size = no_grad_pass(ref_model, batch, args, share_prefix)
+                tensors["ref_log_prob"], ref_size = no_grad_pass(ref_model, batch, args)
                 size += ref_size
 
         # ALGO LOGIC: update -- epochs x minibatches (one optimizer step each) x micro-batches (update_policy)
         with timer("timing/update_s"):
-            gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank)
-            tensors = {k: v for k, v in tensors.items() if v is not None}  # no IS weights when the preset has none
-            step_metrics, actor_metrics, update_size = update(batch, tensors, gen, share_prefix, batch_correction, dump)
+            step_metrics, actor_metrics, update_size = update_policy(
+                args=args,
+                correction=correction,
+                learner=learner,
+                batch=batch,
+                tensors=tensors,
+                generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31 + rank),  # the minibatch order
+                batch_correction=batch_correction,
+                log_ratios=dump,
+            )
         dump.save()
         train_s = sum(timer.seconds[k] for k in ("timing/old_log_prob_s", "timing/ref_log_prob_s", "timing/update_s"))
-        perf = rc_infra.pass_metrics(size + update_size, train_s)
+        perf = rc_run.pass_metrics(size + update_size, train_s)
 
         # TRY NOT TO MODIFY: weight sync -- the new weights (version step+1) reach the engine in place, between two
         # generations, its prefix cache dropped; then the batch of step+1+k is queued (sampled by version step+1)
@@ -765,19 +896,19 @@ if __name__ == "__main__":
         rollouts.request(step + 1 + args.max_staleness)
 
         # TRY NOT TO MODIFY: logging. Token-weighted over micro-batches and ranks; the decoupled correction (this
-        # rank's batch) by its tokens, batch statistics by sequences (rc_infra.reduce_metrics). Loss terms are partial
+        # rank's batch) by its tokens, batch statistics by sequences (rc_run.reduce_metrics). Loss terms are partial
         # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
         step_metrics.add({**batch_correction, **perf}, weight=float(mask.sum()))
-        rollout_metrics = rc_infra.batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
+        rollout_metrics = rc_run.batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
         counts = {"actor/old_log_prob_passes": counters["old_log_prob_passes"], "actor/sync_count": rollouts.sync_count}
         step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
-        metrics = {**rc_infra.reduce_metrics(step_metrics, host), **eval_metrics}
+        metrics = {**rc_run.reduce_metrics(step_metrics, host), **eval_metrics}
         log.log(step, metrics)
-        bar.set_postfix(**rc_infra.progress(metrics, evals[-1] if evals else None, task.accuracy_key))
+        bar.set_postfix(**rc_run.progress(metrics, evals[-1] if evals else None, task.accuracy_key))
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            response_ids = [r[0] for r in responses]
-            rc_infra.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_infra.full_weights(unwrapped))
+            response_ids = [r.token_ids for r in responses]
+            rc_run.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_run.full_weights(unwrapped))
 
         # TRY NOT TO MODIFY: checkpoint
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
@@ -785,13 +916,13 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: final weights and summary
     if args.save_final:
-        rc_infra.save_final(run_dir, model, tokenizer, accelerator)
+        rc_run.save_final(run_dir, model, tokenizer, accelerator)
     rollouts.close()
     log.close()
     bar.close()
     if accelerator.is_main_process:
         first_eval = evals[0] if args.eval_before and not args.resume else None
         last_eval = evals[-1] if evals else None
-        rc_infra.print_summary(first_eval, last_eval, len(eval_rows), time.time() - t_start, run_dir, task.accuracy_key)
+        rc_run.print_summary(first_eval, last_eval, len(eval_rows), time.time() - t_start, run_dir, task.accuracy_key)
     accelerator.wait_for_everyone()
-    rc_infra.exit_cleanly(world)
+    rc_run.exit_cleanly(world)

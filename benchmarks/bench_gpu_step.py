@@ -34,8 +34,9 @@ from collections import Counter
 
 import torch
 
+import rc_config
 import rc_core
-import rc_infra
+import rc_run
 import rc_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -188,7 +189,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     if ns.tiny:
         train = dataclasses.replace(train, **TINY_ARGS)
     train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
-    rc_infra.validate_args(train, world_size=world)  # the trainer's own checks of the config
+    rc_config.validate_args(train, world_size=world)  # the trainer's own checks of the config
     if train.fsdp and world < 2:
         raise ValueError(
             "--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun --nproc_per_node N"
@@ -209,7 +210,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
             f"--response-len {response_len} is larger than max_response_length "
             f"{train.max_response_length}{' (--tiny)' if ns.tiny else ''} of config {path!r}"
         )
-    correction = rc_infra.build_correction_config(train.rc)
+    correction = rc_config.build_correction_config(train.rc)
     plan = Plan(path, train, size, prompt_len, response_len, ns.repeats, ns.seed, correction, world)
     (_, p_max), (_, r_max) = plan.length_ranges()
     if p_max + r_max > train.max_model_len:
@@ -296,58 +297,37 @@ def make_rollout(plan: Plan, rank: int = 0) -> dict:
 @dataclasses.dataclass
 class Bench:
     plan: Plan
-    accelerator: object
-    host: object  # rc_infra.HostGroup
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
+    learner: rc_train.Learner  # accelerator, host group, model, optimizer, scheduler: as rc_train.py makes them
     batch: dict
-    share_prefix: bool
+
+    @property
+    def share_prefix(self) -> bool:
+        return rc_train.shares_prefix(self.plan.train)
 
     def update(self) -> dict:
         """One update of the rollout batch, as rc_train.py's step runs it after the rollout: the decoupled pi_old
-        pass and correction (decoupled presets only), then rc_train.update_policy."""
-        args, batch, correction = self.plan.train, self.batch, self.plan.correction
-        tensors = {
-            "response_mask": batch["response_mask"],
-            "advantages": batch["advantages"],
-            "rollout_log_prob": batch["rollout_log_prob"],
-        }
+        pass and correction (rc_train.decoupled_correction, decoupled presets only), then rc_train.update_policy."""
+        args, batch, correction, learner = self.plan.train, self.batch, self.plan.correction, self.learner
+        tensors = {k: batch[k] for k in ("response_mask", "advantages", "rollout_log_prob")}
         batch_correction, size = {}, Counter()
         if not correction.bypass_mode:
-            self.model.eval()
-            old, size = rc_train.no_grad_pass(self.accelerator.unwrap_model(self.model), batch, args, self.share_prefix)
-            is_weights, keep_mask, batch_correction = rc_core.compute_rollout_correction_and_rejection_mask(
-                old_log_prob=old,
-                rollout_log_prob=batch["rollout_log_prob"],
-                response_mask=batch["response_mask"],
-                config=correction,
-            )
-            tensors.update(
-                old_log_prob=old,
-                keep_mask=keep_mask,
-                **({"rollout_is_weights": is_weights} if is_weights is not None else {}),
-            )
+            unwrapped = learner.accelerator.unwrap_model(learner.model)
+            batch_correction, size = rc_train.decoupled_correction(args, correction, unwrapped, batch, tensors)
         _, actor, update_size = rc_train.update_policy(
-            args,
-            correction,
-            self.accelerator,
-            self.host,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            tensors,
-            torch.Generator().manual_seed(self.plan.seed),
-            self.share_prefix,
-            batch_correction,
+            args=args,
+            correction=correction,
+            learner=learner,
+            batch=batch,
+            tensors=tensors,
+            generator=torch.Generator().manual_seed(self.plan.seed),
+            batch_correction=batch_correction,
         )
-        tokens = self.host.sum([float((size + update_size)["tokens"])])[0]  # the trainer's perf/* counts the same
+        tokens = learner.host.sum([float((size + update_size)["tokens"])])[0]  # the trainer's perf/* counts the same
         return {"loss": actor["actor/pg_loss"], "grad_norm": actor["actor/grad_norm"], "tokens": tokens}
 
 
 def setup(plan: Plan, accelerator=None) -> Bench:
-    """Model (sharded with rc_infra.shard_model under FSDP2, else prepared by Accelerate: DDP on several processes),
+    """Model (sharded with rc_run.shard_model under FSDP2, else prepared by Accelerate: DDP on several processes),
     optimizer and scheduler as rc_train.py builds them, and this rank's synthetic batch."""
     from accelerate import Accelerator
 
@@ -355,22 +335,13 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     args = plan.train
     model = build_model(plan, accelerator.device)
     if args.fsdp:
-        model = rc_infra.shard_model(model, accelerator.device.type)
+        model = rc_run.shard_model(model, accelerator.device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if not args.fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
-    share_prefix = args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp  # as rc_train.py
-    return Bench(
-        plan,
-        accelerator,
-        rc_infra.HostGroup(accelerator.num_processes),
-        model,
-        optimizer,
-        scheduler,
-        make_rollout(plan, accelerator.process_index),
-        share_prefix,
-    )
+    learner = rc_train.Learner(accelerator, rc_run.HostGroup(accelerator.num_processes), model, optimizer, scheduler)
+    return Bench(plan, learner, make_rollout(plan, accelerator.process_index))
 
 
 def _sync(device: torch.device) -> None:
@@ -405,7 +376,7 @@ def main(argv=None) -> int:
 
     rss_before = _peak_rss_kib()
     bench = setup(plan, accelerator)
-    params = sum(p.numel() for p in accelerator.unwrap_model(bench.model).parameters())  # a DTensor counts in full
+    params = sum(p.numel() for p in accelerator.unwrap_model(bench.learner.model).parameters())  # DTensor: in full
     (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
     B, L = bench.batch["input_ids"].shape
 
@@ -426,8 +397,8 @@ def main(argv=None) -> int:
     else:
         peak_gib = max(0, _peak_rss_kib() - rss_before) / 2**20
         memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
-    peak_gib = bench.host.extreme([peak_gib], "max")[0]  # the largest rank's
-    update_s = bench.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
+    peak_gib = bench.learner.host.extreme([peak_gib], "max")[0]  # the largest rank's
+    update_s = bench.learner.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
     steps_per_update = args.num_minibatches * args.ppo_epochs
     result = {
         "device": device_name,
@@ -484,7 +455,7 @@ def main(argv=None) -> int:
     for key, value in rows:
         say(f"  {key:<{width}}  {value}")
     say(json.dumps(result))
-    rc_infra.exit_cleanly(plan.world)
+    rc_run.exit_cleanly(plan.world)
     return 0
 
 

@@ -11,7 +11,7 @@ weights on the same prompts in the same order, one after the other on this machi
 Each at its best thread setting on 2 cores (measured: docs/results.md "The race against TRL"): ours the trainer's own
 default, TRL OMP_NUM_THREADS=2 (--ours-threads / --trl-threads to change them).
 
-Matched: base model, prompt order (ours: rc_infra.prompt_indices; TRL: the same rows in that order, no
+Matched: base model, prompt order (ours: rc_train.prompt_indices; TRL: the same rows in that order, no
 shuffle), 32 prompts x 16 samples per rollout, 64 response tokens, temperature 1, 4 optimizer steps of 128
 responses per rollout in micro-batches of 32, AdamW at a constant 1e-4 (no weight decay, grad-norm clip 1),
 clip 0.2 both sides, token-mean over each optimizer step's tokens (TRL's "dapo" = our "token-mean"),
@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--ours-threads",
         type=int,
-        help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_infra.torch_threads)",
+        help="ours: OMP_NUM_THREADS (default: unset, the trainer's own choice, rc_config.torch_threads)",
     )
     p.add_argument("--trl-threads", type=int, default=2, help="TRL: OMP_NUM_THREADS (default 2, its faster setting)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_trl"), help="folder for runs and results")
@@ -143,7 +143,7 @@ def write_spec(args, seed: int, out: str) -> str:
     """Build (or reuse) the base model and write everything both trainers must share to out/spec.json."""
     import rc_train  # noqa: F401 (its environment defaults reach both trainers' processes, as they always have)
     import tasks
-    from rc_infra import prompt_indices
+    from rc_train import prompt_indices
 
     mini = tasks.MiniGSMArgs()
     task = tasks.make_task("minigsm", mini)

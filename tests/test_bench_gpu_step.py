@@ -86,14 +86,14 @@ def test_rollout_batch_has_the_trainer_layout():
 def test_one_update_moves_every_weight(config):
     plan = bench.parse_plan(["--tiny", "--config", config])
     b = bench.setup(plan)
-    before = {name: p.detach().clone() for name, p in b.model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in b.learner.model.named_parameters()}
     stats = b.update()  # bypass: the update alone; decoupled (token_tis): the pi_old pass and correction first
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     passes = plan.train.ppo_epochs + (0 if plan.correction.bypass_mode else 1)  # the update's, and pi_old's
     assert 0 < stats["tokens"] <= passes * int(b.batch["attention_mask"].sum())  # a shared prompt counts once
-    unchanged = [name for name, p in b.model.named_parameters() if torch.equal(p.detach(), before[name])]
+    unchanged = [name for name, p in b.learner.model.named_parameters() if torch.equal(p.detach(), before[name])]
     assert not unchanged, f"parameters the step did not update: {unchanged}"
-    assert all(p.grad is None for p in b.model.parameters())  # zero_grad(set_to_none=True), as the trainer
+    assert all(p.grad is None for p in b.learner.model.parameters())  # zero_grad(set_to_none=True), as the trainer
 
 
 @pytest.mark.parametrize("flags", [[], ["--fsdp"]])

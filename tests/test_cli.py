@@ -1,5 +1,5 @@
 """Every flag and YAML key of rc_train.py refuses a value that cannot work, with one line naming the flag and the
-value, before the engine starts (rc_infra.validate_args; the task settings in tasks.check_mini_args).
+value, before the engine starts (rc_config.validate_args; the task settings in tasks.check_mini_args).
 
 Unit tests call validate_args on an Args with one bad value (milliseconds each); one subprocess test checks that
 the real script stops before its engine and writes nothing.
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import rc_infra
+import rc_config
 import rc_train
 import tasks
 
@@ -23,7 +23,7 @@ INF, NAN = float("inf"), float("nan")
 
 def refused(args: rc_train.Args, world_size: int = 1) -> str:
     with pytest.raises(ValueError) as info:
-        rc_infra.validate_args(args, world_size=world_size)
+        rc_config.validate_args(args, world_size=world_size)
     message = str(info.value)
     assert "\n" not in message and "Traceback" not in message
     return message
@@ -128,7 +128,7 @@ def test_paths_that_exist_but_cannot_work(tmp_path):
 
 
 def test_seed_range_depends_on_world_size():
-    rc_infra.validate_args(with_(seed=2**32 - 2, num_prompts_per_step=32), world_size=2)
+    rc_config.validate_args(with_(seed=2**32 - 2, num_prompts_per_step=32), world_size=2)
     assert "--seed" in refused(with_(seed=2**32 - 1, num_prompts_per_step=32), world_size=2)
 
 
@@ -204,23 +204,23 @@ GOOD = [
 
 @pytest.mark.parametrize("changes", GOOD)
 def test_good_values_pass(changes):
-    rc_infra.validate_args(with_(**changes), world_size=1)
+    rc_config.validate_args(with_(**changes), world_size=1)
 
 
 def test_local_model_folder_passes(tmp_path):
-    rc_infra.validate_args(with_(model=str(tmp_path)), world_size=1)
+    rc_config.validate_args(with_(model=str(tmp_path)), world_size=1)
 
 
 def test_tiny_is_never_read_as_a_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny").write_text("not a model")  # a file called 'tiny' here does not shadow the built-in model
-    rc_infra.validate_args(with_(model="tiny", output_dir=str(tmp_path / "runs")), world_size=1)
+    rc_config.validate_args(with_(model="tiny", output_dir=str(tmp_path / "runs")), world_size=1)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename)
 def test_shipped_configs_pass(path):
     args = rc_train.load_yaml_defaults(path)
-    rc_infra.validate_args(args, world_size=1)
+    rc_config.validate_args(args, world_size=1)
     tasks.check_mini_args(args.mini)
 
 
@@ -230,7 +230,7 @@ def test_legacy_use_policy_gradient_reaches_the_correction_config(monkeypatch):
 
     def config(*flags):
         monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
-        return rc_infra.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+        return rc_config.build_correction_config(rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
 
     bypass = ["--rc.preset", "disabled", "--rc.bypass-mode", "True"]
     assert config(*bypass).loss_type == "ppo_clip"
@@ -244,7 +244,7 @@ def test_legacy_use_policy_gradient_reaches_the_correction_config(monkeypatch):
 def test_format_bonus_needs_the_tasks_format_key(monkeypatch):
     plain = tasks.Task("plain", lambda split, limit=None: ([{"q": "1"}], 0), lambda row: row["q"], lambda r, row: {})
     monkeypatch.setitem(tasks.TASKS, "plain", lambda **_: plain)
-    rc_infra.validate_args(with_(task="plain"), world_size=1)
+    rc_config.validate_args(with_(task="plain"), world_size=1)
     message = refused(with_(task="plain", format_bonus=0.5))
     assert "--format-bonus 0.5" in message and "'plain'" in message and "format key" in message
 
@@ -288,4 +288,4 @@ def test_asynchronous_rollout_is_refused_on_a_gpu(monkeypatch):
     message = refused(with_(max_staleness=1))
     assert "--max-staleness 1" in message and "CPU only" in message and "--max-staleness 0" in message
     assert "--rollout-worker" in refused(with_(rollout_worker=True))
-    rc_infra.validate_args(with_(max_staleness=0), world_size=1)  # the synchronous loop is fine there
+    rc_config.validate_args(with_(max_staleness=0), world_size=1)  # the synchronous loop is fine there

@@ -33,17 +33,17 @@ LITERAL = re.compile(r"""(?<![\w/])["'](""" + PREFIX + r"""\w+)["']""")
 DYNAMIC_FSTRING = re.compile(r"""f["']""" + PREFIX + r"""[^"']*\{""")
 DYNAMIC_CONCAT = re.compile(r"""["']""" + PREFIX + r"""["']\s*\+""")
 # The files whose string literals name metrics (rc_core's rollout_corr/* names are built at run time: see below).
-LITERAL_FILES = ("rc_train.py", "rc_infra.py", "rc_rollout.py", "rc_core.py")
+LITERAL_FILES = ("rc_train.py", "rc_config.py", "rc_rollout.py", "rc_run.py", "rc_core.py")
 # Metric names built at run time, each handled on purpose: (file, the start of its f-string) -> how it is collected.
 DYNAMIC = {
     ("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
     "calls rc_core for every preset, RS option, batch norm and the veto",
-    ("rc_infra.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress and print_summary "
+    ("rc_run.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress and print_summary "
     "read the task's accuracy key, one of them); task_metrics collects those of every task in tasks.TASKS",
 }
 # The placeholders docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
 # rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_..."),
-# and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_infra.evaluate).
+# and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_run.evaluate).
 OPTION = "<option>"
 KEY = "<key>"
 
@@ -212,7 +212,7 @@ def literal_metrics() -> frozenset:
 
 @functools.cache
 def task_metrics() -> frozenset:
-    """eval/accuracy_<key> for every score key of every task in tasks.TASKS (rc_infra.evaluate's names)."""
+    """eval/accuracy_<key> for every score key of every task in tasks.TASKS (rc_run.evaluate's names)."""
     return frozenset(f"eval/accuracy_{k}" for name in tasks.TASKS for k in tasks.make_task(name).score_keys)
 
 
@@ -277,6 +277,34 @@ def test_no_other_page_holds_a_second_metric_list():
             assert len(listed) <= 3, f"{page} lists metrics in a table ({sorted(listed)}); the list is docs/metrics.md"
 
 
+def reduction_problems(metrics_text: str, logged: frozenset, reductions: dict) -> list[str]:
+    """rc_run.METRIC_REDUCTIONS against the logged names and the glossary: every declared name is logged and
+    documented, and every logged name whose last word is max or min (a maximum or minimum over rows or tokens, by the
+    glossary's own naming) is declared as that extreme; a declared name is never left to the default mean."""
+    patterns = [pattern(n) for n in doc_metrics(metrics_text)]
+    problems = [
+        f"METRIC_REDUCTIONS declares {n!r}, which the trainer never logs" for n in reductions if n not in logged
+    ]
+    problems += [
+        f"METRIC_REDUCTIONS declares {n!r}, which docs/metrics.md does not list"
+        for n in reductions
+        if not any(p.fullmatch(n) for p in patterns)
+    ]
+    for name in sorted(logged):
+        last = re.sub("_(?:" + "|".join(rc.RS_OPTIONS) + ")_", "_", name.rsplit("/", 1)[-1]).split("_")[-1]
+        if last in ("max", "min") and reductions.get(name) != last:
+            problems.append(
+                f"{name!r} is a {last}imum but METRIC_REDUCTIONS reduces it as {reductions.get(name, 'mean')}"
+            )
+    return problems
+
+
+def test_every_extreme_metric_is_declared_and_every_declared_name_is_logged():
+    import rc_run
+
+    assert reduction_problems(read(METRICS), logged_metrics(), rc_run.METRIC_REDUCTIONS) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # The checks themselves can fail
 # ---------------------------------------------------------------------------------------------
@@ -297,3 +325,13 @@ def test_the_checks_catch_a_missing_or_unknown_preset_and_metric():
     assert any("'actor/bogus'" in p for p in metric_problems(metrics + table % "actor/bogus", logged))
     assert any("not a full metric name" in p for p in metric_problems(metrics + table % "_max", logged))
     assert any("placeholder" in p for p in metric_problems(metrics + table % "actor/<name>_max", logged))
+    import rc_run
+
+    declared = dict(rc_run.METRIC_REDUCTIONS)
+    assert any(
+        "'rollout_corr/rollout_is_max'" in p
+        for p in reduction_problems(metrics, logged, {**declared, "rollout_corr/rollout_is_max": "mean"})
+    )
+    declared.pop("response_length/max")
+    assert any("'response_length/max'" in p for p in reduction_problems(metrics, logged, declared))
+    assert any("'actor/bogus_max'" in p for p in reduction_problems(metrics, logged, {"actor/bogus_max": "max"}))

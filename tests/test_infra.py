@@ -1,6 +1,6 @@
-"""Unit tests of rc_infra.py on CPU: engine placement and sleep order, metric reduction across ranks (real gloo
-processes, and an NCCL-like group that serves only CUDA tensors), launcher settings (DeepSpeed and FSDP1 refused,
-FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
+"""Unit tests of the plumbing modules on CPU (rc_config, rc_rollout, rc_run): engine placement and sleep order,
+metric reduction across ranks (real gloo processes, and an NCCL-like group that serves only CUDA tensors), launcher
+settings (DeepSpeed and FSDP1 refused, FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
 
 import contextlib
 import json
@@ -13,21 +13,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import rc_config
 import rc_core
-import rc_infra
+import rc_rollout
+import rc_run
 
 
 # ---- Engine placement and memory --------------------------------------------------------------------------
 @pytest.mark.parametrize("rank, local_rank, world", [(0, 0, 2), (1, 1, 2), (3, 1, 4), (5, 5, 8)])
 def test_each_rank_engine_gets_its_own_gpu(rank, local_rank, world):
-    kwargs, env = rc_infra.engine_placement(True, rank, local_rank, world)
+    kwargs, env = rc_rollout.engine_placement(True, rank, local_rank, world)
     assert kwargs == {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
     assert env == {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world)}
 
 
 @pytest.mark.parametrize("on_gpu, world", [(False, 1), (False, 2), (True, 1)])
 def test_cpu_and_single_gpu_keep_the_default_executor(on_gpu, world):
-    assert rc_infra.engine_placement(on_gpu, world - 1, world - 1, world) == ({}, {})
+    assert rc_rollout.engine_placement(on_gpu, world - 1, world - 1, world) == ({}, {})
 
 
 class FakeEngine:
@@ -44,7 +46,7 @@ class FakeEngine:
 def test_engine_wakes_weights_for_a_sync_and_kv_cache_for_generation(monkeypatch):
     log = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
-    engine = rc_infra.EngineMemory(FakeEngine(log), enabled=True, level=2)
+    engine = rc_rollout.EngineMemory(FakeEngine(log), enabled=True, level=2)
     engine.wake("weights", "kv_cache")  # a new engine is awake: nothing to do
     engine.sleep()  # after the rollout, before the update
     engine.wake("weights")  # weight sync
@@ -64,38 +66,42 @@ def test_engine_wakes_weights_for_a_sync_and_kv_cache_for_generation(monkeypatch
 def test_engine_never_sleeps_on_cpu(monkeypatch):
     log = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
-    engine = rc_infra.EngineMemory(FakeEngine(log), enabled=False)
+    engine = rc_rollout.EngineMemory(FakeEngine(log), enabled=False)
     engine.sleep()
     engine.wake("weights", "kv_cache")
     assert log == []
 
 
 # ---- Metric reduction --------------------------------------------------------------------------------------
-def test_metric_kinds():
-    assert rc_infra.metric_kind("rollout_corr/rollout_is_max") == "max"
-    assert rc_infra.metric_kind("rollout_corr/rollout_is_seq_max_deviation") == "max"
-    assert rc_infra.metric_kind("rollout_corr/log_ppl_diff_min") == "min"
-    assert rc_infra.metric_kind("actor/maximal_thing") == "mean"
-    assert rc_infra.metric_kind("response_length/max") == "max"
+def test_metric_reductions_are_declared():
+    assert rc_run.reduction("rollout_corr/rollout_is_max") == "max"
+    assert rc_run.reduction("rollout_corr/rollout_is_seq_max_deviation") == "max"
+    assert rc_run.reduction("rollout_corr/log_ppl_diff_min") == "min"
+    assert rc_run.reduction("actor/maximal_thing") == "mean"
+    assert rc_run.reduction("response_length/max") == "max"
     # the RS option seq_max_k2's own name does not make its metrics extremes
-    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k2_masked_fraction") == "mean"
-    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k3_mean") == "mean"
-    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k2_seq_min") == "min"
-    assert rc_infra.metric_kind("rollout_corr/rollout_rs_seq_max_k3_max") == "max"
+    assert rc_run.reduction("rollout_corr/rollout_rs_seq_max_k2_masked_fraction") == "mean"
+    assert rc_run.reduction("rollout_corr/rollout_rs_seq_max_k3_mean") == "mean"
+    assert rc_run.reduction("rollout_corr/rollout_rs_seq_max_k2_seq_min") == "min"
+    assert rc_run.reduction("rollout_corr/rollout_rs_seq_max_k3_max") == "max"
+    # declared, not read off the name: an undeclared name with a max word in it is a mean
+    assert rc_run.reduction("actor/ratio_max") == "mean"
 
 
-def test_metric_kind_knows_every_rs_option():
-    # the pattern above must cover every option rc_core defines (a new aggregation would otherwise slip through)
+def test_metric_reductions_cover_every_rs_option():
+    # the registry's <option> names expand over every option rc_core defines (a new option is covered at once)
     for option in rc_core.RS_OPTIONS:
-        assert rc_infra.metric_kind(f"rollout_corr/rollout_rs_{option}_masked_fraction") == "mean", option
+        assert rc_run.reduction(f"rollout_corr/rollout_rs_{option}_masked_fraction") == "mean", option
+        assert rc_run.reduction(f"rollout_corr/rollout_rs_{option}_max") == "max", option
+        assert rc_run.reduction(f"rollout_corr/rollout_rs_{option}_seq_min") == "min", option
 
 
 def test_local_sums_are_token_weighted():
-    acc = rc_infra.MetricSum()
+    acc = rc_run.MetricSum()
     acc.add({"actor/entropy": 1.0, "rollout_corr/rollout_is_max": 2.0}, weight=30)
     acc.add({"actor/entropy": 4.0, "rollout_corr/rollout_is_max": 1.5}, weight=10)
     acc.add({}, weight=50)  # a micro-batch whose responses were all dropped reports nothing
-    out = rc_infra.reduce_metrics(acc, rc_infra.HostGroup(1))
+    out = rc_run.reduce_metrics(acc, rc_run.HostGroup(1))
     assert out == {"actor/entropy": pytest.approx((30 * 1.0 + 10 * 4.0) / 40), "rollout_corr/rollout_is_max": 2.0}
 
 
@@ -108,20 +114,22 @@ def _free_port():
 def _reduce_worker(rank, world, port, results, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world)
-    host = rc_infra.HostGroup(world)  # made at start, as rc_train.py makes it
+    host = rc_run.HostGroup(world)  # made at start, as rc_train.py makes it
     if backend == "cuda:gloo":  # the emulation bites: the default group refuses a CPU tensor, as NCCL does
         try:
             dist.all_reduce(torch.zeros(1))
             results[f"plain{rank}"] = "accepted"
         except RuntimeError as e:
             results[f"plain{rank}"] = str(e)
-    acc = rc_infra.MetricSum()
+    acc = rc_run.MetricSum()
     if rank == 0:  # 3 tokens with entropy 1, a maximum of 5, and a key only this rank has
-        acc.add({"actor/entropy": 1.0, "x/is_max": 5.0, "only/rank0": 7.0}, weight=3)
+        acc.add({"actor/entropy": 1.0, "rollout_corr/rollout_is_max": 5.0, "only/rank0": 7.0}, weight=3)
     else:  # 1 token with entropy 5; a second micro-batch with every response dropped
-        acc.add({"actor/entropy": 5.0, "x/is_max": 2.0, "x/d_min": -1.0}, weight=1)
+        acc.add(
+            {"actor/entropy": 5.0, "rollout_corr/rollout_is_max": 2.0, "rollout_corr/log_ppl_diff_min": -1.0}, weight=1
+        )
         acc.add({}, weight=0)
-    results[rank] = rc_infra.reduce_metrics(acc, host)
+    results[rank] = rc_run.reduce_metrics(acc, host)
     results[f"sum{rank}"] = host.sum([1.0, float(rank)])  # the loss denominators' path
     results[f"gather{rank}"] = host.gather({"rank": rank})  # the evaluation samples' path
     dist.destroy_process_group()
@@ -141,7 +149,7 @@ def test_reduction_across_unequal_ranks_with_unequal_keys(backend):
     assert results["gather0"] == results["gather1"] == [{"rank": 0}, {"rank": 1}]
     out = results[0]
     assert out["actor/entropy"] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)  # token-weighted, not (1 + 5) / 2
-    assert out["x/is_max"] == 5.0 and out["x/d_min"] == -1.0
+    assert out["rollout_corr/rollout_is_max"] == 5.0 and out["rollout_corr/log_ppl_diff_min"] == -1.0
     assert out["only/rank0"] == 7.0  # a key one rank lacks is the other ranks' weighted mean
 
 
@@ -171,15 +179,15 @@ def _args(**kw):
 )
 def test_launcher_settings_refuse_what_cannot_work(env, refused):
     with pytest.raises(ValueError, match=refused):
-        rc_infra.launcher_settings(_args(), dict(env))
+        rc_config.launcher_settings(_args(), dict(env))
 
 
 def test_an_accelerate_fsdp2_config_switches_on_the_trainers_own_sharding():
     env, args = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "false"}, _args()
-    rc_infra.launcher_settings(args, env)
+    rc_config.launcher_settings(args, env)
     assert args.fsdp and "ACCELERATE_USE_FSDP" not in env  # Accelerate then sets up plain data parallelism
     args = _args()
-    rc_infra.launcher_settings(args, {})
+    rc_config.launcher_settings(args, {})
     assert not args.fsdp
 
 
@@ -198,41 +206,41 @@ def test_an_accelerate_fsdp2_config_switches_on_the_trainers_own_sharding():
 def test_check_distributed(kind, processes, args, refused):
     if refused:
         with pytest.raises(ValueError, match=refused):
-            rc_infra.check_distributed(_accelerator(kind, processes), args)
+            rc_config.check_distributed(_accelerator(kind, processes), args)
     else:
-        rc_infra.check_distributed(_accelerator(kind, processes), args)
+        rc_config.check_distributed(_accelerator(kind, processes), args)
 
 
 def test_micro_batches_accumulate_without_all_reduce_except_the_last():
-    assert rc_infra.accumulating(_accelerator("MULTI_GPU"), "m", False, fsdp=False) == ("no_sync", "m")
-    assert isinstance(rc_infra.accumulating(_accelerator("MULTI_GPU"), "m", True, fsdp=False), contextlib.nullcontext)
-    assert isinstance(rc_infra.accumulating(_accelerator("NO", 1), "m", False, fsdp=False), contextlib.nullcontext)
+    assert rc_run.accumulating(_accelerator("MULTI_GPU"), "m", False, fsdp=False) == ("no_sync", "m")
+    assert isinstance(rc_run.accumulating(_accelerator("MULTI_GPU"), "m", True, fsdp=False), contextlib.nullcontext)
+    assert isinstance(rc_run.accumulating(_accelerator("NO", 1), "m", False, fsdp=False), contextlib.nullcontext)
     calls = []
     model = types.SimpleNamespace(set_requires_gradient_sync=calls.append)
     for last in (False, False, True):  # FSDP2: no reduce-scatter until the last micro-batch
         assert isinstance(
-            rc_infra.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True), contextlib.nullcontext
+            rc_run.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True), contextlib.nullcontext
         )
     assert calls == [False, False, True]
 
 
 def test_weight_fingerprint_sees_every_bit():
     weights = {"a": torch.randn(4, 3), "b": torch.randn(5).to(torch.bfloat16), "c": torch.randn(2).double()}
-    base = rc_infra.weights_sha256(weights.items())
-    assert base == rc_infra.weights_sha256(reversed(list(weights.items())))  # name order, not iteration order
+    base = rc_run.weights_sha256(weights.items())
+    assert base == rc_run.weights_sha256(reversed(list(weights.items())))  # name order, not iteration order
     for name in weights:
         flipped = dict(weights)
         t = weights[name].clone()
         t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).view(-1)[-1] ^= 1  # lowest bit
         flipped[name] = t
-        assert rc_infra.weights_sha256(flipped.items()) != base
+        assert rc_run.weights_sha256(flipped.items()) != base
 
 
 # ---- Resume bookkeeping ------------------------------------------------------------------------------------
 def test_wandb_run_id_survives_resume(tmp_path):
-    first = rc_infra.wandb_run_id(str(tmp_path), resume=False)
-    assert rc_infra.wandb_run_id(str(tmp_path), resume=True) == first
-    assert rc_infra.wandb_run_id(str(tmp_path), resume=False) != first  # a fresh run gets a fresh id
+    first = rc_run.wandb_run_id(str(tmp_path), resume=False)
+    assert rc_run.wandb_run_id(str(tmp_path), resume=True) == first
+    assert rc_run.wandb_run_id(str(tmp_path), resume=False) != first  # a fresh run gets a fresh id
 
 
 def test_restore_rng_after_an_engine_reseeds(tmp_path):
@@ -249,7 +257,7 @@ def test_restore_rng_after_an_engine_reseeds(tmp_path):
     )
     expected = (torch.rand(3), random.random(), np.random.rand())
     torch.manual_seed(1)  # what vLLM's start-up does to the global generators
-    rc_infra.restore_rng(str(tmp_path), 0)
+    rc_run.restore_rng(str(tmp_path), 0)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert np.random.rand() == expected[2]
 
@@ -257,10 +265,10 @@ def test_restore_rng_after_an_engine_reseeds(tmp_path):
 def test_engine_awake_sleeps_only_after_a_rollout(monkeypatch):
     log = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    engine = rc_infra.EngineMemory(FakeEngine(log), enabled=True, level=1)
-    with rc_infra.engine_awake(engine, "weights", "kv_cache", sleep_after=True):  # rollout, then the update
+    engine = rc_rollout.EngineMemory(FakeEngine(log), enabled=True, level=1)
+    with rc_rollout.engine_awake(engine, "weights", "kv_cache", sleep_after=True):  # rollout, then the update
         log.append("generate")
-    with rc_infra.engine_awake(engine, "weights"):  # weight sync: the KV cache sleeps on
+    with rc_rollout.engine_awake(engine, "weights"):  # weight sync: the KV cache sleeps on
         log.append("sync")
     assert log == ["generate", ("sleep", 1), ("wake", ("weights",)), "sync"]
     assert engine.awake == {"weights"}
@@ -283,12 +291,12 @@ def test_yaml_numbers_are_numbers_and_bounds_stay_text(tmp_path):
 
     path = tmp_path / "c.yaml"
     path.write_text("rate: 1e-4\nsteps: 3\ninner:\n  threshold: 0.5_5\n  veto: 1.0e-4\n")
-    assert rc_infra.load_yaml_defaults(Outer, str(path)) == Outer(1e-4, 3, Inner("0.5_5", 1e-4))
+    assert rc_config.load_yaml_defaults(Outer, str(path)) == Outer(1e-4, 3, Inner("0.5_5", 1e-4))
     path.write_text("inner:\n  threshold: 2\n  veto: none\n")
-    assert rc_infra.load_yaml_defaults(Outer, str(path)) == Outer(inner=Inner(2, "none"))
+    assert rc_config.load_yaml_defaults(Outer, str(path)) == Outer(inner=Inner(2, "none"))
     path.write_text("rate: 1.0\ninner:\n  thresold: 2\n")
     with pytest.raises(ValueError, match="inner.thresold"):
-        rc_infra.load_yaml_defaults(Outer, str(path))
+        rc_config.load_yaml_defaults(Outer, str(path))
 
 
 def test_resume_with_another_number_of_processes_is_refused(tmp_path):
@@ -297,9 +305,9 @@ def test_resume_with_another_number_of_processes_is_refused(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_000001"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1}))
-    assert rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=1) is False
+    assert rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=1) is False
     with pytest.raises(ValueError, match="written by 1 process.*this run has 2"):
-        rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)
+        rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)
 
 
 def test_resume_with_another_staleness_bound_is_refused(tmp_path):
@@ -312,12 +320,12 @@ def test_resume_with_another_staleness_bound_is_refused(tmp_path):
     (ckpt / "trainer_state.json").write_text(
         json.dumps({"step": 1, "position": 8, "world_size": 1, "max_staleness": 2})
     )
-    assert rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=2) is False
+    assert rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=2) is False
     with pytest.raises(ValueError, match="--max-staleness 2, this run has --max-staleness 1"):
-        rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
+        rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1}))
     with pytest.raises(ValueError, match="--max-staleness 0, this run has --max-staleness 1"):
-        rc_infra.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
+        rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
 
 
 def test_stale_rows_and_the_bound():
@@ -353,15 +361,15 @@ def test_max_staleness_default_by_device_dial_and_checkpoint(tmp_path):
 
     args = rc_train.Args()
     assert args.max_staleness is None
-    assert rc_infra.resolve_max_staleness(args, False, str(tmp_path)) == 1
-    assert rc_infra.resolve_max_staleness(args, True, str(tmp_path)) == 0
-    assert rc_infra.resolve_max_staleness(dataclasses.replace(args, sync_every=4), False, str(tmp_path)) == 0
-    assert rc_infra.resolve_max_staleness(dataclasses.replace(args, max_staleness=3), True, str(tmp_path)) == 3
+    assert rc_config.resolve_max_staleness(args, False, str(tmp_path)) == 1
+    assert rc_config.resolve_max_staleness(args, True, str(tmp_path)) == 0
+    assert rc_config.resolve_max_staleness(dataclasses.replace(args, sync_every=4), False, str(tmp_path)) == 0
+    assert rc_config.resolve_max_staleness(dataclasses.replace(args, max_staleness=3), True, str(tmp_path)) == 3
     (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_4" / "trainer_state.json").write_text(json.dumps({"max_staleness": 0}))
     resuming = dataclasses.replace(args, resume=True)
-    assert rc_infra.resolve_max_staleness(resuming, False, str(tmp_path)) == 0
-    assert rc_infra.resolve_max_staleness(dataclasses.replace(resuming, max_staleness=2), False, str(tmp_path)) == 2
+    assert rc_config.resolve_max_staleness(resuming, False, str(tmp_path)) == 0
+    assert rc_config.resolve_max_staleness(dataclasses.replace(resuming, max_staleness=2), False, str(tmp_path)) == 2
 
 
 class FifoEngine:
@@ -437,10 +445,10 @@ def test_torch_threads_follow_the_mode_unless_omp_num_threads_is_set(monkeypatch
     """k = 0: rollout and update take turns, each gets every core; k >= 1: trainer and worker side by side, half each.
     OMP_NUM_THREADS, when set, wins (the tests and the lab set it to 1)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert rc_infra.torch_threads(0, environ={}) == 4
+    assert rc_config.torch_threads(0, environ={}) == 4
     assert (
-        rc_infra.torch_threads(1, environ={}) == 2 and rc_infra.torch_threads(3, environ={"OMP_NUM_THREADS": ""}) == 2
+        rc_config.torch_threads(1, environ={}) == 2 and rc_config.torch_threads(3, environ={"OMP_NUM_THREADS": ""}) == 2
     )
-    assert rc_infra.torch_threads(0, environ={"OMP_NUM_THREADS": "1"}) == 1
+    assert rc_config.torch_threads(0, environ={"OMP_NUM_THREADS": "1"}) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert rc_infra.torch_threads(1, environ={}) == 1
+    assert rc_config.torch_threads(1, environ={}) == 1

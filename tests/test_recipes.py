@@ -72,7 +72,7 @@ def ruff_problems(repo: str, module: str) -> str:
 
 @contextlib.contextmanager
 def imported_from(repo: str, *names: str):
-    """The copy's modules `names` (its rc_core, rc_infra, rc_train, ...), imported under their own names so that they
+    """The copy's modules `names` (its rc_core, rc_config, rc_train, ...), imported under their own names so that they
     import each other; afterwards sys.modules holds the repository's own modules again."""
     shadowed = [name[: -len(".py")] for name in os.listdir(repo) if name.endswith(".py")]
     saved = {name: sys.modules.pop(name, None) for name in shadowed}
@@ -143,7 +143,7 @@ def test_rloo_recipe(tmp_path):
     index = ["a", "a", "a", "a", "solo", "b", "b", "b", "c", "c"]
     want = [2 / 3, -2 / 3, 2 / 3, -2 / 3, 0.7, 0.0, 0.0, 0.0, 1.0, -1.0]
     assert rloo_by_hand(scores, index) == pytest.approx(want)
-    with imported_from(repo, "rc_core", "rc_infra", "rc_train") as (core, infra, trainer):
+    with imported_from(repo, "rc_core", "rc_config", "rc_run", "rc_train") as (core, settings, run, trainer):
         adv = core.compute_advantage("rloo", torch.tensor(scores, dtype=torch.float64), index)
         assert adv.tolist() == pytest.approx(want, abs=1e-12)
         # the trainer's call: an integer group tensor, token scores summed over T, A_i m_it back
@@ -153,9 +153,9 @@ def test_rloo_recipe(tmp_path):
         mask[1, 1] = mask[4, 0] = 0.0
         full = core.compute_advantage("rloo", token_scores, ids, response_mask=mask, norm_adv_by_std=True)
         torch.testing.assert_close(full, torch.tensor(want, dtype=torch.float64)[:, None] * mask)
-        infra.validate_args(trainer.Args(adv_estimator="rloo"), world_size=1)  # now a valid --adv-estimator
+        settings.validate_args(trainer.Args(adv_estimator="rloo"), world_size=1)  # now a valid --adv-estimator
         with pytest.raises(ValueError, match="--adv-estimator.*grpo, rloo.*'ppo'"):
-            infra.validate_args(trainer.Args(adv_estimator="ppo"), world_size=1)
+            settings.validate_args(trainer.Args(adv_estimator="ppo"), world_size=1)
 
     # The copy's real trainer, two steps on the one-token fixture with --adv-estimator rloo.
     trace = tmp_path / "rloo_calls.jsonl"
@@ -206,7 +206,7 @@ def test_chi2_gate_recipe(tmp_path, monkeypatch):
         "masked_fraction": 2 / 5,  # of the valid tokens
         "seq_masked_fraction": 1 / 3,
     }
-    with imported_from(repo, "rc_core", "rc_infra", "rc_train") as (core, infra, trainer):
+    with imported_from(repo, "rc_core", "rc_config", "rc_run", "rc_train") as (core, settings, run, trainer):
         assert option in core.RS_OPTIONS and "chi2" in core.RS_STATISTICS
 
         def correct(rollout_rs, threshold):
@@ -220,7 +220,7 @@ def test_chi2_gate_recipe(tmp_path, monkeypatch):
         # the metric names of a built-in one-sided option, each reduced by its own last word
         k3_names = set(correct("seq_mean_k3", 0.1)[2])
         assert {k.replace(option, "seq_mean_k3") for k in metrics} == k3_names
-        assert [infra.metric_kind(p + word) for word in ("mean", "max", "seq_min")] == ["mean", "max", "min"]
+        assert [run.reduction(p + word) for word in ("mean", "max", "seq_min")] == ["mean", "max", "min"]
         # AND-ed with a built-in option: token_k1 at [0.95, 1.3] also rejects row 2's rho = 0.9
         keep = correct(f"{option},token_k1", "0.1,0.95_1.3")[1]
         assert keep.tolist() == [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
@@ -229,7 +229,7 @@ def test_chi2_gate_recipe(tmp_path, monkeypatch):
         config = os.path.join(repo, "configs", "cpu_add.yaml")
         flags = ["--rc.rollout-rs", option, "--rc.rollout-rs-threshold", "0.1"]
         monkeypatch.setattr(sys, "argv", ["rc_train.py", "--config", config, *flags])
-        args = infra.parse_cli(trainer.Args, trainer.load_yaml_defaults)
-        infra.validate_args(args, 1)
-        (spec,) = infra.build_correction_config(args.rc).rs_specs
+        args = settings.parse_cli(trainer.Args, trainer.load_yaml_defaults)
+        settings.validate_args(args, 1)
+        (spec,) = settings.build_correction_config(args.rc).rs_specs
         assert spec == core.RSOption(option, "chi2", "seq_mean", None, 0.1)

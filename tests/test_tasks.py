@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import gsm8k
-import rc_infra
+import rc_run
 import rc_train
 import tasks
 from tests.test_recipes import append_to, copy_repo, readme_block
@@ -236,7 +236,7 @@ def test_reward_reads_the_reward_mode_and_the_tasks_format_key():
 
 
 class FakeRollouts:
-    """rc_rollout.Rollouts.evaluate for rc_infra.evaluate: prompt [i] gets responses[i], 3 tokens long."""
+    """rc_rollout.Rollouts.evaluate for rc_run.evaluate: prompt [i] gets responses[i], 3 tokens long."""
 
     def __init__(self, responses):
         self.responses = responses
@@ -254,13 +254,13 @@ def test_evaluate_logs_one_accuracy_per_score_key():
     minigsm = tasks.make_task("minigsm", MINI)
     rows, _ = minigsm.problems("test", 2)
     rollouts = FakeRollouts([f"#### {rows[0]['gold']}", f"The answer is {rows[1]['gold']}."])
-    metrics, samples = rc_infra.evaluate(minigsm, rollouts, [[0], [1]], rows, 0, 1, OneRank(), 1)
+    metrics, samples = rc_run.evaluate(minigsm, rollouts, [[0], [1]], rows, 0, 1, OneRank(), 1)
     # The names and samples of the GSM8K-style tasks, exactly as before the keys were the task's.
     assert metrics == {"eval/accuracy_strict": 0.5, "eval/accuracy_flexible": 1.0, "eval/response_length": 3.0}
     assert list(samples[0]) == ["index", "question", "gold", "response", "strict", "flexible", "tokens"]
     toy = toy_task()
     rows, _ = toy.problems("test", 2)
-    metrics, samples = rc_infra.evaluate(toy, FakeRollouts(["tac", "dgo"]), [[0], [1]], rows, 0, 1, OneRank(), 1)
+    metrics, samples = rc_run.evaluate(toy, FakeRollouts(["tac", "dgo"]), [[0], [1]], rows, 0, 1, OneRank(), 1)
     assert metrics == {"eval/accuracy_correct": 0.5, "eval/accuracy_well_formed": 1.0, "eval/response_length": 3.0}
     assert samples[1] == {"index": 1, "response": "dgo", "correct": 0.0, "well_formed": 1.0, "tokens": 3}
 

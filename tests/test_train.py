@@ -766,10 +766,12 @@ def test_final_weights_load_in_transformers_and_vllm(tmp_path):
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 sys.path.insert(0, {ROOT!r})
-import rc_infra
+import rc_config
+import rc_rollout
+import rc_run
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(final)!r})
-sha = rc_infra.weights_sha256(model.state_dict().items())  # the fingerprint --log-rank-checksums writes
+sha = rc_run.weights_sha256(model.state_dict().items())  # the fingerprint --log-rank-checksums writes
 from vllm import LLM, SamplingParams
 llm = LLM(model={str(final)!r}, dtype="float32", enforce_eager=True, max_model_len=64)
 outs = llm.generate({[s["question"] for s in samples]!r}, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
@@ -823,27 +825,27 @@ def test_gsm8k_length_prompts_at_32x8_are_reproducible(tmp_path):
 
 
 def test_engine_limits_never_split_a_prefill_on_cpu():
-    import rc_infra
+    import rc_rollout
     import rc_train
 
     args = rc_train.Args(num_prompts_per_step=32, num_samples_per_prompt=8, max_model_len=1024)
-    cpu = rc_infra.engine_limits(args, world=1, longest_prompt=140, on_gpu=False)
+    cpu = rc_rollout.engine_limits(args, world=1, longest_prompt=140, on_gpu=False)
     assert cpu["enable_chunked_prefill"] is False and cpu["max_num_seqs"] == 256
     assert cpu["max_num_batched_tokens"] == 32 * 8 * 140  # the whole batch's prefill in one engine step
-    assert rc_infra.engine_limits(args, world=2, longest_prompt=140, on_gpu=False)["max_num_seqs"] == 128
-    small = rc_infra.engine_limits(
+    assert rc_rollout.engine_limits(args, world=2, longest_prompt=140, on_gpu=False)["max_num_seqs"] == 128
+    small = rc_rollout.engine_limits(
         rc_train.Args(num_prompts_per_step=1, num_samples_per_prompt=1, max_model_len=512),
         world=1,
         longest_prompt=10,
         on_gpu=False,
     )
     assert small["max_num_batched_tokens"] == 512  # never below the longest sequence
-    huge = rc_infra.engine_limits(rc_train.Args(num_prompts_per_step=512, num_samples_per_prompt=64), 1, 500, False)
+    huge = rc_rollout.engine_limits(rc_train.Args(num_prompts_per_step=512, num_samples_per_prompt=64), 1, 500, False)
     assert huge["max_num_batched_tokens"] == 65536
-    gpu = rc_infra.engine_limits(args, world=1, longest_prompt=140, on_gpu=True)
+    gpu = rc_rollout.engine_limits(args, world=1, longest_prompt=140, on_gpu=True)
     assert gpu == {"max_num_seqs": 256}  # GPU: vLLM's own token budget and chunked prefill
     custom = rc_train.Args(vllm_max_num_seqs=64, vllm_max_num_batched_tokens=4096)
-    assert rc_infra.engine_limits(custom, 1, 140, False) == {
+    assert rc_rollout.engine_limits(custom, 1, 140, False) == {
         "max_num_seqs": 64,
         "max_num_batched_tokens": 4096,
         "enable_chunked_prefill": False,
@@ -909,11 +911,11 @@ def test_cpu_demo_config_spells_out_the_defaults():
     ],
 )
 def test_correction_flags_reach_the_config_with_their_types(monkeypatch, flags, expected):
-    import rc_infra
+    import rc_config
     import rc_train
 
     monkeypatch.setattr(sys, "argv", ["rc_train.py", *flags])
-    config = rc_infra.build_correction_config(rc_infra.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+    config = rc_config.build_correction_config(rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
     for name, value in expected.items():
         assert getattr(config, name) == value and type(getattr(config, name)) is type(value), (name, config)
     if flags[-1] == "0.5_5":
@@ -924,7 +926,6 @@ def test_length_batching_gives_the_same_loss_and_gradients():
     # One optimizer step over a minibatch of mixed lengths: (a) the whole batch width, micro-batches in row order
     # (the trainer before length batching); (b) sorted by length, cut by a token budget, each micro-batch trimmed.
     # The loss has global denominators, so (a) and (b) are the same sum: same loss, same gradients.
-    import rc_infra
     import rc_train
 
     torch.manual_seed(0)
@@ -948,7 +949,7 @@ def test_length_batching_gives_the_same_loss_and_gradients():
         total = 0.0
         for rows in groups:
             if trim:
-                ids, att, t = rc_infra.trimmed_inputs(batch, rows)
+                ids, att, t = rc_train.trimmed_inputs(batch, rows)
             else:
                 ids, att, t = batch["input_ids"][rows], batch["attention_mask"][rows], mask.shape[1]
             lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
@@ -962,7 +963,7 @@ def test_length_batching_gives_the_same_loss_and_gradients():
 
     rows = torch.arange(10)
     plain = one_step([rows[:4], rows[4:8], rows[8:]], trim=False)
-    groups = rc_infra.micro_batches(rows, batch, size=4, max_tokens=40)
+    groups = rc_train.micro_batches(rows, batch, size=4, max_tokens=40)
     assert len(groups) > 3 and sorted(torch.cat(groups).tolist()) == list(range(10))  # every row once
     widths = [int(batch["prompt_len"][g].max() + batch["response_len"][g].max()) for g in groups]
     assert all(len(g) * w <= 40 or len(g) == 1 for g, w in zip(groups, widths))  # the budget holds
@@ -976,7 +977,6 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     # GRPO's n responses of a prompt share it: --share-prompt-prefix forwards each distinct prompt of a micro-batch
     # once and runs the responses on its KV cache. Against one pass over every full row: same log-probs, loss and
     # gradients (float64), with micro-batches grouped by prompt, for the policy and for a no-grad pass.
-    import rc_infra
     import rc_train
 
     model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
@@ -1003,7 +1003,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
         model.zero_grad()
         total, log_probs = 0.0, torch.zeros(mask.shape, dtype=torch.float64)
         for rows in micro:
-            ids, att, t = rc_infra.trimmed_inputs(batch, rows)
+            ids, att, t = rc_train.trimmed_inputs(batch, rows)
             lp, _ = rc_train.sequence_log_probs(
                 model, ids, att, t, 1.0, "float32", group=batch["group"][rows] if shared else None
             )
@@ -1018,7 +1018,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
 
     rows = torch.arange(len(group_ids))
     plain = one_step([rows[:5], rows[5:]], shared=False)
-    micro = rc_infra.micro_batches(rows, batch, size=5, max_tokens=None, by_group=True)
+    micro = rc_train.micro_batches(rows, batch, size=5, max_tokens=None, by_group=True)
     assert sorted(torch.cat(micro).tolist()) == rows.tolist()
     assert any(len(set(batch["group"][m].tolist())) < len(m) for m in micro)  # a prompt really is shared
     shared = one_step(micro, shared=True)
@@ -1031,7 +1031,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(shared[2][name], grad, rtol=1e-5, atol=1e-9)
     # one-token responses: the prompt pass alone gives every logit
     one = rc_train.make_batch(flat_prompts[:3], [(r[0][:1], r[1][:1], "") for r in responses[:3]], 0, group_ids[:3])
-    ids, att, t = rc_infra.trimmed_inputs(one, torch.arange(3))
+    ids, att, t = rc_train.trimmed_inputs(one, torch.arange(3))
     with torch.no_grad():
         a, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
         b, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32", group=one["group"])

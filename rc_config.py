@@ -1,0 +1,595 @@
+"""Configuration: the command line and YAML files become one checked Args, before anything is built.
+
+What belongs here decides what a run is, and is read or refused before the tokenizer, the data, the model or the engine
+exist and before anything is written: the YAML loader and the command line (tyro), the type and range checks of every
+Args section (validate_args; the correction settings are checked by rc_core when build_correction_config builds
+them), the launcher and process checks, and the defaults that depend on the machine (the staleness bound, torch's
+threads). Unit-tested in tests/test_infra.py and tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+from typing import Annotated
+
+import torch
+import tyro
+import yaml
+
+import rc_core
+import rc_run
+import tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line and YAML files: values typed as the fields are
+# ---------------------------------------------------------------------------------------------
+def _number_or_text(text: str) -> float | str:
+    """'3' -> 3.0, '1e-4' -> 0.0001; 'L_U' bounds and option lists stay text ('0.5_5' is not the number 0.55)."""
+    try:
+        return text if "_" in text else float(text)
+    except ValueError:
+        return text
+
+
+# A threshold: a number, or the text forms rc_core parses ('L_U', one entry per RS option, 'none').
+Threshold = Annotated[
+    float | str | None,
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="{FLOAT,L_U,...,none}",
+        instance_from_str=lambda a: _number_or_text(a[0]),
+        is_instance=lambda x: x is None or isinstance(x, (int, float, str)),
+        str_from_instance=lambda x: [str(x)],
+    ),
+]
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """yaml.safe_load, with YAML 1.2 floats: '1e-4' is a number (YAML 1.1 reads it as a string) and '0.5_5' stays
+    the string it is meant to be (YAML 1.1 drops the underscore and reads 0.55), so an IcePop bound 'L_U' or a
+    multi-option RS threshold may be written unquoted, and every number reaches its field as a number."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"
+        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_yaml_defaults(cls, path: str, **extra):
+    """An instance of the dataclass `cls` whose values come from a YAML file: flat keys, plus one mapping per nested
+    dataclass field (e.g. `rc:`). Values are handed over as YAML typed them (numbers as numbers); unknown keys fail."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path!r}")
+    with open(path) as f:
+        raw = yaml.load(f, Loader=_YamlLoader) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    nested = {k: f.default_factory for k, f in fields.items() if dataclasses.is_dataclass(f.default_factory)}
+    bad = sorted(set(raw) - set(fields))
+    for key, sub in nested.items():
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ValueError(f"config {path!r}: {key!r} must be a mapping")
+        bad += [f"{key}.{k}" for k in sorted(set(raw.get(key) or {}) - {f.name for f in dataclasses.fields(sub)})]
+    if bad:
+        raise ValueError(f"config {path!r}: unknown keys {bad}")
+    values = {k: nested[k](**(v or {})) if k in nested else v for k, v in raw.items()}
+    return cls(**{**values, **extra})
+
+
+def parse_cli(cls, load_defaults, gpu_config: str | None = None):
+    """tyro over the dataclass `cls`; --config FILE (or, with a GPU and neither --config nor --model, `gpu_config`)
+    gives the defaults through load_defaults(path), and flags on the command line still win."""
+    argv = sys.argv[1:]
+    config = None
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            config = argv[i + 1]
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+    if config is None and gpu_config and torch.cuda.is_available() and "--model" not in argv:
+        config = gpu_config
+    try:
+        default = load_defaults(config) if config else cls()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        sys.exit(f"rc_train.py: error: {e}")
+    return tyro.cli(cls, default=default, args=argv)
+
+
+def _check_field_types(obj, prefix: str = "") -> None:
+    """Raise ValueError naming the first field of the dataclass `obj` whose value does not have its annotated type
+    (int, float, bool, str, None, Literal choices, a nested dataclass). tyro checks the command line, but YAML
+    values reach the fields as YAML typed them ('ten' steps, reward_mode 'strik'), so they are checked here."""
+    import types
+    import typing
+
+    def fits(value, hint) -> bool:
+        origin, parts = typing.get_origin(hint), typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType):
+            return any(fits(value, p) for p in parts)
+        if origin is typing.Literal:
+            return any(value == p and type(value) is type(p) for p in parts)
+        if hint is type(None):
+            return value is None
+        if hint is bool:
+            return isinstance(value, bool)
+        if hint is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if hint is float:  # an int is a number too; one too large for a float is not
+            return (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and not (isinstance(value, int) and abs(value) > sys.float_info.max)
+            )
+        if hint is str:
+            return isinstance(value, str)
+        if origin is list:
+            return isinstance(value, list) and all(fits(v, parts[0]) for v in value)
+        if dataclasses.is_dataclass(hint):
+            return isinstance(value, hint)
+        return True  # any other annotation is checked where it is used
+
+    def describe(hint) -> str:
+        origin, parts = typing.get_origin(hint), typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType):
+            return " or ".join(describe(p) for p in parts)
+        if origin is typing.Literal:
+            return "one of " + ", ".join(map(repr, parts))
+        if origin is list:
+            return f"a list, each item {describe(parts[0])}"
+        return {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+            hint, "a mapping"
+        )
+
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        value = getattr(obj, name)
+        if not fits(value, hint):
+            raise ValueError(f"--{prefix}{name.replace('_', '-')} must be {describe(hint)}, got {value!r}")
+
+
+def _local_path(model: str) -> bool:
+    """--model names a local folder (not a Hugging Face id such as Qwen/Qwen2.5-0.5B-Instruct): it starts with '/',
+    '.' or '~', has more than one '/', or exists."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.path.exists(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of every Args section, before anything is built or written
+# ---------------------------------------------------------------------------------------------
+def validate_args(args, world_size: int) -> tasks.Task:
+    """Fail fast with a message naming the bad value (before tokenizer, data or engine, and before anything is
+    written to the run folder); return the task the checks built. The correction settings (--rc.*) are checked by
+    rc_core when the config is built (build_correction_config), the task and its settings (--task, --mini.*,
+    --reward-mode, --format-bonus) by tasks.make_task and tasks.check_reward_settings, the loss settings by
+    rc_core.check_loss_settings. Types first (YAML values arrive unchecked), so every later comparison compares
+    numbers."""
+    _check_field_types(args)
+    _check_field_types(args.mini, prefix="mini.")
+    _check_names_and_paths(args)
+    _check_trackers(args)
+    task = _check_data_and_task(args, world_size)
+    _check_rollout(args, world_size)
+    _check_schedule_and_dials(args)
+    _check_engine(args)
+    _check_optimisation(args)
+    _check_loss(args)
+    return task
+
+
+def _need(cond, msg: str) -> None:
+    """Raise ValueError(msg) unless cond: each check states the condition that must hold and what to say if not."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_names_and_paths(args) -> None:
+    """--exp-name, --run-name, --resume, --output-dir and --model name something usable."""
+    _need(
+        args.exp_name.strip() != "" and not any(s in args.exp_name for s in ("/", os.sep, os.altsep) if s),
+        f"--exp-name must be a non-empty name without a path separator (it is part of the run folder's name), "
+        f"got {args.exp_name!r}",
+    )
+    if args.run_name is not None:
+        _need(
+            args.run_name.strip() not in ("", ".", "..")
+            and not any(s in args.run_name for s in ("/", os.sep, os.altsep) if s),
+            f"--run-name must be a folder name without a path separator (not '', '.' or '..'; the parent folder is "
+            f"--output-dir), got {args.run_name!r}",
+        )
+    _need(
+        not args.resume or args.run_name is not None,
+        "--resume needs --run-name (the run to continue; the default name holds the start time, so it is always new)",
+    )
+    _need(
+        not os.path.exists(args.output_dir) or os.path.isdir(args.output_dir),
+        f"--output-dir must be a folder, got {args.output_dir!r} (a file)",
+    )
+    if args.run_name is not None:
+        run_dir = os.path.join(args.output_dir, args.run_name)
+        _need(
+            not os.path.exists(run_dir) or os.path.isdir(run_dir),
+            f"--run-name {args.run_name!r}: {run_dir!r} exists and is not a folder",
+        )
+    existing = os.path.abspath(args.output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    _need(
+        os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+        f"--output-dir {args.output_dir!r} cannot be created or written: {existing!r} is not a writable folder",
+    )
+    model = args.model
+    _need(
+        model.strip() != "", f"--model must be 'tiny', a local model folder or a Hugging Face model id, got {model!r}"
+    )
+    if model != "tiny" and _local_path(model) and not os.path.isdir(model):  # 'tiny': rc_train.TINY_MODEL, built here
+        home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
+        _need(
+            False,
+            f"--model must be an existing local model folder or a Hugging Face model id, got {model!r} "
+            + (
+                "('~' is not expanded here: write the full path)"
+                if home
+                else "(a file, not a folder)"
+                if os.path.exists(model)
+                else "(no such folder)"
+            ),
+        )
+
+
+def _check_trackers(args) -> None:
+    """--log-with names installed Accelerate trackers; a W&B project name W&B accepts."""
+    trackers = getattr(args, "log_with", None) or []
+    if trackers:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+        installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+        for name in trackers:
+            _need(
+                name == "all" or name in LOGGER_TYPE_TO_CLASS,
+                f"--log-with must name Accelerate trackers ({', '.join(LOGGER_TYPE_TO_CLASS)}) or all, got {name!r}",
+            )
+            _need(
+                name == "all" or name in installed,
+                f"--log-with {name}: the {name} package is not installed (Accelerate would skip it silently): "
+                f"pip install {name}, or drop it",
+            )
+        if "wandb" in trackers:
+            project = args.wandb_project_name
+            _need(
+                0 < len(project) <= 128 and not any(c in project for c in "/\\#?%:"),
+                f"--wandb-project-name must be 1..128 characters, none of / \\ # ? % :, got {project!r}",
+            )
+
+
+def _check_data_and_task(args, world_size: int) -> tasks.Task:
+    """The seed, the data limits and the task's own settings (tasks.make_task checks --mini.*); the task built."""
+    _need(
+        0 <= args.seed <= 2**32 - world_size,
+        f"--seed must be in [0, {2**32 - world_size}] (numpy and vLLM take 32-bit seeds; rank r's engine uses "
+        f"seed + r), got {args.seed}",
+    )
+
+    _need(
+        args.train_limit is None or args.train_limit >= 1,
+        f"--train-limit must be >= 1 (or None: every problem), got {args.train_limit}",
+    )
+    _need(
+        args.eval_limit is None or args.eval_limit >= 1,
+        f"--eval-limit must be >= 1 (or None: the whole split), got {args.eval_limit}",
+    )
+    _need(
+        args.format_bonus >= 0 and math.isfinite(args.format_bonus),
+        f"--format-bonus must be a finite number >= 0, got {args.format_bonus}",
+    )
+    _need(
+        args.task in tasks.TASKS,
+        f"--task must be one of {', '.join(tasks.TASKS)} (tasks.TASKS), got {args.task!r}",
+    )
+    task = tasks.make_task(args.task, args.mini, args.dataset, args.dataset_config)  # checks --mini.* too
+    tasks.check_reward_settings(task, args.reward_mode, args.format_bonus)
+    return task
+
+
+def _check_rollout(args, world_size: int) -> None:
+    """Batch shapes over the ranks, lengths, sampling."""
+    _need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
+    _need(
+        args.num_samples_per_prompt >= 2,
+        f"--num-samples-per-prompt must be >= 2 (the GRPO group size: a group of one response has no group mean "
+        f"to compare with, so the advantage falls back to the raw reward, REINFORCE without a baseline), "
+        f"got {args.num_samples_per_prompt}",
+    )
+    _need(
+        args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
+        f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size "
+        f"({world_size})",
+    )
+    batch = rollout_batch_size(args, world_size)
+    _need(
+        args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+        f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})",
+    )
+    _need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    _need(
+        args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
+        f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}",
+    )
+    _need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
+    _need(
+        args.max_model_len > args.max_response_length,
+        f"--max-model-len must be > --max-response-length ({args.max_response_length}): a prompt and its response "
+        f"must fit in the context, got {args.max_model_len}",
+    )
+    _need(
+        args.temperature > 0 and math.isfinite(args.temperature),
+        f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}",
+    )
+    _need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    _need(
+        args.train_dtype != "float16",
+        f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
+        f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32",
+    )
+
+
+def _check_schedule_and_dials(args) -> None:
+    """The weight-sync and staleness schedule (the rollout worker is CPU-only), and the lab's mismatch dials."""
+    _need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    k = args.max_staleness
+    _need(k is None or k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
+    if k or args.rollout_worker:
+        _need(
+            args.sync_every == 1,
+            f"--max-staleness {k} loads every new version into the rollout worker: it needs --sync-every 1 (the "
+            f"synchronous loop's own lag dial), got --sync-every {args.sync_every}",
+        )
+        _need(
+            not torch.cuda.is_available(),
+            f"--max-staleness {k} (a rollout worker process) runs on CPU only: on a GPU the worker's engine would "
+            f"share the device with the trainer while it generates (no sleep mode then) and the weights would need "
+            f"CUDA IPC; neither is built or verified here. Use --max-staleness 0 on GPUs"
+            if k
+            else "--rollout-worker runs on CPU only (no GPU weight hand-over is built): drop it on GPUs",
+        )
+    _need(
+        0 < args.vllm_gpu_memory_utilization <= 1,
+        f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
+        f"got {args.vllm_gpu_memory_utilization}",
+    )
+    _need(
+        args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb),
+        f"--vllm-kv-cache-gb must be a finite number > 0, got {args.vllm_kv_cache_gb}",
+    )
+    _need(
+        0.0 <= args.rollout_corrupt_prob < 1.0,
+        f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}",
+    )
+    _need(
+        args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
+        f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}",
+    )
+    _need(
+        args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
+        f"--rollout-temperature must be > 0, got {args.rollout_temperature}",
+    )
+    _need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
+
+
+def _check_engine(args) -> None:
+    """The engine's memory and scheduler settings."""
+    _need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
+    _need(
+        args.vllm_sleep_level == 1 or args.sync_every == 1,
+        f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
+        f"it needs --sync-every 1, got --sync-every {args.sync_every}",
+    )
+    _need(
+        args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
+        f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}",
+    )
+    tokens = args.vllm_max_num_batched_tokens
+    _need(tokens is None or tokens >= 1, f"--vllm-max-num-batched-tokens must be >= 1, got {tokens}")
+    if tokens is not None and not torch.cuda.is_available():
+        # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
+        _need(
+            tokens >= args.max_model_len,
+            f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
+            f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len",
+        )
+    _need(
+        tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
+        f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}",
+    )
+
+
+def _check_optimisation(args) -> None:
+    """The optimiser, the update's loops, evaluation and checkpoint cadence."""
+    _need(
+        args.learning_rate > 0 and math.isfinite(args.learning_rate),
+        f"--learning-rate must be a finite number > 0, got {args.learning_rate}",
+    )
+    _need(
+        args.weight_decay >= 0 and math.isfinite(args.weight_decay),
+        f"--weight-decay must be a finite number >= 0, got {args.weight_decay}",
+    )
+    _need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    _need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
+    _need(
+        args.kl_coef >= 0 and math.isfinite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}"
+    )
+    _need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
+
+    _need(args.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {args.eval_every}")
+    _need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = never), got {args.checkpoint_every}")
+
+
+def _check_loss(args) -> None:
+    """The advantage estimator, the KL penalty and the loss settings (rc_core's own checks; the message says which
+    flag gave a clip value that was not set itself)."""
+    _need(
+        args.adv_estimator in rc_core.ADVANTAGE_ESTIMATORS,
+        f"--adv-estimator must be one of {', '.join(rc_core.ADVANTAGE_ESTIMATORS)} (rc_core.ADVANTAGE_ESTIMATORS), "
+        f"got {args.adv_estimator!r}",
+    )
+    if args.kl_coef > 0:
+        rc_core.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), args.kl_estimator)  # raises on unknown names
+    low, high = clip_bounds(args)
+    try:
+        rc_core.check_loss_settings(low, high, args.clip_ratio_c, args.loss_agg_mode, args.loss_scale_factor)
+    except ValueError as e:
+        side = next(
+            (
+                s
+                for s in ("low", "high")
+                if str(e).startswith(f"clip_ratio_{s}") and getattr(args, f"clip_ratio_{s}") is None
+            ),
+            None,
+        )
+        if side is None:
+            raise
+        raise ValueError(f"{e} (--clip-ratio-{side} is unset: it takes --clip-ratio {args.clip_ratio})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings derived from others: one rule each, read wherever the setting is used
+# ---------------------------------------------------------------------------------------------
+def clip_bounds(args) -> tuple[float, float]:
+    """The PPO clip range (epsilon_low, epsilon_high): --clip-ratio-low / --clip-ratio-high, each --clip-ratio when
+    unset."""
+    return tuple(args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
+
+
+def prompts_per_rank(args, world: int) -> int:
+    """Each rank's share of --num-prompts-per-step (validate_args: a multiple of the world size)."""
+    return args.num_prompts_per_step // world
+
+
+def rollout_batch_size(args, world: int) -> int:
+    """Each rank's rollout batch: its prompts x --num-samples-per-prompt responses."""
+    return prompts_per_rank(args, world) * args.num_samples_per_prompt
+
+
+SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
+
+
+def build_correction_config(rc) -> rc_core.RolloutCorrectionConfig:
+    """The preset, with every field the user set replaced; SWITCH_OFF ('none') becomes None. rc_core validates."""
+    set_fields = {
+        k: None if isinstance(v, str) and v.strip().lower() == SWITCH_OFF else v
+        for k, v in dataclasses.asdict(rc).items()
+        if k != "preset" and v is not None
+    }
+    return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher and the processes it started; defaults that depend on the machine
+# ---------------------------------------------------------------------------------------------
+def launcher_settings(args, environ=os.environ) -> None:
+    """Read what `accelerate launch` asked for, before the Accelerator is built; refuse what cannot work.
+
+    DeepSpeed is refused: through Accelerate >= 1.8 it steps its optimizer after every micro-batch unless the loop runs
+    inside accelerator.accumulate(), it divides the loss by its accumulation steps on top of the trainer's global
+    denominators, and its ZeRO partitions do not round-trip through a module checkpoint (docs/gpus.md). FSDP2 shards
+    the same state and is what this trainer supports. An Accelerate FSDP config (FSDP_VERSION 2) switches on --fsdp:
+    the trainer shards with torch's fully_shard itself, on every device, because Accelerate builds its FSDP2 plugin
+    only for GPU distributed types (on CPU it silently drops it and trains DDP). The variable is removed so that
+    Accelerate sets up plain data parallelism under the trainer's own sharding."""
+
+    def on(name):
+        return environ.get(name, "false").lower() in ("1", "true", "yes")
+
+    if on("ACCELERATE_USE_DEEPSPEED"):
+        raise ValueError(
+            "DeepSpeed is not supported (under Accelerate it steps the optimizer per micro-batch and "
+            "scales the loss by 1/gradient_accumulation_steps); shard with FSDP2 instead: --fsdp, or "
+            "accelerate launch --config_file configs/accelerate/fsdp2.yaml"
+        )
+    if on("ACCELERATE_USE_FSDP"):
+        version = environ.get("FSDP_VERSION", "1")
+        if version != "2":
+            raise ValueError(
+                f"FSDP version {version} (FSDP1) is not supported: set fsdp_version: 2 in the Accelerate "
+                f"config (configs/accelerate/fsdp2.yaml)"
+            )
+        if on("FSDP_OFFLOAD_PARAMS"):
+            raise ValueError(
+                "fsdp_offload_params: true is not supported: every weight sync streams the full "
+                "parameters from the device into the colocated engine"
+            )
+        args.fsdp = True
+        environ.pop("ACCELERATE_USE_FSDP")
+
+
+def check_distributed(accelerator, args) -> None:
+    """Refuse what the processes Accelerate started cannot run, before anything is built.
+
+    --fsdp needs several processes; every FSDP2 forward is a collective, so every rank must run the same number of
+    forwards: micro-batches by count only (a token budget gives each rank its own count). Accelerate's own sharded
+    backends (its FSDP plugin, DeepSpeed), when they arrive other than through the launcher, are refused as in
+    launcher_settings. On GPUs each rank's engine needs a GPU of its own."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        raise ValueError("DeepSpeed is not supported; shard with FSDP2 instead (--fsdp, configs/accelerate/fsdp2.yaml)")
+    if kind == DistributedType.FSDP:
+        raise ValueError(
+            "Accelerate's FSDP plugin is not used: shard with --fsdp (torch's fully_shard), or launch "
+            "with configs/accelerate/fsdp2.yaml"
+        )
+    if args.fsdp and accelerator.num_processes < 2:
+        raise ValueError(
+            "--fsdp shards over several processes, but this run has 1: launch it with torchrun "
+            "--nproc_per_node N or accelerate launch --config_file configs/accelerate/fsdp2.yaml"
+        )
+    if args.fsdp and args.max_tokens_per_micro_batch:
+        raise ValueError(
+            f"--fsdp needs the same number of micro-batches on every rank: drop "
+            f"--max-tokens-per-micro-batch {args.max_tokens_per_micro_batch}"
+        )
+    if torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world > torch.cuda.device_count():
+            raise ValueError(
+                f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs: each rank's "
+                f"engine needs a GPU of its own (num_processes of the Accelerate config, or torchrun "
+                f"--nproc_per_node)"
+            )
+
+
+def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
+    """--max-staleness as given, or its default (None): on --resume the bound the checkpoint was written with (its
+    batches in flight belong to that schedule); else 0 on GPUs (the rollout worker is CPU-only) or with --sync-every
+    other than 1 (the synchronous loop's own lag dial), and 1 on a CPU."""
+    if args.max_staleness is not None:
+        return args.max_staleness
+    state = rc_run.newest_checkpoint_state(run_dir) if args.resume else None
+    if state is not None:
+        return state.get("max_staleness", 0)
+    return 0 if on_gpu or args.sync_every != 1 else 1
+
+
+def torch_threads(max_staleness: int, environ=os.environ) -> int:
+    """Threads of torch (and of a CPU engine's kernels) in each process: OMP_NUM_THREADS when it is set; otherwise
+    the setting measured best on the 2-core machines (docs/async.md §7). At --max-staleness 0 rollout and update take
+    turns, so each takes every core of this process (the default job ran in 0.73x the time of one thread, same
+    accuracy); at k >= 1 the trainer and the rollout worker run side by side, so each takes half."""
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return max(1, int(environ["OMP_NUM_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores if max_staleness == 0 else max(1, cores // 2)

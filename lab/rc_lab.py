@@ -759,14 +759,41 @@ def _fmt(value, fmt: str) -> str:
     return DASH if value is None else fmt.format(value)
 
 
+# Significant digits of every float in a lab CSV. 10 is far more than any figure the markdown shows (a few
+# significant digits) and far above the noise between CPUs, which sits in the last digits of a float64's 17
+# (numpy's exp/power kernels differ, e.g. with AVX-512), so a regenerated CSV is the same bytes on any machine.
+CSV_DIGITS = 10
+# ... except where that noise is absolute, not relative: the length lab's numbers are differences of quantities
+# near 1 (chi2 = E[rho^2] - 1, (1 + chi2)^T - 1, ESS ~ 1 and its std over seeds), so at no mismatch they are tiny
+# values whose every digit can be noise (ess_token_std 8.845e-14 on one CPU, 8.840e-14 on another). Their
+# cross-CPU difference is at most ~5e-15 absolute (measured on lab/collapse, length, length_long), so length.csv
+# also keeps no digit below 1e-12: 200x that noise (1e-12 is itself only ~4500 float64 ulps of the 1 those
+# numbers are computed against).
+LENGTH_CSV_DECIMALS = 12
+
+
+def csv_cell(value, decimals: int | None = None):
+    """One cell of a lab CSV: None -> DASH; a float (Python or numpy) rounded to `decimals` decimal places when
+    given, then to CSV_DIGITS significant digits, and written as Python writes that float (0.1, 3.0, 1e-05, nan,
+    inf: the shortest form that reads back to it, so never more than CSV_DIGITS digits; -0.0 as 0.0); ints, bools
+    and text as they are."""
+    if value is None:
+        return DASH
+    if isinstance(value, (float, np.floating)):
+        x = float(value) if decimals is None else round(float(value), decimals)
+        return repr(float(f"{x:.{CSV_DIGITS}g}") + 0.0)  # + 0.0: a noise value rounded to -0.0 is written 0.0
+    return value
+
+
 def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) -> tuple[str, str]:
-    """Write out/summary.csv (full precision) and out/summary.md (rounded, mean ± std); return both paths."""
+    """Write out/summary.csv (floats to CSV_DIGITS significant digits, csv_cell) and out/summary.md (rounded,
+    mean ± std); return both paths."""
     cols = [c for c in COLUMNS if c[0] in rows[0]] if rows else list(COLUMNS)
     csv_path, md_path = os.path.join(out, "summary.csv"), os.path.join(out, "summary.md")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([c[1] for c in cols])
-        w.writerows([[DASH if r.get(k) is None else r[k] for k, *_ in cols] for r in rows])
+        w.writerows([[csv_cell(r.get(k)) for k, *_ in cols] for r in rows])
     md_cols = [c for c in cols if c[2] is not None]
     rule = (
         f"**Reading rule (fixed before the runs).** Δ vs level 0: eval acc minus that of the same preset at the "
@@ -1189,13 +1216,14 @@ LENGTH_COLUMNS = (  # (key, csv header, markdown header, format); `key_std` is s
 
 
 def write_length_summary(rows: list[dict], fits: list[dict], sweep: dict, out: str) -> tuple[str, str]:
-    """out/length.csv (every bin, full precision, with the stds) and out/length.md (rule, table, fits)."""
+    """out/length.csv (every bin, with the stds; floats to CSV_DIGITS significant digits and LENGTH_CSV_DECIMALS
+    decimal places, csv_cell) and out/length.md (rule, table, fits)."""
     csv_path, md_path = os.path.join(out, "length.csv"), os.path.join(out, "length.md")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         keys = [c[0] for c in LENGTH_COLUMNS] + [c[0] + "_std" for c in LENGTH_COLUMNS if c[0] + "_std" in rows[0]]
         w.writerow([c[1] for c in LENGTH_COLUMNS] + [k for k in keys[len(LENGTH_COLUMNS) :]])
-        w.writerows([[DASH if r.get(k) is None else r[k] for k in keys] for r in rows])
+        w.writerows([[csv_cell(r.get(k), LENGTH_CSV_DECIMALS) for k in keys] for r in rows])
     gates = ", ".join(f"`{g}` at {t}" for g, t in GATES.items())
     rule = (
         "**Reading rule (fixed before the runs).** *Length law*: if token ratios were independent, "

@@ -183,6 +183,26 @@ def test_summary_files(tmp_path):
     assert "max(2 × pooled std, 0.05)" in md and "`rollout_weight_noise=0`" in md
 
 
+def test_csv_cells_keep_fixed_digits():
+    """Every float of a lab CSV: CSV_DIGITS significant digits, written as Python writes the rounded float; with
+    `decimals` (length.csv) no digit below that, a noise-sized value (either sign) is 0.0; the rest as it is."""
+    assert rc_lab.CSV_DIGITS == 10
+    cell = rc_lab.csv_cell
+    assert [cell(v) for v in (1 / 3, np.float64(2 / 3), np.float32(0.1), 3.0, 1e-5, 6573232631234.5)] == [
+        "0.3333333333",
+        "0.6666666667",
+        "0.1000000015",
+        "3.0",
+        "1e-05",
+        "6573232631000.0",
+    ]
+    assert [cell(v) for v in (float("nan"), float("inf"), -float("inf"), -0.0)] == ["nan", "inf", "-inf", "0.0"]
+    assert [cell(v) for v in (None, 3, np.int64(7), True, "1/3")] == [rc_lab.DASH, 3, np.int64(7), True, "1/3"]
+    # the same value to the last digits of a float64 writes the same cell
+    assert cell(1 / 3 * (1 + 2**-52)) == cell(1 / 3) and cell(-1.289603690501906e-08, 12) == "-1.2896e-08"
+    assert cell(8.845022185312978e-14, 12) == cell(8.840432742e-14, 12) == cell(-1e-14, 12) == "0.0"
+
+
 def test_missing_keys_and_missing_runs(tmp_path):
     """A run with only step + reward, and a run with no metrics at all: no crash, '–' where unknown."""
 
@@ -803,8 +823,9 @@ def test_committed_sweeps_hold_no_machine_path():
 
 @pytest.mark.parametrize("name", COMMITTED)
 def test_committed_sweep_regenerates_its_summary(tmp_path, name):
-    """The compact form in lab/NAME gives its committed summary.md, summary.csv and length.md byte for byte (not
-    length.csv: the last digits of its law and ESS columns, numpy's exp and power, can differ from CPU to CPU)."""
+    """The compact form in lab/NAME gives its committed summary.md/.csv and length.md/.csv byte for byte, on any
+    CPU: the CSVs keep rc_lab.CSV_DIGITS significant digits (length.csv no digit below 1e-12), far above the last
+    digits of float64 in which numpy's exp and power differ from CPU to CPU."""
     sweep = rc_lab.load_sweep(str(LAB / name))
     assert {p.name for p in (LAB / name).iterdir()} <= COMPACT | {
         "length.md",
@@ -816,7 +837,7 @@ def test_committed_sweep_regenerates_its_summary(tmp_path, name):
     written = rc_lab.write_summary(rc_lab.summarise(sweep, 0.5), sweep, str(tmp_path), 0.5)
     if (LAB / name / "length.md").exists():
         rows = rc_lab.length_rows(sweep)
-        written += rc_lab.write_length_summary(rows, rc_lab.length_fits(rows), sweep, str(tmp_path))[1:]
+        written += rc_lab.write_length_summary(rows, rc_lab.length_fits(rows), sweep, str(tmp_path))
     for path in written:
         assert Path(path).read_bytes() == (LAB / name / os.path.basename(path)).read_bytes(), path
 

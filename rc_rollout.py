@@ -1,5 +1,4 @@
-"""The rollout engine: everything that talks to vLLM, and the schedule that decides which policy version samples which
-step's batch.
+"""The rollout engine: everything that talks to vLLM, and the staleness schedule of which version samples which batch.
 
 What belongs here starts, feeds, asks or stops an engine: its scheduler limits, device placement, logs and GPU memory
 (sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, the lab's

@@ -436,22 +436,8 @@ def verdict(ok):
     return "PASS" if ok else "MISS"
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.mem_child:
-        if args.mem_child.startswith("slice:"):
-            slice_child(args.mem_child.split(":", 1)[1])
-        else:
-            mem_child(args.mem_child)
-        return
-    torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
-        f"load average {load:.1f} at start, {'quick' if args.quick else 'full'} mode"
-    )
-
-    a = bench_correction(args)
+def report_correction(a: dict) -> None:
+    """(a): the correction, its metrics and the loss against the model's forward and backward."""
     print(
         f"\n(a) correction + metrics + loss vs model forward+backward, B={a['B']} T={a['T']} "
         f"({a['B'] * a['T']:,} token positions)"
@@ -469,7 +455,9 @@ def main(argv=None):
         pct = 100 * a[key] / a["model_s"]
         print(f"    {name:<50}{a[key]:>10.3f}{pct:>12.3f}%{verdict(pct < 2):>8}")
 
-    g = bench_grpo(args)
+
+def report_grpo(g: dict) -> None:
+    """(b): the vectorised GRPO advantage against a per-sample loop."""
     print(f"\n(b) GRPO advantage, {g['n']:,} samples in groups of {g['group']}")
     print(f"    {'implementation':<50}{'seconds':>10}{'speed-up':>13}{'goal':>8}")
     print(f"    {'per-sample Python loop':<50}{g['loop_s']:>10.3f}{'1x':>13}")
@@ -481,7 +469,9 @@ def main(argv=None):
         print(f"    {name:<50}{g[key]:>10.4f}{speed:>12.0f}x{verdict(speed >= 50):>8}")
     print(f"    max |loop - vectorised| = {g['max_abs_diff']:.2e}")
 
-    m = bench_memory(args)
+
+def report_memory(m: dict) -> None:
+    """(c): peak memory of the chunked log-prob against a full log-softmax."""
     mib = 1024**2
     print(
         f"\n(c) peak extra memory ({m['how']} delta, fresh process each), V={m['vocab']:,}, "
@@ -505,13 +495,15 @@ def main(argv=None):
         "<= 25 % once tokens >= 4 x chunk_size."
     )
 
-    d = bench_slice(args)
+
+def report_slice(d: dict, repeats: int) -> None:
+    """(d), (e): log-probs and entropy of a sliced logits tensor, time and memory."""
     gib = 1024**3
     logits = d["slice"]["logits_bytes"]
     print(
         f"\n(d) log_probs_from_logits forward+backward on logits[:, :-1] of a {d['shape']} fp32 tensor "
         f"(slice logits {logits / gib:.2f} GiB): a fresh process each, one untimed call, then the median "
-        f"of {args.repeats}"
+        f"of {repeats}"
     )
     speed = d["slice"]["seconds"] / d["copy"]["seconds"]
     extra = d["slice"]["extra_bytes"] / logits
@@ -530,6 +522,27 @@ def main(argv=None):
         f"memory ratio {d['entropy']['extra_bytes'] / max(1, d['entropy_full']['extra_bytes']):.3f}, "
         f"time ratio {d['entropy']['seconds'] / d['entropy_full']['seconds']:.2f}"
     )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.mem_child:
+        if args.mem_child.startswith("slice:"):
+            slice_child(args.mem_child.split(":", 1)[1])
+        else:
+            mem_child(args.mem_child)
+        return
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
+        f"load average {load:.1f} at start, {'quick' if args.quick else 'full'} mode"
+    )
+
+    report_correction(bench_correction(args))
+    report_grpo(bench_grpo(args))
+    report_memory(bench_memory(args))
+    report_slice(bench_slice(args), args.repeats)
 
 
 if __name__ == "__main__":

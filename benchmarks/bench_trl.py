@@ -141,9 +141,8 @@ def parse_args(argv=None):
 # ---- The shared specification: model, prompts in order, eval set --------------------------------------------
 def write_spec(args, seed: int, out: str) -> str:
     """Build (or reuse) the base model and write everything both trainers must share to out/spec.json."""
-    import rc_train  # noqa: F401 (its environment defaults reach both trainers' processes, as they always have)
     import tasks
-    from rc_train import prompt_indices
+    from rc_train import prompt_indices  # importing rc_train also sets its environment defaults for both trainers
 
     mini = tasks.MiniGSMArgs()
     task = tasks.make_task("minigsm", mini)
@@ -258,37 +257,15 @@ def run_trl(args, variant: str, spec_path: str, python: str, out: str) -> dict:
     }
 
 
-def trl_worker(args) -> None:
-    """Runs inside TRL's environment: GRPOTrainer on the spec, a greedy eval every few rollout steps."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    import tasks
-
-    spec = json.load(open(args.spec))
-    torch.manual_seed(spec["seed"])
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    task = tasks.make_task("minigsm", tasks.MiniGSMArgs())
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-    prompts = [task.prompt(r) for r in spec["train"]]
-    # The prompt tokens must be the trainer's: rc_train encodes without special tokens, TRL with the default.
-    for text in prompts[:8]:
-        assert tokenizer(text)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], text
-    data = Dataset.from_list([{"prompt": p, "gold": r["gold"]} for p, r in zip(prompts, spec["train"])])
-
-    def strict_reward(completions, gold, **_):
-        return [float(task.score(c, {"gold": g})["strict"]) for c, g in zip(completions, gold)]
-
+def trl_config(spec: dict, out: str, use_vllm: bool) -> dict:
+    """GRPOConfig's keyword arguments for the race, from the spec (the settings matched to ours, module docstring):
+    one rollout batch of prompts x samples per generation, num_minibatches optimizer steps per rollout batch (micro-
+    batches accumulated), DAPO's token-mean loss, no KL, a symmetric clip, a constant learning rate."""
     per_rollout = spec["prompts_per_step"] * spec["samples_per_prompt"]
     optimizer_steps = spec["num_minibatches"]
     accumulation = per_rollout // optimizer_steps // spec["micro_batch_size"]
-    config = GRPOConfig(
-        output_dir=args.out,
+    return dict(
+        output_dir=out,
         seed=spec["seed"],
         use_cpu=True,
         bf16=False,
@@ -318,31 +295,65 @@ def trl_worker(args) -> None:
         loss_type="dapo",
         scale_rewards="group",
         gradient_checkpointing=False,
-        use_vllm=args.worker == "trl_vllm",
+        use_vllm=use_vllm,
         vllm_mode="colocate",
         vllm_max_model_length=spec["max_model_len"],
     )
 
-    eval_prompts = [task.prompt(r) for r in spec["eval"]]
 
-    def evaluate(policy) -> float:
-        tokenizer.padding_side = "left"
-        correct = 0
-        policy.eval()
-        with torch.no_grad():
-            for i in range(0, len(eval_prompts), 100):
-                enc = tokenizer(eval_prompts[i : i + 100], return_tensors="pt", padding=True, add_special_tokens=False)
-                out = policy.generate(
-                    **enc,
-                    max_new_tokens=spec["max_response_length"],
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                )
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                correct += sum(task.score(t, r)["strict"] for t, r in zip(texts, spec["eval"][i : i + 100]))
-        policy.train()
-        return correct / len(eval_prompts)
+def greedy_strict_accuracy(policy, tokenizer, task, prompts: list[str], spec: dict) -> float:
+    """Greedy strict accuracy of `policy` on the eval prompts (the spec's eval rows), 100 prompts at a time."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    correct = 0
+    policy.eval()
+    with torch.no_grad():
+        for i in range(0, len(prompts), 100):
+            enc = tokenizer(prompts[i : i + 100], return_tensors="pt", padding=True, add_special_tokens=False)
+            out = policy.generate(
+                **enc,
+                max_new_tokens=spec["max_response_length"],
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            correct += sum(task.score(t, r)["strict"] for t, r in zip(texts, spec["eval"][i : i + 100]))
+    policy.train()
+    return correct / len(prompts)
+
+
+def trl_worker(args) -> None:
+    """Runs inside TRL's environment: GRPOTrainer on the spec, a greedy eval every few rollout steps."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import tasks
+
+    spec = json.load(open(args.spec))
+    torch.manual_seed(spec["seed"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    task = tasks.make_task("minigsm", tasks.MiniGSMArgs())
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    prompts = [task.prompt(r) for r in spec["train"]]
+    # The prompt tokens must be the trainer's: rc_train encodes without special tokens, TRL with the default.
+    for text in prompts[:8]:
+        assert tokenizer(text)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], text
+    data = Dataset.from_list([{"prompt": p, "gold": r["gold"]} for p, r in zip(prompts, spec["train"])])
+
+    def strict_reward(completions, gold, **_):
+        return [float(task.score(c, {"gold": g})["strict"]) for c, g in zip(completions, gold)]
+
+    optimizer_steps = spec["num_minibatches"]
+    config = GRPOConfig(**trl_config(spec, args.out, use_vllm=args.worker == "trl_vllm"))
+
+    eval_prompts = [task.prompt(r) for r in spec["eval"]]
 
     class RaceClock(TrainerCallback):
         """Training time from the first step with evaluation subtracted; an eval every eval_every rollouts."""
@@ -361,7 +372,7 @@ def trl_worker(args) -> None:
                 return
             train_s = time.time() - self.t0 - self.paused
             t = time.time()
-            accuracy = evaluate(model)
+            accuracy = greedy_strict_accuracy(model, tokenizer, task, eval_prompts, spec)
             self.paused += time.time() - t
             self.evals.append({"step": rollout, "train_s": train_s, "accuracy": accuracy})
             print(f"[{args.worker}] rollout {rollout}: accuracy {accuracy:.3f}, {train_s:.1f} s", flush=True)

@@ -92,3 +92,15 @@ def test_defaults_three_seeds_three_targets_ours_asynchronous():
     assert a.preset == "bypass_ppo_clip"  # the preset of the README's race figures, not the default job's
     assert bench_trl.parse_args(["--from-results", "r.json"]).seeds is None  # every seed of the results
     assert bench_trl.parse_args(["--quick"]).steps == 20
+
+
+def test_trl_config_matches_one_rollout_batch_to_num_minibatches_optimizer_steps():
+    spec = {**bench_trl.SHAPE, "steps": 3, "seed": 5}
+    config = bench_trl.trl_config(spec, "out", use_vllm=True)
+    per_rollout = spec["prompts_per_step"] * spec["samples_per_prompt"]
+    assert config["generation_batch_size"] == per_rollout
+    step_rows = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    assert step_rows * spec["num_minibatches"] == per_rollout  # every response of a rollout trains once
+    assert config["max_steps"] == 3 * spec["num_minibatches"] and config["seed"] == 5
+    assert config["epsilon"] == config["epsilon_high"] == spec["clip"] and config["beta"] == 0.0
+    assert config["use_vllm"] and config["output_dir"] == "out"

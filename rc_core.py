@@ -849,6 +849,46 @@ def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None
 
 
 # ============================================================================================
+# Health check (docs/corrections.md §6.7)
+# ============================================================================================
+
+
+class HealthCheck(NamedTuple):
+    """One alarm: fires when the metric (or its absolute value) lies below ``low`` or above ``high``."""
+
+    metric: str
+    low: float | None
+    high: float | None
+    absolute: bool = False
+
+
+#: The usage guide's alarms (verl rollout-correction docs, check_rollout_correction_health):
+#: name -> check.  The trainer and plots read the thresholds from here (docs/corrections.md §6.7).
+HEALTH_CHECKS: dict[str, HealthCheck] = {
+    "health/is_mean": HealthCheck("rollout_corr/rollout_is_mean", 0.5, 2.0),
+    "health/is_ess": HealthCheck("rollout_corr/rollout_is_eff_sample_size", 0.3, None),
+    "health/is_std": HealthCheck("rollout_corr/rollout_is_std", None, 1.0),
+    "health/kl": HealthCheck("rollout_corr/kl", None, 0.1, absolute=True),
+    "health/chi2_token": HealthCheck("rollout_corr/chi2_token", None, 1.0),
+}
+
+
+def check_rollout_correction_health(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The checks of :data:`HEALTH_CHECKS` that fire on one step's metrics: health name -> the
+    metric's value.  Strict comparisons (IS mean outside [0.5, 2], ESS < 0.3, IS std > 1,
+    |KL| > 0.1, chi2_token > 1); a metric that is absent (IS off) or NaN fires nothing."""
+    fired = {}
+    for name, check in HEALTH_CHECKS.items():
+        value = metrics.get(check.metric)
+        if value is None or math.isnan(float(value)):
+            continue
+        x = abs(float(value)) if check.absolute else float(value)
+        if (check.low is not None and x < check.low) or (check.high is not None and x > check.high):
+            fired[name] = float(value)
+    return fired
+
+
+# ============================================================================================
 # The correction entry point (docs/corrections.md §5)
 # ============================================================================================
 
@@ -1689,7 +1729,13 @@ _KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
 
 
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator: str = "low_var_kl") -> torch.Tensor:
+def kl_penalty(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    kl_estimator: str = "low_var_kl",
+    *,
+    old_log_prob: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md
     §7.6).
 
@@ -1699,6 +1745,12 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator:
     "<name>+": straight-through -- the value of <name> with the gradient of k2:
     v = d^2/2 - sg(d^2/2) + sg(base).  "full" and unknown names raise ValueError.
     Not IS-weighted; aggregate it with :func:`agg_loss` like the policy loss.
+
+    With ``old_log_prob`` (log pi_old, the policy that sampled; mu in bypass) the estimate is
+    IS-corrected: r * v with r = exp(clip_S(log pi_theta - log pi_old)), the gradient flowing
+    through r (DeepSeek-AI 2025, DeepSeek-V3.2, §3.1; TRL ``use_bias_correction_kl``, slime
+    ``--use-unbiased-kl``).  For k3, E_{pi_old}[r k3] = KL(pi_theta || pi_ref) and its gradient
+    is the exact gradient of that KL (docs/corrections.md §7.8).
     """
     if not isinstance(kl_estimator, str):
         raise TypeError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
@@ -1725,10 +1777,21 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator:
     else:
         kappa = safety_clip(ref_log_prob - log_prob)
         value = torch.clamp(k3_divergence(kappa), min=-10.0, max=10.0)
-    if not straight:
-        return value
-    k2 = k2_divergence(d)
-    return k2 - k2.detach() + value.detach()
+    if straight:
+        k2 = k2_divergence(d)
+        value = k2 - k2.detach() + value.detach()
+    return value if old_log_prob is None else is_corrected_kl(value, log_prob, old_log_prob)
+
+
+def is_corrected_kl(value: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """r * v, r = exp(clip_S(log pi_theta - sg(log pi_old))): a per-token KL estimate v of
+    samples from pi_old re-weighted to pi_theta (docs/corrections.md §7.8); r carries the
+    gradient."""
+    if old_log_prob.shape != log_prob.shape:
+        raise ValueError(
+            f"old_log_prob has shape {tuple(old_log_prob.shape)} but log_prob has shape {tuple(log_prob.shape)}"
+        )
+    return torch.exp(safety_clip(log_prob - old_log_prob.detach())) * value
 
 
 # ============================================================================================

@@ -2048,3 +2048,65 @@ def test_outlier_rejection_is_two_sided_worst_token():
         ell, torch.zeros_like(ell), mask.double(), C.decoupled_outlier_rs()
     )
     assert k.tolist() == keep.double().tolist()
+
+
+# ------------------------------------------------------------------------------------------
+# IS-corrected KL (§7.8) and the health check (§6.7)
+# ------------------------------------------------------------------------------------------
+
+
+def test_is_corrected_k3_value_and_gradient():
+    # log pi = -1, log ref = -1.5, log old = -1.2: kappa = -0.5, k3 = e^-0.5 + 0.5 - 1, r = e^0.2
+    lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    ref, old = torch.tensor([[-1.5]], dtype=torch.float64), torch.tensor([[-1.2]], dtype=torch.float64)
+    v = rc.kl_penalty(lp, ref, "k3", old_log_prob=old)
+    k3, r = math.exp(-0.5) - 0.5, math.exp(0.2)
+    assert float(v.detach()) == pytest.approx(r * k3)
+    v.sum().backward()
+    # d/dlog pi [r k3] = r k3 + r (1 - e^kappa)
+    assert float(lp.grad) == pytest.approx(r * (k3 + 1 - math.exp(-0.5)))
+    assert torch.equal(rc.kl_penalty(lp, ref, "k3", old_log_prob=lp.detach()), rc.kl_penalty(lp, ref, "k3"))
+
+
+def test_is_corrected_k3_is_unbiased_for_kl_of_the_current_policy():
+    # exact expectation over a 3-token vocabulary: sum_y pi_old(y) r(y) k3(y) = KL(pi_theta || pi_ref)
+    pi = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
+    ref = torch.tensor([[0.2, 0.4, 0.4]], dtype=torch.float64)
+    old = torch.tensor([[0.3, 0.3, 0.4]], dtype=torch.float64)
+    v = rc.kl_penalty(pi.log(), ref.log(), "k3", old_log_prob=old.log())
+    assert float((old * v).sum()) == pytest.approx(float((pi * (pi / ref).log()).sum()))
+
+
+def test_health_check_fires_on_the_guide_thresholds_only():
+    healthy = {
+        "rollout_corr/rollout_is_mean": 1.0,
+        "rollout_corr/rollout_is_eff_sample_size": 0.9,
+        "rollout_corr/rollout_is_std": 0.2,
+        "rollout_corr/kl": -0.01,
+        "rollout_corr/chi2_token": 0.1,
+    }
+    assert rc.check_rollout_correction_health(healthy) == {}
+    assert rc.check_rollout_correction_health({}) == {}  # IS off, no metrics: nothing fires
+    sick = {
+        "rollout_corr/rollout_is_mean": 0.4,
+        "rollout_corr/rollout_is_eff_sample_size": 0.29,
+        "rollout_corr/rollout_is_std": 1.5,
+        "rollout_corr/kl": -0.2,
+        "rollout_corr/chi2_token": 2.0,
+    }
+    assert rc.check_rollout_correction_health(sick) == {
+        "health/is_mean": 0.4,
+        "health/is_ess": 0.29,
+        "health/is_std": 1.5,
+        "health/kl": -0.2,
+        "health/chi2_token": 2.0,
+    }
+    assert rc.check_rollout_correction_health({"rollout_corr/rollout_is_mean": 2.5}) == {"health/is_mean": 2.5}
+    assert rc.check_rollout_correction_health({"rollout_corr/rollout_is_mean": 2.0}) == {}  # the bound is healthy
+    assert set(rc.HEALTH_CHECKS) == {
+        "health/is_mean",
+        "health/is_ess",
+        "health/is_std",
+        "health/kl",
+        "health/chi2_token",
+    }

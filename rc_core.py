@@ -142,13 +142,13 @@ class ISThreshold(NamedTuple):
     """Parsed ``rollout_is_threshold``: TIS (upper cap) or IcePop (two-sided zeroing)."""
 
     mode: str  # "tis" or "icepop"
-    lower: float | None  # IcePop L; None for TIS
+    lower: float | None  # IcePop L; two-sided TIS C_min (rollout_is_threshold_lower); None for TIS
     upper: float  # U
 
     @property
     def diagnostic_lower(self) -> float:
         """L' of docs/corrections.md §6.1: L for IcePop, 1/U for TIS (metrics only)."""
-        return self.lower if self.mode == "icepop" else 1.0 / self.upper
+        return 1.0 / self.upper if self.lower is None else self.lower
 
 
 def _parse_positive(text: Any, field: str, spec: Any) -> float:
@@ -240,6 +240,13 @@ def truncate_is_weights(raw: torch.Tensor, upper: float) -> torch.Tensor:
     return torch.clamp(raw, max=upper)
 
 
+def clamp_is_weights(raw: torch.Tensor, mask: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """Two-sided truncation: w = min(max(w_hat, C_min), C_max) on valid tokens, padding 0
+    (docs/corrections.md §3.8; TRL ``vllm_importance_sampling_clip_min``, slime
+    ``--tis-clip-low``, OpenRLHF's [0.5, 5]).  Unlike IcePop, no weight is zeroed."""
+    return _zero_padding(torch.clamp(raw, min=lower, max=upper), mask)
+
+
 def icepop_is_weights(raw: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
     """IcePop: w = w_hat * 1[L <= w_hat <= U] (docs/corrections.md §3.4; Ling team 2025, IcePop;
     Ring-1T, arXiv 2510.18855).  The response mask is not changed; a zeroed token stays valid."""
@@ -317,6 +324,8 @@ def compute_rollout_correction_weights(
     raw = raw_is_weights(log_ratio.detach(), mask, level)
     if spec.mode == "icepop":
         applied = icepop_is_weights(raw, spec.lower, spec.upper)
+    elif spec.lower is not None:
+        applied = clamp_is_weights(raw, mask, spec.lower, spec.upper)
     else:
         applied = truncate_is_weights(raw, spec.upper)
     metrics = compute_is_metrics(raw, applied, log_ratio.detach(), mask, level, spec)
@@ -670,6 +679,86 @@ def compute_veto_mask(
 
 
 # ============================================================================================
+# Sequence and token masks: OPSM, M2PO, outlier tokens (docs/corrections.md §4.6-§4.8)
+# ============================================================================================
+
+
+def compute_opsm_mask(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, delta: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Off-policy sequence masking (DeepSeek-AI 2025, DeepSeek-V3.2, arXiv 2512.02556, §3.1;
+    TRL ``off_policy_mask_threshold``, slime ``--use-opsm``):
+
+    D_i = (1/n_i) sum_t m_it (log mu - sg(log pi_theta)); drop row i iff A_i < 0 and D_i > delta
+    (A_i = the row's mean advantage).  Uses the current policy, so it is applied in the loss, per
+    micro-batch.  Metrics: actor/opsm_seq_masked_fraction (dropped / valid rows) and
+    actor/opsm_neg_adv_seq_masked_fraction (dropped / rows with A_i < 0): positive rows are never
+    dropped, so the split by sign is the point.
+    """
+    rows = _valid_rows(mask)
+    divergence = _row_mean(rollout_log_prob - log_prob.detach(), mask)
+    negative = _row_mean(advantages, mask) < 0
+    dropped = rows & negative & (divergence > delta)
+    keep = mask & ~dropped.unsqueeze(-1)
+    dt = divergence.dtype
+    metrics = {
+        "actor/opsm_seq_masked_fraction": _fraction(dropped, rows, dt),
+        "actor/opsm_neg_adv_seq_masked_fraction": _fraction(dropped, rows & negative, dt),
+    }
+    return keep, metrics
+
+
+def compute_m2_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """M2PO's second-moment token mask (Zheng, Zhao & Chen 2025, "Prosperity before Collapse",
+    arXiv 2510.01161, §4; AReaL ``m2_threshold``):
+
+    M2 = <lambda^2>, lambda = clip_S(l).  If M2 > tau_M2, mask the tokens of largest lambda^2, the
+    fewest such that the kept tokens' <lambda^2> <= tau_M2.  Over the tensors passed (the batch in
+    decoupled mode, the micro-batch in bypass).  Metrics: rollout_m2 (M2 before),
+    rollout_m2_after (over the kept tokens), rollout_m2_masked_fraction.
+    """
+    squares = safety_clip(log_ratio.detach()) ** 2
+    flat = torch.where(mask, squares, torch.full_like(squares, math.inf)).flatten()
+    order = torch.argsort(flat)  # ascending; padding (inf) last
+    n = int(mask.sum())
+    sorted_values = flat[order][:n]
+    means = torch.cumsum(sorted_values, 0) / torch.arange(1, n + 1, dtype=squares.dtype, device=squares.device)
+    kept_count = int((means <= threshold).sum()) if float(means[-1]) > threshold else n  # means rise with count
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[order[:kept_count]] = True
+    keep = keep.view_as(mask) & mask
+    dt = squares.dtype
+    metrics = {
+        "rollout_m2": masked_mean(squares, mask),
+        "rollout_m2_after": masked_mean(squares, keep),
+        "rollout_m2_masked_fraction": _fraction(mask & ~keep, mask, dt),
+    }
+    return keep, metrics
+
+
+def compute_outlier_token_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, low: float | None, high: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Two-sided worst-token rejection (SkyRL ``outlier_token_is_threshold_low/high``): row i is
+    rejected iff some valid token has rho < low or rho > high (unclipped l, strict), i.e.
+    min_t rho < low or max_t rho > high.  ``low`` alone is the veto of §4.5.  Metrics:
+    rollout_outlier_seq_masked_fraction, rollout_outlier_token_fraction_low / _high."""
+    ell = log_ratio.detach()
+    below = mask & (ell < math.log(low)) if low is not None else torch.zeros_like(mask)
+    above = mask & (ell > math.log(high)) if high is not None else torch.zeros_like(mask)
+    rejected = (below | above).any(dim=-1)
+    dt = log_ratio.dtype
+    metrics = {
+        "rollout_outlier_seq_masked_fraction": _fraction(rejected, _valid_rows(mask), dt),
+        "rollout_outlier_token_fraction_low": _fraction(below, mask, dt),
+        "rollout_outlier_token_fraction_high": _fraction(above, mask, dt),
+    }
+    return mask & ~rejected.unsqueeze(-1), metrics
+
+
+# ============================================================================================
 # Metrics: off-policy, consistency, TV (docs/corrections.md §6.4, §6.5, §12.7)
 # ============================================================================================
 
@@ -760,6 +849,46 @@ def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None
 
 
 # ============================================================================================
+# Health check (docs/corrections.md §6.7)
+# ============================================================================================
+
+
+class HealthCheck(NamedTuple):
+    """One alarm: fires when the metric (or its absolute value) lies below ``low`` or above ``high``."""
+
+    metric: str
+    low: float | None
+    high: float | None
+    absolute: bool = False
+
+
+#: The usage guide's alarms (verl rollout-correction docs, check_rollout_correction_health):
+#: name -> check.  The trainer and plots read the thresholds from here (docs/corrections.md §6.7).
+HEALTH_CHECKS: dict[str, HealthCheck] = {
+    "health/is_mean": HealthCheck("rollout_corr/rollout_is_mean", 0.5, 2.0),
+    "health/is_ess": HealthCheck("rollout_corr/rollout_is_eff_sample_size", 0.3, None),
+    "health/is_std": HealthCheck("rollout_corr/rollout_is_std", None, 1.0),
+    "health/kl": HealthCheck("rollout_corr/kl", None, 0.1, absolute=True),
+    "health/chi2_token": HealthCheck("rollout_corr/chi2_token", None, 1.0),
+}
+
+
+def check_rollout_correction_health(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The checks of :data:`HEALTH_CHECKS` that fire on one step's metrics: health name -> the
+    metric's value.  Strict comparisons (IS mean outside [0.5, 2], ESS < 0.3, IS std > 1,
+    |KL| > 0.1, chi2_token > 1); a metric that is absent (IS off) or NaN fires nothing."""
+    fired = {}
+    for name, check in HEALTH_CHECKS.items():
+        value = metrics.get(check.metric)
+        if value is None or math.isnan(float(value)):
+            continue
+        x = abs(float(value)) if check.absolute else float(value)
+        if (check.low is not None and x < check.low) or (check.high is not None and x > check.high):
+            fired[name] = float(value)
+    return fired
+
+
+# ============================================================================================
 # The correction entry point (docs/corrections.md §5)
 # ============================================================================================
 
@@ -786,6 +915,14 @@ def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, wit
             veto_keep, veto_metrics = compute_veto_mask(ell, mask, config.veto_tau)
             keep = keep & veto_keep
             metrics.update(veto_metrics)
+        if config.rollout_m2_threshold is not None:  # §4.7
+            m2_keep, m2_metrics = compute_m2_mask(ell, mask, config.rollout_m2_threshold)
+            keep = keep & m2_keep
+            metrics.update(m2_metrics)
+        if config.outlier_bounds is not None:  # §4.8
+            outlier_keep, outlier_metrics = compute_outlier_token_mask(ell, mask, *config.outlier_bounds)
+            keep = keep & outlier_keep
+            metrics.update(outlier_metrics)
         if with_metrics:
             metrics.update(_offpolicy_metric_tensors(train, rollout, mask))  # step 6
             metrics.update(_consistency_metric_tensors(train, rollout, mask))
@@ -891,6 +1028,7 @@ def compute_policy_loss_vanilla(
     global_token_count: Any = None,
     global_seq_count: Any = None,
     loss_scale_factor: float | None = None,
+    config: RolloutCorrectionConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped loss, IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
 
@@ -901,41 +1039,81 @@ def compute_policy_loss_vanilla(
     actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
     actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
     TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2).
+
+    ``config`` (optional) selects the objective ``config.loss_mode`` of :data:`POLICY_LOSSES`
+    in place of phi_PPO (§7.7; None or "vanilla" is the PPO loss above) and its parameters, and
+    turns on OPSM (``rollout_opsm_threshold``, §4.6), which needs ``rollout_log_prob``.
     """
-    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor)
+    if config is not None and not isinstance(config, RolloutCorrectionConfig):
+        raise TypeError(f"config must be None or a RolloutCorrectionConfig, got {config!r}")
+    return _objective_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        (clip_ratio_low, clip_ratio_high, clip_ratio_c),
+        rollout_is_weights,
+        keep_mask,
+        rollout_log_prob,
+        (global_token_count, global_seq_count, loss_scale_factor),
+        config,
+        with_tv=True,
+    )
+
+
+def _objective_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    clips,
+    weights,
+    keep_mask,
+    rollout_log_prob,
+    counts,
+    config,
+    with_tv,
+    with_opsm=True,
+):
+    """Body of :func:`compute_policy_loss_vanilla`: validate, OPSM (§4.6), the objective of
+    ``config.loss_mode`` (§7.7), and the actor metrics of §6.6."""
+    check_loss_settings(*clips, loss_agg_mode, counts[2])
+    config = _DEFAULT_CONFIG if config is None else config
     finite = {
         "old_log_prob": old_log_prob,
         "log_prob": log_prob,
         "advantages": advantages,
         "rollout_log_prob": rollout_log_prob,
     }
-    mask = _validate_inputs(response_mask, finite, {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
+    mask = _validate_inputs(response_mask, finite, {"rollout_is_weights": weights, "keep_mask": keep_mask})
     effective = _effective_mask(mask, keep_mask)
     dt = _work_dtype(old_log_prob, log_prob, advantages)  # at least fp32, also for bf16 inputs
     old = _zero_padding(old_log_prob.detach(), mask, dt)
     adv = _zero_padding(advantages.detach(), mask, dt)
     current = _zero_padding(log_prob, mask, dt)
-    phi, info = ppo_clipped_token_loss(current, old, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    if rollout_is_weights is not None:
-        phi = phi * _zero_padding(rollout_is_weights.detach(), mask, phi.dtype)
-    loss = agg_loss(
-        phi,
-        effective,
-        loss_agg_mode,
-        response_mask=mask,
-        global_token_count=global_token_count,
-        global_seq_count=global_seq_count,
-        loss_scale_factor=loss_scale_factor,
-    )
+    opsm_metrics = {}
+    if with_opsm and config.rollout_opsm_threshold is not None:
+        if rollout_log_prob is None:
+            raise ValueError(
+                f"rollout_opsm_threshold={config.rollout_opsm_threshold!r} needs rollout_log_prob (log mu) in the loss"
+            )
+        rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
+        opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
+        effective = effective & opsm_keep
+    if weights is not None:
+        weights = _zero_padding(weights.detach(), mask, dt)
+    inputs = PolicyLossInputs(current, old, adv, mask, effective, weights, *clips, config, loss_agg_mode, *counts)
+    loss, mode_metrics = POLICY_LOSSES[config.loss_mode](inputs)
     with torch.no_grad():
-        dt = phi.dtype
         metrics = {
             "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": _fraction(info["clipped"], effective, dt),
-            "actor/pg_clipfrac_lower": _fraction(info["clipped_lower"], effective, dt),
-            "actor/ppo_kl": masked_mean(-info["log_ratio"].detach(), effective),
+            **mode_metrics,
+            "actor/ppo_kl": masked_mean(-safety_clip(current.detach() - old), effective),
+            **opsm_metrics,
         }
-        if rollout_log_prob is not None:
+        if with_tv and rollout_log_prob is not None:
             rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
             metrics["actor/tv_update"] = estimate_tv_distance(old - rollout, current.detach() - rollout, effective)
     return loss, _to_floats(metrics)
@@ -1029,24 +1207,331 @@ def compute_policy_loss_bypass_mode(
         "global_seq_count": global_seq_count,
         "loss_scale_factor": loss_scale_factor,
     }
+    opsm_metrics = {}
+    if config.rollout_opsm_threshold is not None:  # §4.6: needs A, so it is applied here, per micro-batch
+        mask, current, rollout = _prepare_log_probs(log_prob.detach(), rollout_log_prob, response_mask)
+        adv = _zero_padding(advantages.detach(), mask, current.dtype)
+        opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
+        common["keep_mask"] = effective = effective * opsm_keep.to(effective.dtype)
+        opsm_metrics = _to_floats(opsm_metrics)
     if config.loss_type == "ppo_clip":
-        loss, actor_metrics = compute_policy_loss_vanilla(
+        clips = (clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        counts = (global_token_count, global_seq_count, loss_scale_factor)
+        loss, actor_metrics = _objective_loss(
             rollout_log_prob,
             log_prob,
             advantages,
             response_mask,
             loss_agg_mode,
-            clip_ratio_low,
-            clip_ratio_high,
-            clip_ratio_c,
+            clips,
             None,
-            **common,
+            effective,
+            None,
+            counts,
+            config,
+            with_tv=False,
+            with_opsm=False,
         )
     else:
         loss, actor_metrics = compute_policy_loss_reinforce(
             log_prob, rollout_log_prob, advantages, response_mask, loss_agg_mode, weights, **common
         )
-    return loss, {**actor_metrics, **corr_metrics}
+    return loss, {**actor_metrics, **opsm_metrics, **corr_metrics}
+
+
+# ============================================================================================
+# Objectives: the loss-mode registry (docs/corrections.md §7.7)
+# ============================================================================================
+
+
+class PolicyLossInputs(NamedTuple):
+    """What every objective of :data:`POLICY_LOSSES` receives (docs/corrections.md §7.7).
+
+    Tensors are (B, T), in the work dtype (>= fp32), padding replaced by 0.  ``log_prob`` is
+    log pi_theta and carries the gradient; ``prox_log_prob`` is log pi_prox (pi_old in decoupled
+    mode, mu in bypass mode), ``advantages`` and ``weights`` are detached.  ``mask`` is the
+    original response mask m, ``keep`` the effective mask m' = m * k (bool).  ``weights`` are the
+    IS weights to multiply (decoupled mode), None when IS is off or in bypass (the ratio against
+    mu already is the IS ratio, §7.3).  ``config`` holds the mode's parameters.
+    """
+
+    log_prob: torch.Tensor
+    prox_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    keep: torch.Tensor
+    weights: torch.Tensor | None
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    config: RolloutCorrectionConfig
+    loss_agg_mode: str
+    global_token_count: Any = None
+    global_seq_count: Any = None
+    loss_scale_factor: float | None = None
+
+    def weighted(self, phi: torch.Tensor) -> torch.Tensor:
+        """phi * sg(w), the IS weight applied after every clip (§7.2); phi when no weights."""
+        return phi if self.weights is None else phi * self.weights
+
+    def aggregate(self, phi: torch.Tensor, loss_agg_mode: str | None = None) -> torch.Tensor:
+        """agg_loss over m' with the §7.5 denominators from m; ``loss_agg_mode`` overrides the
+        configured mode (GSPO and SAPO fix seq-mean-token-mean, as verl does)."""
+        return agg_loss(
+            phi,
+            self.keep,
+            loss_agg_mode or self.loss_agg_mode,
+            response_mask=self.mask,
+            global_token_count=self.global_token_count,
+            global_seq_count=self.global_seq_count,
+            loss_scale_factor=self.loss_scale_factor,
+        )
+
+    def sequence_mean(self, row_loss: torch.Tensor) -> torch.Tensor:
+        """(1/V_B) sum_{i: n'_i > 0} L_i for a per-sequence loss (V_B from m, §7.5)."""
+        rows = _valid_rows(self.keep)
+        total = masked_sum(row_loss, rows)
+        return total / _count(self.global_seq_count, "global_seq_count", _valid_rows(self.mask).sum(), total.dtype)
+
+    def log_ratio(self) -> torch.Tensor:
+        """lambda_r = clip_S(log pi_theta - log pi_prox) (§2)."""
+        return safety_clip(self.log_prob - self.prox_log_prob)
+
+
+#: The signature of a policy objective: inputs -> (loss, metrics as 0-d tensors named actor/*).
+PolicyLossFn = Callable[[PolicyLossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def policy_loss_vanilla(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clip, asymmetric and dual (§7.1): phi_PPO(r = pi_theta / pi_prox), times sg(w)."""
+    phi, info = ppo_clipped_token_loss(
+        a.log_prob, a.prox_log_prob, a.advantages, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c
+    )
+    dt = phi.dtype
+    metrics = {
+        "actor/pg_clipfrac": _fraction(info["clipped"], a.keep, dt),
+        "actor/pg_clipfrac_lower": _fraction(info["clipped_lower"], a.keep, dt),
+    }
+    return a.aggregate(a.weighted(phi)), metrics
+
+
+def _ratio_clip_loss(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float):
+    """max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) and its "clipped term wins" indicator."""
+    loss_1 = -advantages * ratio
+    loss_2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return torch.maximum(loss_1, loss_2), loss_2 > loss_1
+
+
+#: GSPO's bound on the (sequence) log-ratio before exp, verl's one-sided clamp.
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+def gspo_sequence_log_ratio(a: PolicyLossInputs) -> torch.Tensor:
+    """log s_i = (1/n'_i) sum_t m'_it (log pi_theta - log pi_prox), the log of GSPO's
+    length-normalised sequence ratio (Zheng et al. 2025, GSPO, eq. 7), over kept tokens; (B,)."""
+    return _row_mean(a.log_prob - a.prox_log_prob, a.keep)
+
+
+def policy_loss_gspo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO, sequence level (Zheng et al. 2025, arXiv 2507.18071, eq. 5-7):
+
+    s_i = exp(min(log s_i, 10)),  A_i = <A>_{m', row i},
+    L_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),  loss = seq-mean-token-mean
+    of L_i broadcast over row i's kept tokens.  The gradient reaches every token through s_i:
+    grad s_i = s_i (1/n'_i) sum_t grad log pi_theta.  No dual clip.  With a constant advantage
+    per row it equals :func:`policy_loss_gspo_token` in value and gradient.
+    """
+    log_s = torch.clamp(gspo_sequence_log_ratio(a), max=GSPO_LOG_RATIO_MAX)
+    adv = _row_mean(a.advantages, a.keep)
+    row_loss, clipped = _ratio_clip_loss(torch.exp(log_s), adv, a.clip_ratio_low, a.clip_ratio_high)
+    phi = row_loss.unsqueeze(-1).expand_as(a.log_prob)
+    metrics = {"actor/pg_clipfrac": _fraction(clipped.unsqueeze(-1).expand_as(phi), a.keep, phi.dtype)}
+    return a.aggregate(a.weighted(phi), "seq-mean-token-mean"), metrics
+
+
+def policy_loss_gspo_token(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (Zheng et al. 2025, GSPO, eq. 13-14), verl's ``gspo``:
+
+    log s_it = sg(log s_i) + log pi_theta(y_t) - sg(log pi_theta(y_t)), clamped at 10;
+    phi_t = max(-A_t s_it, -A_t clip(s_it, 1 - eps_low, 1 + eps_high)); seq-mean-token-mean.
+    s_it equals s_i in value; token advantages A_t are allowed.
+    """
+    seq = gspo_sequence_log_ratio(a).detach().unsqueeze(-1)
+    log_s = torch.clamp(seq + a.log_prob - a.log_prob.detach(), max=GSPO_LOG_RATIO_MAX)
+    phi, clipped = _ratio_clip_loss(torch.exp(log_s), a.advantages, a.clip_ratio_low, a.clip_ratio_high)
+    metrics = {"actor/pg_clipfrac": _fraction(clipped, a.keep, phi.dtype)}
+    return a.aggregate(a.weighted(phi), "seq-mean-token-mean"), metrics
+
+
+def policy_loss_cispo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, §3.1):
+
+    phi = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta,  r = exp(lambda_r).
+    The clipped weight is a stop-gradient: every token keeps its gradient -A clip(r) grad log pi
+    (no token is zeroed, unlike the PPO clip); only its size is bounded.
+    """
+    ratio = torch.exp(a.log_ratio())
+    clipped = torch.clamp(ratio, 1.0 - a.clip_ratio_low, 1.0 + a.clip_ratio_high)
+    phi = -clipped.detach() * a.advantages * a.log_prob
+    metrics = {"actor/pg_clipfrac": _fraction(ratio != clipped, a.keep, phi.dtype)}
+    return a.aggregate(a.weighted(phi)), metrics
+
+
+def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """f(r) = (4 / tau) sigmoid(tau (r - 1)): SAPO's soft gate, f(1) = 2 / tau, f'(1) = 1
+    (Gao et al. 2025, SAPO, arXiv 2511.20347, §3)."""
+    return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+def policy_loss_sapo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): phi = -f(r; tau) A with tau = tau_pos if A > 0
+    else tau_neg (``tau_pos``, ``tau_neg``); seq-mean-token-mean.  The gradient
+    -A r sigmoid'(.) 4 grad log pi decays smoothly away from r = 1 instead of a hard clip."""
+    ratio = torch.exp(a.log_ratio())
+    tau = torch.where(
+        a.advantages > 0,
+        torch.tensor(a.config.tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(a.config.tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    phi = -sapo_gate(ratio, tau) * a.advantages
+    return a.aggregate(a.weighted(phi), "seq-mean-token-mean"), {}
+
+
+def policy_loss_geo_mean(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673, eq. 4):
+
+    l = log pi_theta - log pi_prox (unclipped), sigma = sign(A),
+    l~ = sigma * min(sigma l, sigma clip(l, -eps_low, eps_high))  (the clip acts on the *log*),
+    r_i = exp((1/n'_i) sum_t m' l~),  A_i = <A>_{m', row i},  L_i = -A_i r_i * w_i,
+    loss = (1/V_B) sum_i L_i.  w_i = exp(<log(w + 1e-10)>_{m', row i}), the geometric mean of the
+    IS weights (1 without IS).  ``loss_agg_mode`` is not used (one term per sequence).
+    """
+    ell = a.log_prob - a.prox_log_prob
+    sign = torch.sign(a.advantages)
+    bounded = torch.clamp(ell, -a.clip_ratio_low, a.clip_ratio_high)
+    ell_min = sign * torch.minimum(sign * ell, sign * bounded)
+    ratio = torch.exp(_row_mean(ell_min, a.keep))
+    row_loss = -_row_mean(a.advantages, a.keep) * ratio
+    if a.weights is not None:
+        row_loss = row_loss * torch.exp(_row_mean(torch.log(a.weights + 1e-10), a.keep))
+    clipped = ell != bounded
+    dt = ratio.dtype
+    metrics = {
+        "actor/pg_clipfrac": _fraction(clipped & (a.advantages > 0), a.keep, dt),
+        "actor/pg_clipfrac_lower": _fraction(clipped & (a.advantages < 0), a.keep, dt),
+    }
+    return a.sequence_mean(row_loss), metrics
+
+
+def _dppo_loss(a: PolicyLossInputs, inside: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """phi = -A * sg(min(r, C)) * log pi_theta * sg(1[inside]): DPPO's truncated-IS policy
+    gradient restricted to the tokens inside its divergence trust region (C = clip_ratio_c)."""
+    ratio = torch.exp(a.log_ratio())
+    truncated = torch.clamp(ratio, max=a.clip_ratio_c).detach()
+    phi = -a.advantages * truncated * a.log_prob * inside.detach().to(ratio.dtype)
+    dt = ratio.dtype
+    metrics = {
+        "actor/pg_clipfrac": _fraction(~inside, a.keep, dt),
+        "actor/pg_clipfrac_lower": _fraction((ratio > a.clip_ratio_c) & inside, a.keep, dt),
+    }
+    return a.aggregate(a.weighted(phi)), metrics
+
+
+def dppo_tv_trust_region(a: PolicyLossInputs) -> torch.Tensor:
+    """DPPO-Binary-TV region (arXiv 2602.04879): with p = pi_theta(y_t), q = pi_prox(y_t),
+    inside iff p - q <= delta_high (A > 0) or p - q >= -delta_low (A <= 0)."""
+    diff = torch.exp(a.log_prob) - torch.exp(a.prox_log_prob)
+    return torch.where(a.advantages > 0, diff <= a.clip_ratio_high, diff >= -a.clip_ratio_low)
+
+
+def binary_kl(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(q) || Bern(p)) = q log(q/p) + (1 - q) log((1 - q)/(1 - p)), the 1e-8 guard on
+    1 - q and 1 - p as in verl (DPPO-Binary-KL, arXiv 2602.04879)."""
+    return q * (torch.log(q) - torch.log(p)) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+
+
+def dppo_kl_trust_region(a: PolicyLossInputs) -> torch.Tensor:
+    """DPPO-Binary-KL region: d = KL(Bern(q) || Bern(p)); inside iff d <= delta_high or p <= q
+    (A > 0), d <= delta_low or p >= q (A <= 0): only moves *towards* the advantage are bounded."""
+    p, q = torch.exp(a.log_prob), torch.exp(a.prox_log_prob)
+    d = binary_kl(q, p)
+    return torch.where(a.advantages > 0, (d <= a.clip_ratio_high) | (p <= q), (d <= a.clip_ratio_low) | (p >= q))
+
+
+def policy_loss_dppo_tv(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV (arXiv 2602.04879): :func:`_dppo_loss` in :func:`dppo_tv_trust_region`;
+    delta_low/high are ``clip_ratio_low/high`` read as probability differences, as in verl."""
+    return _dppo_loss(a, dppo_tv_trust_region(a))
+
+
+def policy_loss_dppo_kl(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL (arXiv 2602.04879): :func:`_dppo_loss` in :func:`dppo_kl_trust_region`."""
+    return _dppo_loss(a, dppo_kl_trust_region(a))
+
+
+def token_covariance(a: PolicyLossInputs) -> torch.Tensor:
+    """c_t = (A_t - <A>_{m'}) (log pi_theta(y_t) - <log pi_theta>_{m'}), detached: each kept
+    token's term of the covariance that drives entropy change (Cui et al. 2025, "The Entropy
+    Mechanism of RL for Reasoning LMs", arXiv 2505.22617, §3), over the tensors passed."""
+    logp = a.log_prob.detach()
+    return (a.advantages - masked_mean(a.advantages, a.keep)) * (logp - masked_mean(logp, a.keep))
+
+
+def _selection_count(fraction: float, keep: torch.Tensor) -> int:
+    """max(1, floor(fraction * N')) tokens, N' = kept tokens of this micro-batch."""
+    return max(int(fraction * int(keep.sum())), 1)
+
+
+def policy_loss_clip_cov(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617, §4): PPO's max(-A r, -A clip(r)) (no dual
+    clip), with the gradient detached on max(1, floor(rho N')) tokens drawn at random among the
+    kept, unclipped tokens with lb < c_t < ub (rho = ``clip_cov_ratio``, [lb, ub] =
+    ``clip_cov_lb/ub``).  Selection is per call, i.e. per micro-batch, as verl's is per its
+    micro-batch; the draw uses torch's global generator."""
+    ratio = torch.exp(a.log_ratio())
+    phi, clipped = _ratio_clip_loss(ratio, a.advantages, a.clip_ratio_low, a.clip_ratio_high)
+    cov = token_covariance(a)
+    cfg = a.config
+    candidates = (a.keep & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten().nonzero()[:, 0]
+    count = min(_selection_count(cfg.clip_cov_ratio, a.keep), candidates.numel())
+    chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:count]]
+    detached = torch.zeros(phi.numel(), dtype=torch.bool, device=phi.device)
+    detached[chosen] = True
+    detached = detached.view_as(phi)
+    phi = torch.where(detached, torch.zeros_like(phi), phi)
+    return a.aggregate(a.weighted(phi)), {"actor/pg_clipfrac": _fraction(detached, a.keep, phi.dtype)}
+
+
+def policy_loss_kl_cov(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617, §4): phi = -A r, plus beta |log r| on the
+    max(1, floor(rho N')) kept tokens of largest covariance c_t (rho = ``kl_cov_ratio``,
+    beta = ``ppo_kl_coef``); no clip.  Per micro-batch, like :func:`policy_loss_clip_cov`."""
+    ell = a.log_ratio()
+    phi = -a.advantages * torch.exp(ell)
+    cov = torch.where(a.keep, token_covariance(a), torch.full_like(ell, -math.inf))
+    top = torch.topk(cov.flatten(), _selection_count(a.config.kl_cov_ratio, a.keep)).indices
+    chosen = torch.zeros(phi.numel(), dtype=torch.bool, device=phi.device)
+    chosen[top] = True
+    chosen = chosen.view_as(phi) & a.keep
+    phi = torch.where(chosen, phi + a.config.ppo_kl_coef * ell.abs(), phi)
+    return a.aggregate(a.weighted(phi)), {}
+
+
+#: The policy objectives by ``RolloutCorrectionConfig.loss_mode`` (verl's ``policy_loss.loss_mode``
+#: names; docs/corrections.md §7.7).  A new objective: one function of :class:`PolicyLossInputs`
+#: returning (loss, metrics) and one entry here (README "Fork it").
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "vanilla": policy_loss_vanilla,
+    "gspo": policy_loss_gspo,
+    "gspo_token": policy_loss_gspo_token,
+    "cispo": policy_loss_cispo,
+    "sapo": policy_loss_sapo,
+    "geo_mean": policy_loss_geo_mean,
+    "dppo_tv": policy_loss_dppo_tv,
+    "dppo_kl": policy_loss_dppo_kl,
+    "clip_cov": policy_loss_clip_cov,
+    "kl_cov": policy_loss_kl_cov,
+}
 
 
 # ============================================================================================
@@ -1244,7 +1729,13 @@ _KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_ESTIMATORS = _KL_BASE_ESTIMATORS + tuple(name + "+" for name in _KL_BASE_ESTIMATORS)
 
 
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator: str = "low_var_kl") -> torch.Tensor:
+def kl_penalty(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    kl_estimator: str = "low_var_kl",
+    *,
+    old_log_prob: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token KL penalty towards pi_ref, d = log pi_theta - log pi_ref (docs/corrections.md
     §7.6).
 
@@ -1254,6 +1745,12 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator:
     "<name>+": straight-through -- the value of <name> with the gradient of k2:
     v = d^2/2 - sg(d^2/2) + sg(base).  "full" and unknown names raise ValueError.
     Not IS-weighted; aggregate it with :func:`agg_loss` like the policy loss.
+
+    With ``old_log_prob`` (log pi_old, the policy that sampled; mu in bypass) the estimate is
+    IS-corrected: r * v with r = exp(clip_S(log pi_theta - log pi_old)), the gradient flowing
+    through r (DeepSeek-AI 2025, DeepSeek-V3.2, §3.1; TRL ``use_bias_correction_kl``, slime
+    ``--use-unbiased-kl``).  For k3, E_{pi_old}[r k3] = KL(pi_theta || pi_ref) and its gradient
+    is the exact gradient of that KL (docs/corrections.md §7.8).
     """
     if not isinstance(kl_estimator, str):
         raise TypeError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
@@ -1280,10 +1777,21 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_estimator:
     else:
         kappa = safety_clip(ref_log_prob - log_prob)
         value = torch.clamp(k3_divergence(kappa), min=-10.0, max=10.0)
-    if not straight:
-        return value
-    k2 = k2_divergence(d)
-    return k2 - k2.detach() + value.detach()
+    if straight:
+        k2 = k2_divergence(d)
+        value = k2 - k2.detach() + value.detach()
+    return value if old_log_prob is None else is_corrected_kl(value, log_prob, old_log_prob)
+
+
+def is_corrected_kl(value: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """r * v, r = exp(clip_S(log pi_theta - sg(log pi_old))): a per-token KL estimate v of
+    samples from pi_old re-weighted to pi_theta (docs/corrections.md §7.8); r carries the
+    gradient."""
+    if old_log_prob.shape != log_prob.shape:
+        raise ValueError(
+            f"old_log_prob has shape {tuple(old_log_prob.shape)} but log_prob has shape {tuple(log_prob.shape)}"
+        )
+    return torch.exp(safety_clip(log_prob - old_log_prob.detach())) * value
 
 
 # ============================================================================================
@@ -1322,6 +1830,15 @@ def check_loss_settings(
             raise ValueError(f"loss_scale_factor={loss_scale_factor!r} must be finite and > 0")
 
 
+def _setting(name: str, value: Any, above: float | None) -> float:
+    """A finite real setting, > ``above`` when given; ValueError naming the setting and value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if above is not None and not value > above:
+        raise ValueError(f"{name}={value!r} must be > {above:g}")
+    return float(value)
+
+
 class _DefaultLossType(str):
     """Marks ``loss_type`` left at its default, so ``use_policy_gradient`` may set it."""
 
@@ -1354,7 +1871,21 @@ class RolloutCorrectionConfig:
     bypass_mode: bool = False
     loss_type: str | None = _LOSS_TYPE_DEFAULT
     use_policy_gradient: bool | None = None
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    rollout_is_threshold_lower: float | None = None
+    rollout_opsm_threshold: float | None = None
+    rollout_m2_threshold: float | None = None
+    rollout_outlier_threshold_low: float | None = None
+    rollout_outlier_threshold_high: float | None = None
     is_spec: ISThreshold | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    outlier_bounds: tuple | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
     rs_specs: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
     veto_tau: float | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
@@ -1374,7 +1905,7 @@ class RolloutCorrectionConfig:
         # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's
         # threshold may stay behind when an override turns its correction off).
         is_on = self.rollout_is is not None
-        init_field(self, "is_spec", parse_is_threshold(self.rollout_is_threshold) if is_on else None)
+        init_field(self, "is_spec", self._parse_is_spec() if is_on else None)
         if not isinstance(self.rollout_is_batch_normalize, bool):
             raise TypeError(f"rollout_is_batch_normalize must be a bool, got {self.rollout_is_batch_normalize!r}")
         init_field(
@@ -1386,6 +1917,8 @@ class RolloutCorrectionConfig:
         if not isinstance(self.bypass_mode, bool):
             raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
         init_field(self, "loss_type", self._resolve_loss_type())
+        self._check_loss_mode()
+        init_field(self, "outlier_bounds", self._parse_masks())
         if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
             warnings.warn(
                 f"rollout_is={self.rollout_is!r} with bypass_mode=True and "
@@ -1395,6 +1928,61 @@ class RolloutCorrectionConfig:
                 UserWarning,
                 stacklevel=3,
             )
+
+    def _parse_is_spec(self) -> ISThreshold:
+        """The IS threshold (§3.2) and, with ``rollout_is_threshold_lower``, two-sided TIS (§3.8)."""
+        spec = parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_is_threshold_lower is None:
+            return spec
+        lower = _setting("rollout_is_threshold_lower", self.rollout_is_threshold_lower, 0.0)
+        if spec.mode != "tis":
+            raise ValueError(
+                f"rollout_is_threshold_lower={self.rollout_is_threshold_lower!r} needs a TIS cap, not the IcePop "
+                f"band rollout_is_threshold={self.rollout_is_threshold!r}"
+            )
+        if not lower < spec.upper:
+            raise ValueError(
+                f"rollout_is_threshold_lower={self.rollout_is_threshold_lower!r} must be below "
+                f"rollout_is_threshold={self.rollout_is_threshold!r} (C_min < C_max)"
+            )
+        return ISThreshold("tis", lower, spec.upper)
+
+    def _check_loss_mode(self) -> None:
+        """The objective and its parameters (§7.7, §10): a known ``loss_mode``, fractions in
+        (0, 1), lb < ub, beta >= 0, temperatures > 0; REINFORCE is its own objective (§7.4)."""
+        if not isinstance(self.loss_mode, str) or self.loss_mode not in POLICY_LOSSES:
+            raise ValueError(f"loss_mode={self.loss_mode!r} is not one of {', '.join(POLICY_LOSSES)}")
+        if self.loss_mode != "vanilla" and self.loss_type == "reinforce":
+            raise ValueError(
+                f"loss_mode={self.loss_mode!r} is a ratio objective against pi_prox and is undefined with "
+                f"loss_type='reinforce' (REINFORCE has no ratio): use loss_mode='vanilla' or loss_type='ppo_clip'"
+            )
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = _setting(name, getattr(self, name), 0.0)
+            if not value < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must lie in (0, 1)")
+        if not _setting("clip_cov_lb", self.clip_cov_lb, None) < _setting("clip_cov_ub", self.clip_cov_ub, None):
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb!r} must be below clip_cov_ub={self.clip_cov_ub!r}")
+        if _setting("ppo_kl_coef", self.ppo_kl_coef, None) < 0:
+            raise ValueError(f"ppo_kl_coef={self.ppo_kl_coef!r} must be >= 0")
+        _setting("tau_pos", self.tau_pos, 0.0)
+        _setting("tau_neg", self.tau_neg, 0.0)
+
+    def _parse_masks(self) -> tuple | None:
+        """OPSM delta > 0 (§4.6), tau_M2 > 0 (§4.7), outlier bounds 0 < low < high (§4.8)."""
+        for name in ("rollout_opsm_threshold", "rollout_m2_threshold"):
+            if getattr(self, name) is not None:
+                _setting(name, getattr(self, name), 0.0)
+        low, high = self.rollout_outlier_threshold_low, self.rollout_outlier_threshold_high
+        if low is None and high is None:
+            return None
+        low = None if low is None else _setting("rollout_outlier_threshold_low", low, 0.0)
+        high = None if high is None else _setting("rollout_outlier_threshold_high", high, 0.0)
+        if low is not None and high is not None and not low < high:
+            raise ValueError(
+                f"rollout_outlier_threshold_low={low!r} must be below rollout_outlier_threshold_high={high!r}"
+            )
+        return low, high
 
     def _resolve_loss_type(self) -> str:
         """Apply the legacy ``use_policy_gradient`` alias and check loss_type (§9.1)."""
@@ -1500,6 +2088,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "decoupled_k3_rs_seq_tis": {**_tis("sequence"), **_K3_RS},
     "decoupled_k3_rs_token_tis": {**_tis("token"), **_K3_RS},
     "disabled": {},  # metrics only: naive PPO against the recompute (§7.2)
+    # two-sided token TIS, w clamped to [C_min, C_max] (§3.8; OpenRLHF's [0.5, 5])
+    "decoupled_token_tis_two_sided": {
+        "rollout_is": "token",
+        "rollout_is_threshold": _Arg("threshold", 5.0),
+        "rollout_is_threshold_lower": _Arg("threshold_lower", 0.5),
+    },
+    "decoupled_opsm": {"rollout_opsm_threshold": _Arg("opsm_threshold", 1e-4)},  # §4.6, slime's delta
+    "decoupled_m2po": {"rollout_m2_threshold": _Arg("m2_threshold", 0.04)},  # §4.7, M2PO's tau_M2
+    "decoupled_outlier_rs": {  # §4.8, SkyRL's suggested bounds
+        "rollout_outlier_threshold_low": _Arg("outlier_low", 1e-4),
+        "rollout_outlier_threshold_high": _Arg("outlier_high", 100.0),
+    },
 }
 
 #: Older preset names (docs/corrections.md §9.3): name -> (preset, fields replaced on top of it).
@@ -1584,6 +2184,9 @@ def _preset_method(name: str):
 for _name in PRESET_NAMES:
     setattr(RolloutCorrectionConfig, _name, _preset_method(_name))
 del _name
+
+#: The configuration a loss without ``config`` uses: the PPO objective, no OPSM (§7.7).
+_DEFAULT_CONFIG = RolloutCorrectionConfig()
 
 
 # ============================================================================================

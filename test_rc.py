@@ -1287,7 +1287,7 @@ def test_every_preset_matches_the_spec_table(name):
 
 
 def test_preset_names_and_lookup():
-    assert len(rc.PRESET_NAMES) == 26 and set(rc.PRESET_NAMES) == set(PRESET_TABLE)
+    assert len(rc.PRESET_NAMES) == 30 and set(rc.PRESET_NAMES) == set(PRESET_TABLE) | set(MASK_PRESETS)
     assert C.from_name("decoupled_seq_is", threshold=3.0) == C(rollout_is="sequence", rollout_is_threshold=3.0)
     assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25).is_spec == rc.ISThreshold(
         "icepop", 0.25, 4.0
@@ -1816,3 +1816,297 @@ def test_bf16_log_probs_match_float32_within_bf16_tolerance():
         assert loss16.dtype == torch.float32 and lp16.grad.dtype == torch.bfloat16
         loss32, _ = rc.compute_policy_loss_bypass_mode(train32, rollout32, adv, mask, loss_cfg)
         assert loss16.item() == pytest.approx(loss32.item(), rel=0.05, abs=1e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# objectives: the loss-mode registry (§7.7)
+# ------------------------------------------------------------------------------------------
+
+
+def _one_row(log_prob, prox, adv, mode, **cfg):
+    """Decoupled loss of one response with the objective ``mode``; returns (loss, metrics, grad)."""
+    lp = torch.tensor([log_prob], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([prox], dtype=torch.float64)
+    a = torch.tensor([adv], dtype=torch.float64)
+    mask = torch.ones_like(old)
+    loss, met = rc.compute_policy_loss_vanilla(old, lp, a, mask, config=C(loss_mode=mode, **cfg))
+    loss.backward()
+    return float(loss.detach()), met, lp.grad[0].tolist()
+
+
+def test_registry_holds_verls_loss_modes():
+    assert set(rc.POLICY_LOSSES) == {
+        "vanilla",
+        "gspo",
+        "gspo_token",
+        "cispo",
+        "sapo",
+        "geo_mean",
+        "dppo_tv",
+        "dppo_kl",
+        "clip_cov",
+        "kl_cov",
+    }
+    cfg = C()
+    assert (cfg.loss_mode, cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == ("vanilla", 0.0002, 1.0, 5.0)
+    assert (cfg.kl_cov_ratio, cfg.ppo_kl_coef, cfg.tau_pos, cfg.tau_neg) == (0.0002, 0.1, 1.0, 1.05)
+
+
+def test_vanilla_mode_is_the_ppo_loss_bit_for_bit():
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand((3, 4), generator=gen)
+    lp = old + 0.3 * torch.randn((3, 4), generator=gen)
+    adv, mask = torch.randn((3, 4), generator=gen), torch.ones((3, 4))
+    w = torch.rand((3, 4), generator=gen) + 0.5
+    a, ma = rc.compute_policy_loss_vanilla(old, lp, adv, mask, rollout_is_weights=w)
+    b, mb = rc.compute_policy_loss_vanilla(old, lp, adv, mask, rollout_is_weights=w, config=C())
+    assert torch.equal(a, b) and ma == mb
+
+
+def test_gspo_sequence_ratio_and_its_token_variant_agree_with_a_row_advantage():
+    # l = (0.2, 0.0): log s = 0.1, s = e^0.1 inside [0.8, 1.2]; A = 1: L = -e^0.1 on both tokens.
+    # gradient: -A s / n = -e^0.1 / 2 on each token, for both forms.
+    for mode in ("gspo", "gspo_token"):
+        loss, met, grad = _one_row([-1.0, -2.0], [-1.2, -2.0], [1.0, 1.0], mode)
+        assert loss == pytest.approx(-math.exp(0.1))
+        assert grad == pytest.approx([-math.exp(0.1) / 2] * 2)
+        assert met["actor/pg_clipfrac"] == 0.0
+    # s = e^0.5 > 1.2 with A = 1: the clipped term wins and the gradient is 0
+    loss, met, grad = _one_row([-1.0, -2.0], [-2.0, -2.0], [1.0, 1.0], "gspo")
+    assert loss == pytest.approx(-1.2) and grad == [0.0, 0.0] and met["actor/pg_clipfrac"] == 1.0
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token_through_a_stop_gradient_weight():
+    # r = e^0.5 = 1.65 -> clip 1.2 (detached); phi = -1.2 * A * log pi = -1.2 * 2 * (-1) = 2.4
+    loss, met, grad = _one_row([-1.0], [-1.5], [2.0], "cispo")
+    assert loss == pytest.approx(2.4) and grad == pytest.approx([-2.4]) and met["actor/pg_clipfrac"] == 1.0
+    _, _, ppo_grad = _one_row([-1.0], [-1.5], [2.0], "vanilla")
+    assert ppo_grad == [0.0]  # PPO zeroes this token; CISPO does not
+
+
+def test_sapo_gate_value_and_slope_at_ratio_one():
+    # r = 1, tau_pos = 1: f = 4/tau * sigmoid(0) = 2, phi = -2 A; d phi / d log pi = -A * 4 * sigmoid'(0) = -1
+    loss, met, grad = _one_row([-1.0], [-1.0], [1.0], "sapo")
+    assert (
+        loss == pytest.approx(-2.0)
+        and grad == pytest.approx([-1.0])
+        and met == {"actor/pg_loss": -2.0, "actor/ppo_kl": 0.0}
+    )
+    # A < 0 takes tau_neg = 1.05: phi = -(4/1.05) * 0.5 * (-1) = 2/1.05
+    assert _one_row([-1.0], [-1.0], [-1.0], "sapo")[0] == pytest.approx(2.0 / 1.05)
+
+
+def test_geo_mean_clips_the_log_ratio_and_averages_it_geometrically():
+    # l = (0.5, -0.1), A = 1: clip(l, -0.2, 0.2) = (0.2, -0.1), min -> (0.2, -0.1); r = e^0.05; L = -e^0.05
+    loss, met, grad = _one_row([-0.5, -1.1], [-1.0, -1.0], [1.0, 1.0], "geo_mean")
+    assert loss == pytest.approx(-math.exp(0.05))
+    assert grad == pytest.approx([0.0, -math.exp(0.05) / 2])  # the clipped token has no gradient
+    assert met["actor/pg_clipfrac"] == 0.5 and met["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_dppo_tv_and_kl_trust_regions():
+    # token 1: p = 0.5, q = 0.2, p - q = 0.3 > 0.2 with A > 0 -> outside; token 2: p = 0.3, q = 0.25 -> inside,
+    # r = 1.2: phi = -A * 1.2 * log 0.3; token-mean over 2 tokens
+    lp, q = [math.log(0.5), math.log(0.3)], [math.log(0.2), math.log(0.25)]
+    loss, met, grad = _one_row(lp, q, [1.0, 1.0], "dppo_tv")
+    assert loss == pytest.approx(-1.2 * math.log(0.3) / 2)
+    assert grad == pytest.approx([0.0, -1.2 / 2]) and met["actor/pg_clipfrac"] == 0.5
+    # binary KL(0.2 || 0.5) = 0.2 log 0.4 + 0.8 log 1.6 = 0.1927 <= 0.2 -> inside for dppo_kl
+    d = rc.binary_kl(torch.tensor(0.2, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64))
+    assert float(d) == pytest.approx(0.2 * math.log(0.4) + 0.8 * math.log(0.8 / 0.5), abs=1e-7)
+    loss, met, _ = _one_row(lp, q, [1.0, 1.0], "dppo_kl")
+    assert met["actor/pg_clipfrac"] == 0.0
+    assert loss == pytest.approx(-(2.5 * math.log(0.5) + 1.2 * math.log(0.3)) / 2)
+
+
+def test_cov_modes_select_by_advantage_log_prob_covariance():
+    # 4 tokens, A = (2, 0, 0, -2), log pi = (-1, -2, -2, -3): cov = (A - 0)(log pi + 2) = (2, 0, 0, 2)
+    lp, adv = [-1.0, -2.0, -2.0, -3.0], [2.0, 0.0, 0.0, -2.0]
+    # kl_cov: ratio 0.25 -> 1 token of largest cov (tie: topk picks one); r = 1 so |l| = 0 adds nothing
+    loss, _, _ = _one_row(lp, lp, adv, "kl_cov", kl_cov_ratio=0.25)
+    assert loss == pytest.approx(0.0)
+    # clip_cov with lb = 1.5, ub = 5, ratio 0.5 -> 2 tokens, exactly the two candidates: their gradient is gone
+    loss, met, grad = _one_row(lp, lp, adv, "clip_cov", clip_cov_ratio=0.5, clip_cov_lb=1.5)
+    assert grad == [0.0, 0.0, 0.0, 0.0] and met["actor/pg_clipfrac"] == 0.5
+    # kl_cov's penalty: l = (0.1, 0, 0, 0), A = (2, 0, 0, -1), <A> = 0.25: cov = (1.75, 0, 0, 1.25), so token 1
+    # alone gets + 0.1 * |0.1|; phi = (-2 e^0.1 + 0.01, 0, 0, 1)
+    loss, _, _ = _one_row(lp, [-1.1, -2.0, -2.0, -3.0], [2.0, 0.0, 0.0, -1.0], "kl_cov", kl_cov_ratio=0.25)
+    assert loss == pytest.approx((-2 * math.exp(0.1) + 0.1 * 0.1 + 1.0) / 4)
+
+
+def test_loss_mode_in_bypass_uses_the_ratio_against_mu_and_never_multiplies_is():
+    gen = torch.Generator().manual_seed(5)
+    mu = -torch.rand((2, 3), generator=gen, dtype=torch.float64)
+    lp = (mu + 0.1 * torch.randn((2, 3), generator=gen, dtype=torch.float64)).requires_grad_()
+    adv, mask = torch.tensor([[1.0] * 3, [-1.0] * 3], dtype=torch.float64), torch.ones((2, 3), dtype=torch.float64)
+    for mode in rc.POLICY_LOSSES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            cfg = C(bypass_mode=True, loss_mode=mode, rollout_is="token")
+        by, _ = rc.compute_policy_loss_bypass_mode(lp, mu, adv, mask, cfg)
+        torch.manual_seed(0)
+        dec, _ = rc.compute_policy_loss_vanilla(mu, lp, adv, mask, config=C(loss_mode=mode))
+        assert float(by.detach()) == pytest.approx(float(dec.detach())), mode
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"loss_mode": "grpo"}, "loss_mode='grpo'"),
+        ({"loss_mode": "gspo", "bypass_mode": True, "loss_type": "reinforce"}, "loss_mode='gspo'"),
+        ({"clip_cov_ratio": 0.0}, "clip_cov_ratio=0.0"),
+        ({"kl_cov_ratio": 1.0}, "kl_cov_ratio=1.0"),
+        ({"clip_cov_lb": 5.0}, "clip_cov_lb=5.0"),
+        ({"ppo_kl_coef": -0.1}, "ppo_kl_coef=-0.1"),
+        ({"tau_pos": 0.0}, "tau_pos=0.0"),
+        ({"tau_neg": math.nan}, "tau_neg=nan"),
+        ({"rollout_opsm_threshold": 0.0}, "rollout_opsm_threshold=0.0"),
+        ({"rollout_m2_threshold": -1.0}, "rollout_m2_threshold=-1.0"),
+        (
+            {"rollout_outlier_threshold_low": 2.0, "rollout_outlier_threshold_high": 1.0},
+            "rollout_outlier_threshold_low",
+        ),
+        ({"rollout_is": "token", "rollout_is_threshold_lower": 2.0}, "rollout_is_threshold_lower=2.0"),
+        ({"rollout_is": "token", "rollout_is_threshold": "0.5_5", "rollout_is_threshold_lower": 0.1}, "IcePop"),
+    ],
+)
+def test_bad_objective_and_mask_settings_name_the_setting(fields, needle):
+    with pytest.raises(ValueError) as info:
+        C(**fields)
+    assert needle in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------
+# masks and clamps (§3.8, §4.6-§4.8)
+# ------------------------------------------------------------------------------------------
+
+MASK_PRESETS = {
+    "decoupled_token_tis_two_sided": {
+        "rollout_is": "token",
+        "rollout_is_threshold": 5.0,
+        "rollout_is_threshold_lower": 0.5,
+    },
+    "decoupled_opsm": {"rollout_opsm_threshold": 1e-4},
+    "decoupled_m2po": {"rollout_m2_threshold": 0.04},
+    "decoupled_outlier_rs": {"rollout_outlier_threshold_low": 1e-4, "rollout_outlier_threshold_high": 100.0},
+}
+
+
+@pytest.mark.parametrize("name", list(MASK_PRESETS))
+def test_mask_presets(name):
+    assert C.from_name(name) == C(**MASK_PRESETS[name])
+
+
+def test_two_sided_tis_clamps_both_ends_and_logs_both_fractions():
+    mu = torch.zeros((1, 4))
+    train = torch.log(torch.tensor([[0.2, 1.0, 8.0, 3.0]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w, _, met = rc.compute_rollout_correction_and_rejection_mask(train, mu, mask, C.decoupled_token_tis_two_sided())
+    assert w[0].tolist() == pytest.approx([0.5, 1.0, 5.0, 0.0])
+    assert met["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 3)
+    assert met["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
+
+
+def test_opsm_drops_only_stale_negative_rows():
+    # rows: (A<0, D=0.5) dropped; (A<0, D=0) kept; (A>0, D=0.5) kept; D = mean(log mu - log pi)
+    mu = torch.zeros((3, 2), dtype=torch.float64)
+    lp = torch.tensor([[-0.5, -0.5], [0.0, 0.0], [-0.5, -0.5]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0] * 2, [-1.0] * 2, [1.0] * 2], dtype=torch.float64)
+    keep, met = rc.compute_opsm_mask(lp, mu, adv, torch.ones((3, 2), dtype=torch.bool), 0.1)
+    assert keep.tolist() == [[False, False], [True, True], [True, True]]
+    assert met["actor/opsm_seq_masked_fraction"] == pytest.approx(1 / 3)
+    assert met["actor/opsm_neg_adv_seq_masked_fraction"] == pytest.approx(1 / 2)
+    # through the loss: the dropped row has no gradient
+    lp = lp.clone().requires_grad_()
+    _, met = rc.compute_policy_loss_vanilla(
+        mu, lp, adv, torch.ones((3, 2)), rollout_log_prob=mu, config=C.decoupled_opsm(opsm_threshold=0.1)
+    )
+    assert met["actor/opsm_seq_masked_fraction"] == pytest.approx(1 / 3)
+
+
+def test_m2_mask_removes_the_largest_squared_log_ratios_until_the_second_moment_fits():
+    # squares (0.01, 0.09, 0.25): M2 = 0.35/3 > 0.05; the two smallest have mean 0.05 <= 0.05 -> drop the 0.25 one
+    ell = torch.tensor([[0.1, -0.3, 0.5, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    keep, met = rc.compute_m2_mask(ell, mask, 0.05)
+    assert keep.tolist() == [[True, True, False, False]]
+    assert float(met["rollout_m2"]) == pytest.approx(0.35 / 3)
+    assert float(met["rollout_m2_after"]) == pytest.approx(0.05)
+    assert float(met["rollout_m2_masked_fraction"]) == pytest.approx(1 / 3)
+    assert rc.compute_m2_mask(ell, mask, 1.0)[0].tolist() == mask.tolist()  # within budget: nothing removed
+
+
+def test_outlier_rejection_is_two_sided_worst_token():
+    ell = torch.log(torch.tensor([[1.0, 0.5], [1.0, 200.0], [1e-5, 1.0], [1.0, 1.0]], dtype=torch.float64))
+    mask = torch.ones((4, 2), dtype=torch.bool)
+    keep, met = rc.compute_outlier_token_mask(ell, mask, 1e-4, 100.0)
+    assert keep.all(dim=-1).tolist() == [True, False, False, True]
+    assert float(met["rollout_outlier_seq_masked_fraction"]) == 0.5
+    assert float(met["rollout_outlier_token_fraction_low"]) == 0.125
+    assert float(met["rollout_outlier_token_fraction_high"]) == 0.125
+    _, k, _ = rc.compute_rollout_correction_and_rejection_mask(
+        ell, torch.zeros_like(ell), mask.double(), C.decoupled_outlier_rs()
+    )
+    assert k.tolist() == keep.double().tolist()
+
+
+# ------------------------------------------------------------------------------------------
+# IS-corrected KL (§7.8) and the health check (§6.7)
+# ------------------------------------------------------------------------------------------
+
+
+def test_is_corrected_k3_value_and_gradient():
+    # log pi = -1, log ref = -1.5, log old = -1.2: kappa = -0.5, k3 = e^-0.5 + 0.5 - 1, r = e^0.2
+    lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    ref, old = torch.tensor([[-1.5]], dtype=torch.float64), torch.tensor([[-1.2]], dtype=torch.float64)
+    v = rc.kl_penalty(lp, ref, "k3", old_log_prob=old)
+    k3, r = math.exp(-0.5) - 0.5, math.exp(0.2)
+    assert float(v.detach()) == pytest.approx(r * k3)
+    v.sum().backward()
+    # d/dlog pi [r k3] = r k3 + r (1 - e^kappa)
+    assert float(lp.grad) == pytest.approx(r * (k3 + 1 - math.exp(-0.5)))
+    assert torch.equal(rc.kl_penalty(lp, ref, "k3", old_log_prob=lp.detach()), rc.kl_penalty(lp, ref, "k3"))
+
+
+def test_is_corrected_k3_is_unbiased_for_kl_of_the_current_policy():
+    # exact expectation over a 3-token vocabulary: sum_y pi_old(y) r(y) k3(y) = KL(pi_theta || pi_ref)
+    pi = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
+    ref = torch.tensor([[0.2, 0.4, 0.4]], dtype=torch.float64)
+    old = torch.tensor([[0.3, 0.3, 0.4]], dtype=torch.float64)
+    v = rc.kl_penalty(pi.log(), ref.log(), "k3", old_log_prob=old.log())
+    assert float((old * v).sum()) == pytest.approx(float((pi * (pi / ref).log()).sum()))
+
+
+def test_health_check_fires_on_the_guide_thresholds_only():
+    healthy = {
+        "rollout_corr/rollout_is_mean": 1.0,
+        "rollout_corr/rollout_is_eff_sample_size": 0.9,
+        "rollout_corr/rollout_is_std": 0.2,
+        "rollout_corr/kl": -0.01,
+        "rollout_corr/chi2_token": 0.1,
+    }
+    assert rc.check_rollout_correction_health(healthy) == {}
+    assert rc.check_rollout_correction_health({}) == {}  # IS off, no metrics: nothing fires
+    sick = {
+        "rollout_corr/rollout_is_mean": 0.4,
+        "rollout_corr/rollout_is_eff_sample_size": 0.29,
+        "rollout_corr/rollout_is_std": 1.5,
+        "rollout_corr/kl": -0.2,
+        "rollout_corr/chi2_token": 2.0,
+    }
+    assert rc.check_rollout_correction_health(sick) == {
+        "health/is_mean": 0.4,
+        "health/is_ess": 0.29,
+        "health/is_std": 1.5,
+        "health/kl": -0.2,
+        "health/chi2_token": 2.0,
+    }
+    assert rc.check_rollout_correction_health({"rollout_corr/rollout_is_mean": 2.5}) == {"health/is_mean": 2.5}
+    assert rc.check_rollout_correction_health({"rollout_corr/rollout_is_mean": 2.0}) == {}  # the bound is healthy
+    assert set(rc.HEALTH_CHECKS) == {
+        "health/is_mean",
+        "health/is_ess",
+        "health/is_std",
+        "health/kl",
+        "health/chi2_token",
+    }

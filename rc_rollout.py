@@ -42,6 +42,7 @@ import queue
 import sys
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -296,6 +297,36 @@ def planted_tokens_processor():
 # ---------------------------------------------------------------------------------------------
 # Weights in, samples out: the in-place weight load, the sampling seeds, generation with processed log-probs
 # ---------------------------------------------------------------------------------------------
+class Response(NamedTuple):
+    """One sampled response: its token ids, the engine's log-prob of each (processed: the distribution that sampled
+    it; empty for a greedy one), its text."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    text: str
+
+
+class Request(NamedTuple):
+    """A generation asked of an engine: n responses to each prompt (token ids), prompt i seeded by
+    sampling_seed(*seed_keys, first_index + i); greedy (evaluation) at temperature 0, without log-probs."""
+
+    prompts: list[list[int]]
+    n: int
+    seed_keys: tuple = ()
+    first_index: int = 0
+    greedy: bool = False
+
+
+class Result(NamedTuple):
+    """An engine's answer to a Request: the policy version that sampled it, per prompt its n Responses, the seconds
+    spent generating and the seconds the engine sat idle before it started."""
+
+    version: int
+    groups: list[list[Response]]
+    generating_s: float
+    idle_s: float
+
+
 def load_weights(llm, weights) -> None:
     """Reload (name, tensor) pairs into the engine in place, then drop its prefix cache: the cached KV was computed
     with the old weights (a cache kept across a load made the KL grow for a peer)."""
@@ -312,11 +343,12 @@ def sampling_seed(*keys: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int = 0, greedy: bool = False):
-    """Per prompt, n responses: (token ids, rollout log-probs of those tokens, text).
+def generate(llm, request: Request, args) -> list[list[Response]]:
+    """Per prompt of the request, its n Responses.
 
     Prompt i is seeded with sampling_seed(*seed_keys, first_index + i), so a rollout is reproducible on CPU
     and a prompt gets the same seed whichever rank samples it."""
+    prompt_ids, greedy = request.prompts, request.greedy
     from vllm import SamplingParams
 
     sampling = dict(
@@ -327,9 +359,13 @@ def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int =
     )  # greedy: the defaults at temperature 0
     params = [
         SamplingParams(
-            n=n,
+            n=request.n,
             max_tokens=args.max_response_length,
-            **({"temperature": 0.0} if greedy else {**sampling, "seed": sampling_seed(*seed_keys, first_index + i)}),
+            **(
+                {"temperature": 0.0}
+                if greedy
+                else {**sampling, "seed": sampling_seed(*request.seed_keys, request.first_index + i)}
+            ),
         )
         for i in range(len(prompt_ids))
     ]
@@ -340,15 +376,13 @@ def generate(llm, prompt_ids, n, args, seed_keys: tuple = (), first_index: int =
         for o in out.outputs:
             ids = list(o.token_ids)
             lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
-            group.append((ids, lps, o.text))
+            group.append(Response(ids, lps, o.text))
         result.append(group)
     return result
 
 
 # ---------------------------------------------------------------------------------------------
-# Engines: load(version, weights), submit(tag, request), result(tag). A request is
-# (prompt ids, n, seed keys, first prompt index, greedy); a result is
-# (version, groups, seconds generating, seconds the engine sat idle before, seconds the caller waited).
+# Engines: load(version, weights), submit(tag, Request), result(tag) -> (Result, seconds the caller waited).
 # ---------------------------------------------------------------------------------------------
 class LocalEngine:
     """vLLM in the trainer's process. A submitted request runs when its result is asked for (the synchronous loop:
@@ -369,17 +403,18 @@ class LocalEngine:
             load_weights(self.llm, weights)
         self.version, self.free_since = version, time.time()
 
-    def submit(self, tag, request: tuple) -> None:
+    def submit(self, tag, request: Request) -> None:
         self.waiting[tag] = request
 
-    def result(self, tag, keep: bool = False) -> tuple:
+    def result(self, tag, keep: bool = False) -> tuple[Result, float]:
+        """Generate the request now (`keep` is moot: at k = 0 nothing is asked for twice)."""
         t0 = time.time()
         self._busy()
-        prompts, n, seed_keys, first_index, greedy = self.waiting.pop(tag)
-        with engine_awake(self.memory, "weights", "kv_cache", sleep_after=not greedy):  # the update next
-            groups = self.generate(self.llm, prompts, n, self.args, seed_keys, first_index, greedy)
+        request = self.waiting.pop(tag)
+        with engine_awake(self.memory, "weights", "kv_cache", sleep_after=not request.greedy):  # the update next
+            groups = self.generate(self.llm, request, self.args)
         idle, self.idle, self.free_since = self.idle, 0.0, time.time()
-        return self.version, groups, time.time() - t0, idle, time.time() - t0
+        return Result(self.version, groups, time.time() - t0, idle), time.time() - t0
 
     def close(self) -> None:
         pass
@@ -390,7 +425,7 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
 
     ("load", version, {name: tensor})  weights in shared memory, owned by this request; reloaded in place
                                        between two generations, then the prefix cache is dropped
-    ("generate", tag, request)      -> ("result", tag, version, groups, seconds generating, seconds idle before)
+    ("generate", tag, Request)      -> ("result", tag, Result)
     """
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))
     try:
@@ -420,10 +455,10 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
             load_weights(llm, list(weights.items()))
             del weights, message
             continue
-        _, tag, (prompts, n, seed_keys, first_index, greedy) = message
+        _, tag, request = message
         t0 = time.time()
-        groups = generate(llm, prompts, n, args, seed_keys, first_index, greedy)
-        results.put(("result", tag, version, groups, time.time() - t0, idle))
+        groups = generate(llm, request, args)
+        results.put(("result", tag, Result(version, groups, time.time() - t0, idle)))
         idle = 0.0
 
 
@@ -455,20 +490,20 @@ class RolloutWorker:
         shared memory once, when the request is sent; the worker reloads them when it reaches the request."""
         self.requests.put(("load", version, {name: t.detach().to("cpu", copy=True) for name, t in weights}))
 
-    def submit(self, tag, request: tuple) -> None:
+    def submit(self, tag, request: Request) -> None:
         self.requests.put(("generate", tag, request))
 
-    def result(self, tag, keep: bool = False) -> tuple:
+    def result(self, tag, keep: bool = False) -> tuple[Result, float]:
+        """The Result of `tag` (waited for; kept for a later call when `keep`), and the seconds waited."""
         t0 = time.time()
         while tag not in self.kept:
-            message = self._receive()
-            self.kept[message[1]] = message[2:]
-        out = self.kept[tag] if keep else self.kept.pop(tag)
-        return (*out, time.time() - t0)
+            _, received, result = self._receive()
+            self.kept[received] = result
+        return (self.kept[tag] if keep else self.kept.pop(tag)), time.time() - t0
 
-    def restore(self, tag, result: tuple) -> None:
+    def restore(self, tag, result: Result) -> None:
         """A result saved by a checkpoint (resume): handed out by result(tag) as if the worker had sent it."""
-        self.kept[tag] = tuple(result[:4])
+        self.kept[tag] = Result(*result[:4])
 
     def _receive(self):
         while True:
@@ -557,7 +592,7 @@ class Rollouts:
         if step > 0 or self.dial:
             self.load(step, count=False)
         for t, result in sorted((in_flight or {}).items()):
-            self.engine.restore(t, result)
+            self.engine.restore(t, Result(*result[:4]))  # a checkpoint of an older version holds plain tuples
         for t in range(step + len(in_flight or {}), step + self.k + 1):
             self.request(t)
 
@@ -566,17 +601,14 @@ class Rollouts:
         if step < self.args.num_steps:
             prompts, first_index = self.prompts_of(step)
             self.engine.submit(
-                step, (prompts, self.args.num_samples_per_prompt, (self.args.seed, step, 0), first_index, False)
+                step, Request(prompts, self.args.num_samples_per_prompt, (self.args.seed, step, 0), first_index)
             )
 
     def take(self, step: int) -> tuple[list, int, dict]:
         """The batch of `step`: (groups of responses, the version that sampled them, timing/* seconds)."""
-        version, groups, generating, idle, waited = self.engine.result(step)
-        return (
-            groups,
-            version,
-            {"timing/rollout_s": generating, "timing/rollout_wait_s": waited, "timing/engine_idle_s": idle},
-        )
+        result, waited = self.engine.result(step)
+        seconds = {"timing/rollout_s": result.generating_s, "timing/rollout_wait_s": waited}
+        return result.groups, result.version, {**seconds, "timing/engine_idle_s": result.idle_s}
 
     def sync(self, step: int) -> None:
         """After the update of `step` the trainer holds version step+1: load it when --sync-every says so."""
@@ -591,8 +623,8 @@ class Rollouts:
             self.load(version, dials=False)
         groups = []
         if prompts:  # a rank without eval problems still takes part in the loads (collectives under FSDP2)
-            self.engine.submit("eval", (prompts, 1, (), 0, True))
-            groups = self.engine.result("eval")[1]
+            self.engine.submit("eval", Request(prompts, 1, greedy=True))
+            groups = self.engine.result("eval")[0].groups
         if self.dial and restore:
             self.load(version)
         return groups
@@ -602,7 +634,7 @@ class Rollouts:
         sampled by versions <= step (waited for here; they stay queued for the steps that take them). The batch of
         step+k+1 is not among them: the checkpoint's own weights sample it again on resume."""
         return {
-            t: self.engine.result(t, keep=True)[:4]
+            t: self.engine.result(t, keep=True)[0]
             for t in range(step + 1, min(step + self.k, self.args.num_steps - 1) + 1)
         }
 

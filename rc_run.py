@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -289,6 +290,48 @@ class LogRatioDump:
         np.save(os.path.join(self.folder, "lengths", f"step_{self.step:06d}.npy"), lengths)
 
 
+class HealthWatch:
+    """The usage guide's health check at run time (rc_core.HEALTH_CHECKS; docs/corrections.md §6.7): after each step,
+    the checks on the step's reduced rollout_corr/* metrics. health/<check> is logged 1.0 on a step where it fires and
+    0.0 where its metric exists and passes (absent: the correction has no such metric, e.g. no IS); the console gets
+    one line when a check starts firing and one when it clears (`say`: the main process's writer, None elsewhere);
+    `fired` counts the steps each check fired on, for the closing summary."""
+
+    def __init__(self, say=None):
+        self.say, self.firing, self.fired = say, set(), Counter()
+
+    def check(self, step: int, metrics: dict) -> dict:
+        fired = rc_core.check_rollout_correction_health(metrics)
+        out = {}
+        for name, check in rc_core.HEALTH_CHECKS.items():
+            value = metrics.get(check.metric)
+            if value is None or math.isnan(value):
+                continue
+            out[name] = float(name in fired)
+            if name in fired and name not in self.firing:
+                bounds = " or ".join(
+                    f"{'<' if i == 0 else '>'} {b:g}" for i, b in enumerate((check.low, check.high)) if b is not None
+                )
+                what = f"|{check.metric}|" if check.absolute else check.metric
+                self._say(f"step {step}: {what} = {value:.4g}, {bounds}: {name} fires (docs/corrections.md §6.7)")
+            elif name in self.firing and name not in fired:
+                self._say(f"step {step}: {name} clears ({check.metric} = {value:.4g})")
+        self.firing = (self.firing - set(out)) | set(fired)
+        self.fired.update(fired)
+        return out
+
+    def summary(self, steps: int) -> str:
+        if not self.fired:
+            return "health checks: none fired"
+        return "health checks fired: " + ", ".join(
+            f"{n} on {c} of {steps} steps" for n, c in sorted(self.fired.items())
+        )
+
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(f"health: {line}")
+
+
 def progress(metrics: dict, last_eval: dict | None, accuracy_key: str) -> dict:
     """The few numbers on the progress bar (eval: the task's accuracy key, Task.accuracy_key)."""
     shown = {"reward": f"{metrics['reward/mean']:.3f}", "len": f"{metrics['response_length/mean']:.0f}"}
@@ -316,7 +359,8 @@ def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, res
     outs = rollouts.evaluate([prompts[i] for i in shard], version, restore)  # every rank: a load can be collective
     samples = []
     for i, group in zip(shard, outs):
-        ids, _, text = group[0]
+        response = group[0]  # an rc_rollout.Response
+        ids, text = response.token_ids, response.text
         scores = task.score(text, rows[i])
         samples.append(
             {
@@ -654,17 +698,24 @@ def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
 
 
 def print_summary(
-    first_eval: dict | None, last_eval: dict | None, n_eval: int, seconds: float, run_dir: str, accuracy_key: str
+    first_eval: dict | None,
+    last_eval: dict | None,
+    n_eval: int,
+    seconds: float,
+    run_dir: str,
+    accuracy_key: str,
+    health: str = "",
 ) -> None:
     """The closing lines on the console: greedy accuracy under the task's accuracy key (Task.accuracy_key) before ->
-    after, wall time, where the run is."""
+    after, the health checks that fired (HealthWatch.summary), wall time, where the run is."""
     name = f"eval/accuracy_{accuracy_key}"
     line = f"eval accuracy ({accuracy_key}, greedy, {n_eval} problems): "
     if first_eval and last_eval:
         line += f"{first_eval[name]:.3f} before -> {last_eval[name]:.3f} after"
     elif last_eval:
         line += f"{last_eval[name]:.3f} after training"
-    print(f"{line}\nwall time: {seconds:.0f} s\nrun folder: {run_dir}\ndashboard: python rc_train.py plot {run_dir}")
+    print(line + (f"\n{health}" if health else ""))
+    print(f"wall time: {seconds:.0f} s\nrun folder: {run_dir}\ndashboard: python rc_train.py plot {run_dir}")
 
 
 def exit_cleanly(world: int) -> None:

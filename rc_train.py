@@ -78,6 +78,35 @@ class CorrectionArgs:
     use_policy_gradient: bool | None = None
     """override, legacy alias of loss_type: True = reinforce, False = ppo_clip; an explicit loss_type (the preset's
     or --rc.loss-type) that differs is refused (docs/corrections.md §9.1)"""
+    loss_mode: str | None = None
+    """override: the policy objective, a name of rc_core.POLICY_LOSSES (verl's policy_loss.loss_mode): vanilla
+    (PPO-clip, the default), gspo, gspo_token, cispo, sapo, geo_mean, dppo_tv, dppo_kl, clip_cov, kl_cov
+    (docs/corrections.md §7.7); with loss_type ppo_clip, in decoupled or bypass mode"""
+    clip_cov_ratio: float | None = None
+    """override: clip_cov: share of tokens in (0, 1) whose covariance gets its gradient cut (verl: 0.0002)"""
+    clip_cov_lb: float | None = None
+    """override: clip_cov: lower bound of the covariance band (verl: 1.0)"""
+    clip_cov_ub: float | None = None
+    """override: clip_cov: upper bound of the covariance band (verl: 5.0)"""
+    kl_cov_ratio: float | None = None
+    """override: kl_cov: share of tokens in (0, 1) with the largest covariance that get the KL term (verl: 0.0002)"""
+    ppo_kl_coef: float | None = None
+    """override: kl_cov: coefficient of its per-token KL term (verl: 0.1)"""
+    tau_pos: float | None = None
+    """override: sapo: gate temperature for positive advantages (verl: 1.0)"""
+    tau_neg: float | None = None
+    """override: sapo: gate temperature for negative advantages (verl: 1.05)"""
+    rollout_is_threshold_lower: float | Literal["none"] | None = None
+    """override: two-sided TIS, the lower clamp C_min of the IS weight (0 < C_min < the cap; e.g. 0.5 with cap 5)"""
+    rollout_opsm_threshold: float | Literal["none"] | None = None
+    """override: off-policy sequence mask delta > 0: drop a negative-advantage response whose mean log(mu/pi) > delta
+    (DeepSeek-V3.2; docs/corrections.md §4.6)"""
+    rollout_m2_threshold: float | Literal["none"] | None = None
+    """override: M2PO: mask the tokens with the largest squared log-ratio until its batch mean <= this (> 0; §4.7)"""
+    rollout_outlier_threshold_low: float | Literal["none"] | None = None
+    """override: two-sided worst-token rejection: a response with a token ratio below this is rejected (§4.8)"""
+    rollout_outlier_threshold_high: float | Literal["none"] | None = None
+    """override: two-sided worst-token rejection: a response with a token ratio above this is rejected (§4.8)"""
 
 
 @dataclass
@@ -235,6 +264,9 @@ class Args:
     """coefficient of a KL penalty to the initial model (0 = no reference model)"""
     kl_estimator: str = "low_var_kl"
     """KL penalty estimator: kl (k1), abs, mse (k2), low_var_kl (k3), optionally with '+'"""
+    kl_is_corrected: bool = False
+    """weight the KL penalty per token by pi_theta/pi_old (pi_old = pi_rollout in bypass), so that it is estimated
+    under the current policy rather than the sampler's (DeepSeek-V3.2's unbiased KL; docs/corrections.md §7.8)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the trainer's forward"""
     fsdp: bool = False
@@ -341,7 +373,7 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     attention = torch.zeros((B, P + T), dtype=torch.long)
     rollout_lp = torch.zeros((B, T), dtype=torch.float32)
     mask = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, (ids, lps, _)) in enumerate(zip(prompt_ids, responses)):
+    for i, (p, (ids, lps, _text)) in enumerate(zip(prompt_ids, responses)):
         input_ids[i, P - len(p) : P] = torch.tensor(p)
         attention[i, P - len(p) : P] = 1
         if ids:
@@ -427,6 +459,7 @@ def policy_loss(
         )
     return rc_core.compute_policy_loss_vanilla(
         **common,
+        config=correction,
         old_log_prob=micro["old_log_prob"],
         keep_mask=micro["keep_mask"],
         rollout_is_weights=micro.get("rollout_is_weights"),
@@ -537,7 +570,13 @@ def update_policy(
                 )
                 loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
                 if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
-                    kl = rc_core.kl_penalty(log_prob, micro_tensors["ref_log_prob"], args.kl_estimator)
+                    prox = micro_tensors["rollout_log_prob" if correction.bypass_mode else "old_log_prob"]
+                    kl = rc_core.kl_penalty(
+                        log_prob,
+                        micro_tensors["ref_log_prob"],
+                        args.kl_estimator,
+                        old_log_prob=prox if args.kl_is_corrected else None,
+                    )
                     kl_loss = rc_core.agg_loss(
                         kl,
                         micro_tensors["response_mask"],
@@ -812,6 +851,7 @@ if __name__ == "__main__":
     bound = rc_rollout.staleness_bound(args)  # a sample more versions behind is never trained on
     log.start_trackers(args, run_name)
     bar = rc_run.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
+    health = rc_run.HealthWatch(bar.write if accelerator.is_main_process else None)  # the usage guide's alarms
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     learner = Learner(accelerator, host, model, optimizer, scheduler)  # what every update works on
 
@@ -904,6 +944,7 @@ if __name__ == "__main__":
         step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
         metrics = {**rc_run.reduce_metrics(step_metrics, host), **eval_metrics}
+        metrics.update(health.check(step, metrics))  # health/*: a line on the console when one fires or clears
         log.log(step, metrics)
         bar.set_postfix(**rc_run.progress(metrics, evals[-1] if evals else None, task.accuracy_key))
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
@@ -923,6 +964,14 @@ if __name__ == "__main__":
     if accelerator.is_main_process:
         first_eval = evals[0] if args.eval_before and not args.resume else None
         last_eval = evals[-1] if evals else None
-        rc_run.print_summary(first_eval, last_eval, len(eval_rows), time.time() - t_start, run_dir, task.accuracy_key)
+        rc_run.print_summary(
+            first_eval,
+            last_eval,
+            len(eval_rows),
+            time.time() - t_start,
+            run_dir,
+            task.accuracy_key,
+            health.summary(args.num_steps - start_step),
+        )
     accelerator.wait_for_everyone()
     rc_run.exit_cleanly(world)

@@ -26,7 +26,7 @@ METRICS = os.path.join(ROOT, "docs", "metrics.md")
 # of the rollout_corr/* and actor/* metrics and is not one of them).
 OTHER_PAGES = ("README.md", "docs/running.md", "docs/results.md", "docs/async.md", "docs/gpus.md", "lab/README.md")
 
-PREFIXES = ("rollout_corr", "actor", "reward", "response_length", "rollout", "eval", "timing", "perf")
+PREFIXES = ("rollout_corr", "actor", "reward", "response_length", "rollout", "eval", "timing", "perf", "health")
 PREFIX = "(?:" + "|".join(PREFIXES) + ")/"
 NAME = PREFIX + r"[\w<>]+"  # a metric name as docs/metrics.md spells it (placeholders included)
 LITERAL = re.compile(r"""(?<![\w/])["'](""" + PREFIX + r"""\w+)["']""")

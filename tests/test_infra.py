@@ -384,13 +384,14 @@ class FifoEngine:
 
     def submit(self, tag, request):
         self.ops.append(("submit", tag))
-        self.done[tag] = (self.version, [[([1], [0.0], "x")]] * len(request[0]), 0.0, 0.0)
+        response = rc_rollout.Response([1], [0.0], "x")
+        self.done[tag] = rc_rollout.Result(self.version, [[response]] * len(request.prompts), 0.0, 0.0)
 
     def result(self, tag, keep=False):
-        return (*(self.done[tag] if keep else self.done.pop(tag)), 0.0)
+        return (self.done[tag] if keep else self.done.pop(tag)), 0.0
 
     def restore(self, tag, result):
-        self.done[tag] = tuple(result[:4])
+        self.done[tag] = result
 
     def close(self):
         pass

@@ -233,3 +233,59 @@ def test_chi2_gate_recipe(tmp_path, monkeypatch):
         settings.validate_args(args, 1)
         (spec,) = settings.build_correction_config(args.rc).rs_specs
         assert spec == core.RSOption(option, "chi2", "seq_mean", None, 0.1)
+
+
+# ---- A new policy loss: tapered off-policy REINFORCE -------------------------------------------------------------
+TRACE_TOPR = """
+_recipe_topr = POLICY_LOSSES["topr"]
+
+
+def _traced_topr(a):
+    with open(TRACE_PATH, "a") as f:
+        f.write(f"{float(a.mask.sum())}\\n")
+    return _recipe_topr(a)
+
+
+POLICY_LOSSES["topr"] = _traced_topr
+"""
+
+
+def test_policy_loss_recipe(tmp_path):
+    assert "topr" not in rc_core.POLICY_LOSSES  # the recipe adds an objective the repository lacks
+    with pytest.raises(ValueError, match="loss_mode.*'topr'"):
+        rc_core.RolloutCorrectionConfig(loss_mode="topr")
+    repo = copy_repo(tmp_path)
+    append_to(repo, "rc_core.py", readme_block("A new policy loss."))
+    assert ruff_problems(repo, "rc_core.py") == ""
+
+    # By hand: row 0 has A = +1 (weight 1 on every token), row 1 A = -1 (weight min(pi/pi_prox, 1)); row 1's last token
+    # is padding. phi = -w A log pi, token-mean over the 4 valid tokens; d loss / d log pi = -w A / 4.
+    pi = [[0.5, 0.2, 0.4], [0.3, 0.6, 0.1]]
+    prox = [[0.25, 0.4, 0.4], [0.2, 0.9, 0.1]]
+    adv = [[1.0] * 3, [-1.0] * 3]
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w = [[1.0, 1.0, 1.0], [1.0, 0.6 / 0.9, 0.0]]
+    valid = [(i, t) for i in range(2) for t in range(3) if mask[i, t]]
+    want_loss = sum(-w[i][t] * adv[i][t] * math.log(pi[i][t]) for i, t in valid) / len(valid)
+    want_grad = [[-w[i][t] * adv[i][t] / len(valid) if mask[i, t] else 0.0 for t in range(3)] for i in range(2)]
+    with imported_from(repo, "rc_core") as (core,):
+        log_pi = torch.tensor(pi, dtype=torch.float64).log().requires_grad_()
+        log_prox = torch.tensor(prox, dtype=torch.float64).log()
+        advantages = torch.tensor(adv, dtype=torch.float64)
+        config = core.RolloutCorrectionConfig(loss_mode="topr")  # decoupled: pi_prox = pi_old
+        loss, _ = core.compute_policy_loss_vanilla(log_prox, log_pi, advantages, mask, config=config)
+        loss.backward()
+        assert loss.item() == pytest.approx(want_loss, abs=1e-12)
+        torch.testing.assert_close(log_pi.grad, torch.tensor(want_grad, dtype=torch.float64))
+        # bypass: pi_prox = mu, the same objective through the other entry point
+        bypass = core.RolloutCorrectionConfig(bypass_mode=True, loss_mode="topr")
+        loss_b, _ = core.compute_policy_loss_bypass_mode(log_pi.detach(), log_prox, advantages, mask, bypass)
+        assert float(loss_b) == pytest.approx(want_loss, abs=1e-12)
+
+    # The copy's real trainer (bypass PPO-clip preset of the fixture), two steps with --rc.loss-mode topr.
+    trace = tmp_path / "topr_calls.txt"
+    append_to(repo, "rc_core.py", TRACE_TOPR.replace("TRACE_PATH", repr(str(trace))))
+    rows, _ = run_copy(repo, tmp_path, "--num-steps", "2", "--rc.loss-mode", "topr")
+    assert [r["step"] for r in rows] == [0, 1] and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+    assert trace.exists(), "the trainer never called the 'topr' objective: policy_loss must pass the config on"
+    assert len(trace.read_text().splitlines()) >= 2  # at least one micro-batch per step

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import gsm8k
+import rc_rollout
 import rc_run
 import rc_train
 import tasks
@@ -242,7 +243,7 @@ class FakeRollouts:
         self.responses = responses
 
     def evaluate(self, prompts, version, restore):
-        return [[([0, 0, 0], [], self.responses[p[0]])] for p in prompts]
+        return [[rc_rollout.Response([0, 0, 0], [], self.responses[p[0]])] for p in prompts]
 
 
 class OneRank:

@@ -235,7 +235,7 @@ def _check_names_and_paths(args) -> None:
     _need(
         model.strip() != "", f"--model must be 'tiny', a local model folder or a Hugging Face model id, got {model!r}"
     )
-    if model != "tiny" and _local_path(model) and not os.path.isdir(model):  # 'tiny': rc_train.TINY_MODEL, built here
+    if model != tasks.TINY_MODEL and _local_path(model) and not os.path.isdir(model):  # 'tiny' is built here
         home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
         _need(
             False,
@@ -351,7 +351,7 @@ def _check_schedule_and_dials(args) -> None:
     _need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
     k = args.max_staleness
     _need(k is None or k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
-    if k or args.rollout_worker:
+    if uses_rollout_worker(args):
         _need(
             args.sync_every == 1,
             f"--max-staleness {k} loads every new version into the rollout worker: it needs --sync-every 1 (the "
@@ -404,7 +404,7 @@ def _check_engine(args) -> None:
     tokens = args.vllm_max_num_batched_tokens
     _need(tokens is None or tokens >= 1, f"--vllm-max-num-batched-tokens must be >= 1, got {tokens}")
     if tokens is not None and not torch.cuda.is_available():
-        # CPU: prefills are never split (see engine_limits), so one step must hold the longest sequence.
+        # CPU: prefills are never split (see rc_rollout.engine_limits), so one step must hold the longest sequence.
         _need(
             tokens >= args.max_model_len,
             f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
@@ -471,6 +471,12 @@ def clip_bounds(args) -> tuple[float, float]:
     """The PPO clip range (epsilon_low, epsilon_high): --clip-ratio-low / --clip-ratio-high, each --clip-ratio when
     unset."""
     return tuple(args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
+
+
+def uses_rollout_worker(args) -> bool:
+    """The engine runs in a rollout worker process of its own: asynchronous rollout (--max-staleness k >= 1), or
+    --rollout-worker at k = 0."""
+    return bool(args.max_staleness) or args.rollout_worker
 
 
 def prompts_per_rank(args, world: int) -> int:
@@ -587,7 +593,7 @@ def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
 def torch_threads(max_staleness: int, environ=os.environ) -> int:
     """Threads of torch (and of a CPU engine's kernels) in each process: OMP_NUM_THREADS when it is set; otherwise
     the setting measured best on the 2-core machines (docs/async.md §7). At --max-staleness 0 rollout and update take
-    turns, so each takes every core of this process (the default job ran in 0.73x the time of one thread, same
+    turns, so each takes every core of this process (the default job ran in 0.72x the time of one thread, same
     accuracy); at k >= 1 the trainer and the rollout worker run side by side, so each takes half."""
     if environ.get("OMP_NUM_THREADS", "").strip():
         return max(1, int(environ["OMP_NUM_THREADS"]))

@@ -232,7 +232,8 @@ def rollout_weights(weights, args):
     Only matrices (dim >= 2: projections, embedding/lm_head) are perturbed; norms and biases are kept, as weight-only
     quantisers do. The noise eps is drawn on the tensor's device from a generator seeded by (--seed, tensor index),
     so every sync sends the same perturbation pattern (a persistent error, like a quantiser's, not fresh noise) and a
-    GPU draws it on the GPU. One tensor at a time: the pairs stream through (no second copy of the model)."""
+    GPU draws it on the GPU. One tensor at a time: the pairs stream through (no second copy of the model here; a
+    rollout worker's load copies them, RolloutWorker.load)."""
     if not has_weight_dial(args):
         yield from weights
         return
@@ -539,7 +540,7 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
     on_gpu = torch.cuda.is_available()
     limits = engine_limits(args, world, max(map(len, prompts)), on_gpu)
     engine_log = os.path.join(run_dir, f"engine{rank or ''}.log")
-    if args.max_staleness or args.rollout_worker:  # a process of its own: rollouts overlap the update
+    if rc_config.uses_rollout_worker(args):  # a process of its own: rollouts overlap the update
         return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
     placement, env = engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
@@ -579,7 +580,8 @@ class Rollouts:
 
     def load(self, version: int, dials: bool = True, count: bool = True) -> None:
         """Queue the trainer's current weights as `version`: perturbed by the lab's weight dial when `dials`
-        (rollout_weights), its own for evaluation; streamed one tensor at a time (rc_run.full_weights)."""
+        (rollout_weights), its own for evaluation; read one tensor at a time (rc_run.full_weights): streamed into an
+        engine in this process, copied once for a rollout worker."""
         weights = rc_run.full_weights(self.model)
         self.engine.load(version, rollout_weights(weights, self.args) if dials else weights)
         self.sync_count += int(count and version != self.loaded[0])

@@ -216,8 +216,9 @@ def reduce_metrics(acc: MetricSum, host: HostGroup) -> dict:
 
 
 def batch_metrics(args, rewards: list, corrects: list, mask, n_nonfinite: int, version: int, step: int, stale):
-    """reward/*, response_length/* and rollout/* of this rank's rollout batch (means over its responses). Every
-    response of the batch was sampled by policy version `version`: its staleness is step - version."""
+    """reward/*, response_length/* and rollout/* of this rank's rollout batch: means and a std over its responses,
+    the longest response, counts of non-finite tokens and dropped samples. Every response of the batch was sampled by
+    policy version `version`: its staleness is step - version."""
     lengths, staleness = mask.sum(-1), torch.full((len(mask),), step - version)
     return {
         "reward/mean": float(np.mean(rewards)),
@@ -408,7 +409,7 @@ def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1, m
     return exists and overwrite and not resume
 
 
-def open_run_dir(run_dir: str, replace: bool, accelerator, args, rc_config, **facts) -> None:
+def open_run_dir(run_dir: str, replace: bool, accelerator, args, correction, **facts) -> None:
     """Create the run folder (emptied first when `replace`) and write config.yaml: the arguments, the processes,
     the resolved correction config and `facts` (model path, training rows)."""
     if replace and accelerator.is_main_process:
@@ -417,8 +418,8 @@ def open_run_dir(run_dir: str, replace: bool, accelerator, args, rc_config, **fa
     os.makedirs(run_dir, exist_ok=True)
     if accelerator.is_main_process:
         correction = {
-            f.name: (str(v) if isinstance(v := getattr(rc_config, f.name), str) else v)  # str(): an unset
-            for f in dataclasses.fields(rc_config)
+            f.name: (str(v) if isinstance(v := getattr(correction, f.name), str) else v)  # str(): an unset
+            for f in dataclasses.fields(correction)
             if f.init
         }  # loss_type is a str subclass
         config = {
@@ -434,7 +435,8 @@ def open_run_dir(run_dir: str, replace: bool, accelerator, args, rc_config, **fa
 
 
 class RunLog:
-    """The run's logs, written by the main process only: metrics.jsonl (one line per step, keys sorted),
+    """The run's logs, written by the main process only: metrics.jsonl (one line per step, keys sorted after step
+    -1's evaluation line),
     eval_samples.jsonl, and the same figures to every tracker of --log-with through Accelerate (init_trackers /
     accelerator.log, main process only). A W&B run keeps its id in wandb_id.txt, so --resume continues it."""
 

@@ -45,7 +45,6 @@ import rc_run
 import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY_MODEL = "tiny"
 
 
 @dataclass
@@ -74,7 +73,8 @@ class CorrectionArgs:
     bypass_mode: bool | None = None
     """override: True = bypass (pi_old := pi_rollout), False = decoupled"""
     loss_type: str | None = None
-    """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode); 'none' = the preset's default"""
+    """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode); 'none' = unset: ppo_clip, or what
+    use_policy_gradient implies"""
     use_policy_gradient: bool | None = None
     """override, legacy alias of loss_type: True = reinforce, False = ppo_clip; an explicit loss_type (the preset's
     or --rc.loss-type) that differs is refused (docs/corrections.md §9.1)"""
@@ -136,7 +136,7 @@ class Args:
     """the wandb entity (team)"""
 
     # Model and task
-    model: str = TINY_MODEL
+    model: str = tasks.TINY_MODEL
     """'tiny' (built locally, cached, no download: the warm-started 1M-parameter base for minigsm, a random
     0.3M-parameter net for a task without a warm start), a local path, or a HF model id"""
     task: str = "minigsm"
@@ -194,9 +194,9 @@ class Args:
     vllm_max_num_seqs: int | None = None
     """sequences the engine runs at once (None = this rank's rollout batch, prompts x samples: one wave holds it)"""
     vllm_max_num_batched_tokens: int | None = None
-    """tokens the engine schedules per step (None = the rollout batch's prompt tokens, within
-    [max_model_len, 65536]). On CPU it must be >= --max-model-len: prefills are never split there
-    (docs/running.md "The CPU engine")"""
+    """tokens the engine schedules per step (None: on CPU the rollout batch's prompt tokens, within
+    [max_model_len, 65536]; on GPU vLLM's default). On CPU it must be >= --max-model-len: prefills are never split
+    there (docs/running.md "The CPU engine")"""
     vllm_sleep: bool = True
     """GPU: put the engine to sleep during the update;
     wake only its weights for a sync, and its KV cache too for rollout"""
@@ -243,7 +243,8 @@ class Args:
     """also cap a micro-batch at this many padded tokens (verl's dynamic batch size); None = by count only"""
     share_prompt_prefix: bool = True
     """forward each distinct prompt of a micro-batch once, its n responses on its KV cache (micro-batches grouped by
-    prompt; same log-probs and gradients to float rounding). Off under --gradient-checkpointing (no cache there)"""
+    prompt; same log-probs and gradients to float rounding). Off under --gradient-checkpointing (no cache there) and
+    --fsdp (every rank must run the same forwards): shares_prefix"""
     clip_ratio: float = 0.2
     """PPO clip epsilon (both sides unless overridden)"""
     clip_ratio_low: float | None = None
@@ -495,9 +496,11 @@ def decoupled_correction(
     update: pi_old is the trainer's current weights, scored without gradients; the IS weights pi_old/pi_rollout and
     the rejection mask are computed from it and stay frozen for every epoch and minibatch. Adds old_log_prob,
     keep_mask and rollout_is_weights (when the preset has IS) to `tensors`; returns the correction's metrics and the
-    size of the pass. `model`: the unwrapped policy (one process's forward; no gradient, no collective)."""
+    size of the pass. `model`: the unwrapped policy (DDP's module, or the FSDP2-sharded model itself)."""
     model.eval()
-    old_log_prob, size = no_grad_pass(model, batch, args)
+    old_log_prob, size = no_grad_pass(
+        model, batch, args
+    )  # under FSDP2 each forward is a collective: every rank runs it
     rollout_log_prob, mask = tensors["rollout_log_prob"], tensors["response_mask"]
     is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
         old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=mask, config=correction
@@ -765,7 +768,7 @@ if __name__ == "__main__":
         with accelerator.main_process_first():  # rank 0 builds (or checks) the cached model, the others reuse it
             say = (lambda m: print(m, flush=True)) if accelerator.is_main_process else None  # None: quiet
             model_path = (
-                tasks.base_model_path(task, args.mini, args.seed, say) if args.model == TINY_MODEL else args.model
+                tasks.base_model_path(task, args.mini, args.seed, say) if args.model == tasks.TINY_MODEL else args.model
             )
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         for what, part in (("train prompt", train_rows), ("eval prompt", eval_rows)):  # before the engine starts

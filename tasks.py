@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 import gsm8k
 
+TINY_MODEL = "tiny"  # the --model value of the tiny models built here (base_model_path), never downloaded
 # Bumped whenever the generator, tokenizer or warm start changes what a cached warm-started base holds.
 BUILDER_VERSION = 1
 # The random tiny net's own version (its cache name does not hash BUILDER_VERSION): bumped when its build changes.

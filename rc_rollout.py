@@ -421,6 +421,43 @@ class LocalEngine:
         pass
 
 
+def exit_with_trainer() -> None:
+    """Make this process (the rollout worker) end, with every process it started, as soon as the trainer that
+    spawned it dies, by whatever signal (SIGKILL and SIGTERM included: neither lets the trainer say a word).
+
+    A daemon thread waits on multiprocessing's parent sentinel: the read end of a pipe whose only write end the
+    trainer holds, so it reads EOF the moment the trainer is gone, however it died; nothing can be missed and
+    nothing is polled. The thread then SIGKILLs this process's own process group (made here: this process and
+    whatever it started, such as the compilers torch's inductor runs during the first rollouts) in one call.
+    It has to end the process itself, from its own thread: the main thread may be anywhere, in the middle of a
+    generation or blocked for good; a return from worker_main was not enough (issue: a trainer killed while a
+    result larger than the pipe's 64 KiB was on its way left the worker alive forever, its exit waiting on the
+    queue's feeder thread, which was blocked writing into a pipe nobody reads any more).
+    With the worker gone, the multiprocessing resource tracker, which the trainer started, reads EOF from its
+    last holder and exits too. Not chosen: prctl(PR_SET_PDEATHSIG), Linux only and tied to the trainer's thread
+    that spawned the worker, and it would kill the worker alone, leaving what the worker started behind.
+    Its own process group also keeps a Ctrl-C at the terminal for the trainer alone, which stops the worker as
+    it stops (RolloutWorker.close, or multiprocessing's exit handler for a daemonic process)."""
+    import multiprocessing.connection
+    import signal
+    import threading
+
+    sentinel = multiprocessing.parent_process().sentinel
+    try:
+        os.setpgid(0, 0)
+        group = True
+    except OSError:  # cannot happen for a spawned process; then the worker ends alone
+        group = False
+
+    def watch():
+        multiprocessing.connection.wait([sentinel])
+        if group:
+            os.killpg(0, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-trainer", daemon=True).start()
+
+
 def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_path: str, requests, results) -> None:
     """The rollout worker process: start the engine, then serve requests in order until ("stop",).
 
@@ -428,26 +465,18 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
                                        between two generations, then the prefix cache is dropped
     ("generate", tag, Request)      -> ("result", tag, Result)
     """
+    exit_with_trainer()  # first: the engine's start alone takes ~15 s
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))
     try:
         llm = start_engine(args, model_path, seed, limits, log_path, {})
     except Exception as e:  # the trainer is waiting for ("ready",): tell it why not
         results.put(("failed", f"{type(e).__name__}: {e}"))
         return
-    import multiprocessing
-
-    trainer = multiprocessing.parent_process()
     version, idle = 0, 0.0
     results.put(("ready",))
     while True:
         t0 = time.time()
-        message = None
-        while message is None:
-            try:
-                message = requests.get(timeout=1.0)
-            except queue.Empty:  # a trainer killed without a word (SIGKILL) must not leave an engine behind
-                if not trainer.is_alive():
-                    return
+        message = requests.get()  # a trainer that dies meanwhile ends this process (exit_with_trainer)
         idle += time.time() - t0
         if message[0] == "stop":
             return

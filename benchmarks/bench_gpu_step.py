@@ -205,7 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_RESPONSE_LEN}, a typical GSM8K answer; tiny {TINY_RESPONSE_LEN}); "
         "lengths vary symmetrically by up to +-50%% within [1, max_response_length]",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed optimizer steps after one warm-up step (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up update (default 3)")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per forward/backward, in place of the config's micro_batch_size (checked as the trainer "
+        "checks it)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and the synthetic batch (default 0)")
     p.add_argument(
         "--tiny",
@@ -261,6 +268,8 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     if ns.tiny:
         train = dataclasses.replace(train, **TINY_ARGS)
     train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
+    if ns.micro_batch_size is not None:
+        train = dataclasses.replace(train, micro_batch_size=ns.micro_batch_size)
     rc_config.validate_args(train, world_size=world)  # the trainer's own checks of the config
     if train.fsdp and world < 2:
         raise ValueError(

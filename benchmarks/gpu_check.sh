@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of the trainer's update, one command: benchmarks/bench_gpu_step.py --breakdown --profile on one GPU
 # at three shapes (Qwen2.5-0.5B at the mean GSM8K shape, 0.5B and 1.5B at the worst case: 400-token prompts, 512-token
-# responses), then one table of the three. About 4-5 minutes on an H200, at most ~9.5 (each run is bounded by
-# `timeout`, so a slow or failing run leaves the others).
+# responses) and two with larger micro-batches, then one table of the runs. About 6-7 minutes on an H200 (each run is
+# bounded by `timeout`, so a slow or failing run leaves the others).
 #
 #   bash benchmarks/gpu_check.sh          # from any folder; writes to $OUT if set, else runs/gpu_check
 #   GPU_CHECK_EXTRA="--tiny --prompt-len 16 --response-len 12" bash benchmarks/gpu_check.sh   # a CPU dry run, seconds
@@ -50,9 +50,10 @@ run() { # run NAME SECONDS ARGS...: one bench_gpu_step run; its last line (the J
     shift 2
     local stdout status
     stdout=$(mktemp /tmp/gpu_check_stdout.XXXXXX)
-    echo "=== $name: python -m benchmarks.bench_gpu_step --breakdown --profile $out $*" | tee -a "$log"
-    # shellcheck disable=SC2086  # GPU_CHECK_EXTRA: words
-    timeout -k 10 "$limit" "$python" -m benchmarks.bench_gpu_step --breakdown --profile "$out" "$@" ${GPU_CHECK_EXTRA:-} \
+    local extra=${BREAKDOWN---breakdown --profile $out}  # BREAKDOWN="" for a run without them
+    echo "=== $name: python -m benchmarks.bench_gpu_step $extra $*" | tee -a "$log"
+    # shellcheck disable=SC2086  # GPU_CHECK_EXTRA, extra: words
+    timeout -k 10 "$limit" "$python" -m benchmarks.bench_gpu_step $extra "$@" ${GPU_CHECK_EXTRA:-} \
         2> >(tee -a "$log" >&2) | tee -a "$log" "$stdout" | grep -v '^{'  # the JSON line: in the log and results
     status=${PIPESTATUS[0]}
     if [ "$status" -eq 0 ] && tail -n 1 "$stdout" | grep -q '^{'; then
@@ -64,8 +65,13 @@ run() { # run NAME SECONDS ARGS...: one bench_gpu_step run; its last line (the J
 }
 
 run 0.5b_mean 150 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2
-run 0.5b_worst 150 --config configs/gsm8k_qwen0.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
-run 1.5b_worst 240 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
+run 1.5b_worst 200 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
+# Fewer, larger micro-batches at the same shapes (the per-micro-batch overhead against the memory they need):
+# timings and memory only, no breakdown
+BREAKDOWN="" run 0.5b_mean_mb64 90 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2 --micro-batch-size 64
+BREAKDOWN="" run 1.5b_worst_mb16 120 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 \
+    --repeats 1 --micro-batch-size 16
+run 0.5b_worst 120 --config configs/gsm8k_qwen0.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
 
 if ls "$out"/profile_*.txt >/dev/null 2>&1; then
     cat "$out"/profile_*.txt >"$out/profiles.txt" && rm -f "$out"/profile_*.txt

@@ -155,6 +155,7 @@ class Plan:
     breakdown_micro_batches: int = BREAKDOWN_MICRO_BATCHES  # the phase passes' micro-batches (of the first step's)
     profile_dir: str | None = None  # torch.profiler of two micro-batches, written here (implies breakdown)
     peak_tflops: float | None = None  # the device's peak for MFU (None: measured on a GPU, n/a on a CPU)
+    compile: bool = False  # torch.compile the model (--compile)
 
     @property
     def sequences(self) -> int:
@@ -206,6 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
         "lengths vary symmetrically by up to +-50%% within [1, max_response_length]",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up update (default 3)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (dynamic shapes) before the update: how much of the per-micro-batch host "
+        "overhead fusion removes (an experiment of this benchmark; the trainer does not compile)",
+    )
+    p.add_argument(
+        "--no-share-prompt-prefix",
+        action="store_true",
+        help="forward every row's prompt with its response (the config's share_prompt_prefix off)",
+    )
     p.add_argument(
         "--micro-batch-size",
         type=int,
@@ -270,6 +282,8 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
     if ns.micro_batch_size is not None:
         train = dataclasses.replace(train, micro_batch_size=ns.micro_batch_size)
+    if ns.no_share_prompt_prefix:
+        train = dataclasses.replace(train, share_prompt_prefix=False)
     rc_config.validate_args(train, world_size=world)  # the trainer's own checks of the config
     if train.fsdp and world < 2:
         raise ValueError(
@@ -313,6 +327,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
         breakdown_micro_batches=ns.breakdown_micro_batches,
         profile_dir=ns.profile,
         peak_tflops=ns.peak_tflops,
+        compile=ns.compile,
     )
     (_, p_max), (_, r_max) = plan.length_ranges()
     if p_max + r_max > train.max_model_len:
@@ -457,6 +472,8 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     args = plan.train
     model = build_model(plan, accelerator.device)
+    if plan.compile:
+        model = torch.compile(model, dynamic=True)
     if args.fsdp:
         model = rc_run.shard_model(model, accelerator.device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)

@@ -7,6 +7,7 @@ and the multi-RS example run for two steps on the one-token fixture.
 
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -75,3 +76,14 @@ def test_multi_rs_config_runs_two_steps_on_the_one_token_fixture(tmp_path):
         assert "rollout_corr/rollout_is_mean" in r  # Token-TIS on
     assert max(r["rollout_corr/rollout_rs_token_k1_masked_fraction"] for r in rows) > 0
     assert max(r["rollout_corr/rollout_rs_seq_max_k2_seq_masked_fraction"] for r in rows) > 0
+
+
+def test_a_preset_without_overrides_reaches_the_trainer_as_built(monkeypatch):
+    """`--rc.preset ppo_is_bypass` (docs/running.md step 1) builds without the metrics-only-IS warning, as
+    RolloutCorrectionConfig.ppo_is_bypass() does (docs/design-readings.md §9); an override rebuilds and may warn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        config, _ = correction(monkeypatch, "--rc.preset", "ppo_is_bypass")
+    assert config == rc_core.RolloutCorrectionConfig.ppo_is_bypass()
+    with pytest.warns(UserWarning, match="metrics"):
+        correction(monkeypatch, "--rc.preset", "ppo_is_bypass", "--rc.rollout-is-threshold", "3")

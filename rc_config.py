@@ -499,7 +499,10 @@ def build_correction_config(rc) -> rc_core.RolloutCorrectionConfig:
         for k, v in dataclasses.asdict(rc).items()
         if k != "preset" and v is not None
     }
-    return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
+    preset = rc_core.RolloutCorrectionConfig.from_name(rc.preset)
+    # replace() constructs anew; without overrides keep the preset itself, so that a preset's deliberate construction
+    # (ppo_is_bypass: metrics-only IS, no warning; docs/design-readings.md §9) reaches the trainer unchanged
+    return dataclasses.replace(preset, **set_fields) if set_fields else preset
 
 
 # ---------------------------------------------------------------------------------------------

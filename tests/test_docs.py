@@ -9,6 +9,7 @@ small random batch (every preset, every RS option, batch normalisation, the veto
 names from the string literals of its files.
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -136,6 +137,96 @@ def test_no_other_page_holds_a_second_preset_table():
             assert len(listed) <= len(rc.PRESET_NAMES) // 2, (
                 f"{page} has a preset table ({len(listed)} presets); the one table is docs/corrections.md §9.2"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration fields and objectives
+# ---------------------------------------------------------------------------------------------
+RUNNING = os.path.join(ROOT, "docs", "running.md")
+
+
+def field_table(corrections_text: str) -> list[str]:
+    """The field names of the §9.1 table (a row may name several, e.g. `clip_cov_lb`, `clip_cov_ub`)."""
+    return [
+        n for table in tables(section(corrections_text, "9.1")) for row in table for n in re.findall(r"`(\w+)`", row[0])
+    ]
+
+
+def test_every_config_field_has_a_row_in_9_1_and_every_row_is_a_field():
+    fields = [f.name for f in dataclasses.fields(rc.RolloutCorrectionConfig) if f.init]
+    listed = field_table(read(CORRECTIONS))
+    assert [f for f in fields if f not in listed] == []
+    assert [n for n in listed if n not in fields] == []
+
+
+def page_section(text: str, title: str) -> str:
+    """The body of the '## title' section of a page without section numbers, up to the next '## ' heading."""
+    lines = text.splitlines()
+    start = lines.index(f"## {title}")
+    end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def objective_problems(running_text: str) -> list[str]:
+    """docs/running.md "Choosing an objective and a mask": every objective of rc_core.POLICY_LOSSES has a row, and every
+    loss mode a row names is one (a row names modes as `--rc.loss-mode NAME` and then `NAME`, `NAME`, ...)."""
+    named = []
+    for table in tables(page_section(running_text, "Choosing an objective and a mask")):
+        for row in table:
+            if "--rc.loss-mode" in row[0]:
+                named += [n.removeprefix("--rc.loss-mode ") for n in re.findall(r"`([^`]+)`", row[0])]
+    problems = [f"objective {n!r} has no row in running.md" for n in rc.POLICY_LOSSES if n not in named]
+    return problems + [
+        f"running.md names objective {n!r}, not in rc_core.POLICY_LOSSES" for n in named if n not in rc.POLICY_LOSSES
+    ]
+
+
+def test_the_objective_table_names_every_loss_mode_and_only_those():
+    assert objective_problems(read(RUNNING)) == []
+    running = read(RUNNING)
+    row = next(line for line in running.splitlines() if line.startswith("| `--rc.loss-mode cispo`"))
+    assert any("'cispo'" in p for p in objective_problems(running.replace(row + "\n", "")))
+    assert any(
+        "'bogus'" in p for p in objective_problems(running.replace("`--rc.loss-mode cispo`", "`--rc.loss-mode bogus`"))
+    )
+
+
+def test_every_rc_flag_on_the_running_page_is_a_correction_field():
+    """Every `--rc.NAME` that docs/running.md spells is a field of rc_train.CorrectionArgs (its --rc.* flags)."""
+    import rc_train
+
+    fields = {f.name.replace("_", "-") for f in dataclasses.fields(rc_train.CorrectionArgs)}
+    spelled = set(re.findall(r"--rc\.([a-z0-9-]+)", read(RUNNING)))
+    spelled = {n.removesuffix("-") for n in spelled}  # '--rc.rollout-outlier-threshold-low/-high'
+    assert spelled and sorted(spelled - fields - {"rollout-outlier-threshold"}) == []
+
+
+def test_the_workflow_commands_build_valid_corrections(monkeypatch):
+    """The commands of docs/running.md "Choosing a correction step by step" parse (rc_config.parse_cli) into a
+    correction rc_core accepts (rc_config.build_correction_config), and do what the page says of them."""
+    import sys
+
+    import rc_config
+    import rc_train
+
+    text = page_section(read(RUNNING), "Choosing a correction step by step")
+    commands = [line.split()[2:] for line in text.splitlines() if line.startswith("python rc_train.py ")]
+    assert len(commands) == 5
+    built = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # none of them asks for metrics-only IS by accident
+        for argv in commands:
+            monkeypatch.setattr(sys, "argv", ["rc_train.py", *argv])
+            built.append(
+                rc_config.build_correction_config(rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+            )
+    measure, measure_is, band, geo, full = built
+    assert all(c.bypass_mode for c in built)
+    assert (measure.rollout_is, measure.rs_specs) == (None, ()) and measure.loss_type == "ppo_clip"
+    assert measure_is.rollout_is == "token" and measure_is.rs_specs == ()
+    assert [o.name for o in band.rs_specs] == ["seq_sum_k1"] and band.rollout_is is None
+    assert [o.name for o in geo.rs_specs] == ["seq_mean_k1"]
+    assert full.loss_type == "reinforce" and full.rollout_is == "sequence" and full.rs_specs == band.rs_specs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -318,7 +318,7 @@ class HealthWatch:
             elif name in self.firing and name not in fired:
                 self._say(f"step {step}: {name} clears ({check.metric} = {value:.4g})")
         self.firing = (self.firing - set(out)) | set(fired)
-        self.fired.update(fired)
+        self.fired.update(fired.keys())  # steps fired on, not the values
         return out
 
     def summary(self, steps: int) -> str:

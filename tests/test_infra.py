@@ -453,3 +453,21 @@ def test_torch_threads_follow_the_mode_unless_omp_num_threads_is_set(monkeypatch
     assert rc_config.torch_threads(0, environ={"OMP_NUM_THREADS": "1"}) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert rc_config.torch_threads(1, environ={}) == 1
+
+
+# ---- The health check at run time -----------------------------------------------------------------------------
+def test_health_watch_says_when_a_check_fires_and_clears_and_counts_steps():
+    lines = []
+    watch = rc_run.HealthWatch(lines.append)
+    healthy = {"rollout_corr/rollout_is_eff_sample_size": 0.9, "rollout_corr/kl": 0.01}
+    sick = {"rollout_corr/rollout_is_eff_sample_size": 0.2, "rollout_corr/kl": -0.3}
+    assert watch.check(0, healthy) == {"health/is_ess": 0.0, "health/kl": 0.0}  # absent metrics: no key
+    assert watch.check(1, sick) == {"health/is_ess": 1.0, "health/kl": 1.0}
+    assert watch.check(2, sick) == {"health/is_ess": 1.0, "health/kl": 1.0}  # still firing: no new line
+    assert watch.check(3, {**sick, "rollout_corr/kl": 0.05})["health/kl"] == 0.0
+    assert len(lines) == 3 and all(line.startswith("health: ") for line in lines)
+    assert "step 1" in lines[0] and "health/is_ess" in lines[0] and "< 0.3" in lines[0]
+    assert "step 1" in lines[1] and "|rollout_corr/kl| = -0.3" in lines[1] and "> 0.1" in lines[1]
+    assert lines[2] == "health: step 3: health/kl clears (rollout_corr/kl = 0.05)"
+    assert watch.summary(4) == "health checks fired: health/is_ess on 3 of 4 steps, health/kl on 2 of 4 steps"
+    assert rc_run.HealthWatch().summary(4) == "health checks: none fired"

@@ -110,9 +110,10 @@ def full_weights(model):
 
 
 def accumulating(accelerator, model, last_micro_batch: bool, fsdp: bool):
-    """The context of one micro-batch's backward: gradients are reduced across ranks only on the last micro-batch
-    of an optimizer step. DDP: no_sync on the others. FSDP2: no reduce-scatter until the last
-    (set_requires_gradient_sync); the unsharded gradients accumulate meanwhile."""
+    """The context of one micro-batch's forward, loss and backward: gradients are reduced across ranks only on the
+    last micro-batch of an optimizer step. DDP: no_sync on the others, entered before the forward (DDP decides there
+    whether the backward reduces). FSDP2: no reduce-scatter until the last (set_requires_gradient_sync, read by the
+    backward); the unsharded gradients accumulate meanwhile. Both counted in tests/test_infra.py."""
     if fsdp:
         model.set_requires_gradient_sync(last_micro_batch)
         return contextlib.nullcontext()

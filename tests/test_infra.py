@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 import types
 
 import pytest
@@ -222,6 +223,187 @@ def test_micro_batches_accumulate_without_all_reduce_except_the_last():
             rc_run.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True), contextlib.nullcontext
         )
     assert calls == [False, False, True]
+
+
+def test_a_token_budget_must_hold_the_longest_sequence():
+    args = types.SimpleNamespace(max_tokens_per_micro_batch=99, max_response_length=64)
+    with pytest.raises(ValueError, match=r"^--max-tokens-per-micro-batch 99 is below .*\(36 tokens\).* = 100$"):
+        rc_config.check_token_budget(args, 36)
+    rc_config.check_token_budget(args, 35)  # 35 + 64 fits
+    rc_config.check_token_budget(types.SimpleNamespace(max_tokens_per_micro_batch=None, max_response_length=64), 999)
+
+
+# ---- Data-parallel updates: gradient reductions per optimizer step, token budgets across ranks ---------------------
+def _rank_batch(rank, rows, long):
+    """A rollout batch of `rows` sequences (groups of 2 sharing a prompt) for one rank: `long` ones (prompts of 10,
+    responses of 8 tokens) or short ones (3 and 1), so a token budget cuts the ranks into different counts."""
+    import rc_train
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    p_len, t_len = (10, 8) if long else (3, 1)
+    prompts, responses, groups = [], [], []
+    for g in range(rows // 2):
+        prompt = torch.randint(1, 50, (p_len,), generator=gen).tolist()
+        for _ in range(2):
+            prompts.append(prompt)
+            ids = torch.randint(1, 50, (t_len,), generator=gen).tolist()
+            responses.append((ids, (-torch.rand(t_len, generator=gen)).tolist(), ""))
+            groups.append(g)
+    batch = rc_train.make_batch(prompts, responses, 0, groups)
+    mask = batch["response_mask"].double()
+    tensors = dict(
+        response_mask=mask,
+        advantages=torch.randn(mask.shape, generator=gen, dtype=torch.float64) * mask,
+        rollout_log_prob=batch["rollout_log_prob"].double(),
+    )
+    return batch, tensors
+
+
+def _ddp_update_worker(rank, world, port, results, runs, long_rank):
+    """One data-parallel rank (gloo) through rc_train.update_policy, the model prepared as rc_train.py prepares it
+    (Accelerate's DDP, or rc_run.shard_model with fsdp=True). For each of `runs` (name, Args overrides), from the same
+    initial weights: the gradient reductions of each optimizer step are counted (DDP: a comm hook, one round per
+    backward that reduces, ending with its last bucket; FSDP2: its reduce-scatters, one per sharded module), and SGD
+    at lr 1 makes the weight change the gradient."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    os.environ.update(LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import rc_train
+    import tasks
+
+    accelerator = Accelerator(cpu=True)
+    host = rc_run.HostGroup(world)
+    batch, tensors = _rank_batch(rank, 8, long=rank == long_rank)
+    initial = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
+    correction = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
+    rounds = [0]
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counting_reduce_scatter(*a, **kw):  # FSDP2 calls dist.reduce_scatter_single once per module and backward
+        rounds[0] += 1
+        return reduce_scatter(*a, **kw)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
+    for name, overrides in runs:
+        model = initial.__class__(initial.config).double()
+        model.load_state_dict(initial.state_dict())
+        if overrides.get("fsdp"):
+            model = rc_run.shard_model(model, "cpu")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        rounds[0], per_step = 0, []
+        optimizer.register_step_pre_hook(lambda *_, steps=per_step: steps.append(rounds[0] - sum(steps)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        if not overrides.get("fsdp"):
+            model, optimizer = accelerator.prepare(model, optimizer)
+
+            def counting_hook(state, bucket):
+                rounds[0] += bucket.is_last()  # one round of reduction per backward that reduces, whatever its buckets
+                return default_hooks.allreduce_hook(None, bucket)
+
+            model.register_comm_hook(None, counting_hook)
+        args = rc_train.Args(
+            num_minibatches=1, ppo_epochs=2, max_grad_norm=1e9, max_response_length=8, **dict(overrides)
+        )
+        learner = rc_train.Learner(accelerator, host, model, optimizer, scheduler)
+        _, actor, _ = rc_train.update_policy(
+            args=args,
+            correction=correction,
+            learner=learner,
+            batch=batch,
+            tensors=dict(tensors),
+            generator=torch.Generator().manual_seed(rank),
+            batch_correction={},
+        )
+        weights = dict(rc_run.full_weights(accelerator.unwrap_model(model)))
+        results[(name, rank)] = {
+            "per_step": per_step,
+            "pg_loss": actor["actor/pg_loss"],
+            "grad_norm": actor["actor/grad_norm"],
+            "delta": {k: (weights[k] - v).clone() for k, v in initial.state_dict().items()},
+        }
+    dist.destroy_process_group()
+
+
+def _spawn_or_fail(worker, args, timeout):
+    """Run `worker` on 2 processes; a run that does not end within `timeout` s (a hung collective) is killed and
+    fails the test."""
+    context = mp.spawn(worker, args=args, nprocs=2, join=False)
+    deadline = time.time() + timeout
+    while not context.join(timeout=max(0.1, deadline - time.time())):
+        if time.time() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"the 2 ranks did not finish within {timeout} s: a collective hung")
+
+
+@pytest.mark.parametrize("share_prompt_prefix", [False, True])
+def test_ddp_reduces_gradients_once_per_optimizer_step(share_prompt_prefix):
+    """DDP decides at forward time whether a backward all-reduces (DistributedDataParallel.no_sync), so every
+    non-final micro-batch must run its forward, loss and backward under no_sync: 4 micro-batches per optimizer step,
+    2 optimizer steps, exactly one reduction round in each."""
+    results = mp.Manager().dict()
+    runs = [("count", {"micro_batch_size": 2, "share_prompt_prefix": share_prompt_prefix})]
+    _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, None), timeout=300)
+    for rank in (0, 1):
+        assert results[("count", rank)]["per_step"] == [1, 1], results[("count", rank)]["per_step"]
+
+
+def test_fsdp2_reduce_scatters_once_per_optimizer_step():
+    """FSDP2 (rc_run.accumulating: set_requires_gradient_sync) reduce-scatters each sharded module's gradients on
+    the last micro-batch only: 4 micro-batches per optimizer step reduce as often as 1."""
+    results = mp.Manager().dict()
+    runs = [("four", {"micro_batch_size": 2, "fsdp": True}), ("one", {"micro_batch_size": 8, "fsdp": True})]
+    _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, None), timeout=300)
+    for rank in (0, 1):
+        four, one = results[("four", rank)]["per_step"], results[("one", rank)]["per_step"]
+        assert four == one and one[0] == one[1] > 0, (four, one)
+        assert results[("four", rank)]["grad_norm"] == pytest.approx(results[("one", rank)]["grad_norm"], rel=1e-6)
+
+
+def test_split_to_count_halves_the_largest_micro_batch():
+    import rc_train
+
+    batch, _ = _rank_batch(0, 8, long=False)  # 8 sequences of 3 + 1 tokens
+    batch["response_len"][torch.tensor([0, 1])] = 4  # rows 0 and 1 are longer (their padded size counts)
+    groups = [torch.tensor([2, 3, 4, 5, 6, 7]), torch.tensor([0, 1])]
+    assert rc_train.split_to_count(groups, batch, 2) == groups  # already as many
+    split = rc_train.split_to_count(groups, batch, 4)
+    # 6 x 4 = 24 padded tokens, then 3 x 4 = 12 against 2 x 7 = 14: the second split is the long pair's
+    assert [g.tolist() for g in split] == [[2, 3, 4], [5, 6, 7], [0], [1]]
+    assert len(rc_train.split_to_count(groups, batch, 8)) == 8
+    with pytest.raises(RuntimeError, match="into 9"):
+        rc_train.split_to_count(groups, batch, 9)
+
+
+def test_a_token_budget_under_ddp_neither_hangs_nor_changes_the_update():
+    """Rank 1's sequences are long and rank 0's short: a token budget of 20 cuts rank 1's minibatch into 8
+    micro-batches and rank 0's into 2. Every rank must run as many (each reduction and buffer broadcast is a
+    collective); the loss has global denominators, so the update equals the one without a budget."""
+    import rc_train
+
+    for rank, count in ((0, 2), (1, 8)):  # what the budget alone cuts on each rank
+        batch, _ = _rank_batch(rank, 8, long=rank == 1)
+        assert len(rc_train.micro_batches(torch.arange(8), batch, 8, 20, by_group=True)) == count
+    results = mp.Manager().dict()
+    runs = [("budget", {"micro_batch_size": 8, "max_tokens_per_micro_batch": 20}), ("plain", {"micro_batch_size": 8})]
+    _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, 1), timeout=120)
+    for rank in (0, 1):
+        budget, plain = results[("budget", rank)], results[("plain", rank)]
+        assert budget["per_step"] == plain["per_step"] == [1, 1]
+        # float64 weights, float32 log-probs (rc_core.log_probs_from_logits): another grouping rounds them otherwise
+        # in their last bit (measured: 7.5e-8 of the largest weight change after 2 steps); a micro-batch lost or
+        # counted twice would move them by ~1/8
+        assert budget["pg_loss"] == pytest.approx(plain["pg_loss"], rel=1e-8)
+        assert budget["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+        for name, delta in plain["delta"].items():
+            torch.testing.assert_close(budget["delta"][name], delta, rtol=0, atol=1e-6 * float(delta.abs().max()))
+    for name in plain["delta"]:  # the replicas agree
+        assert torch.equal(results[("budget", 0)]["delta"][name], results[("budget", 1)]["delta"][name])
 
 
 def test_weight_fingerprint_sees_every_bit():

@@ -317,6 +317,7 @@ def test_every_preset_runs(tmp_path, preset):
         (["--rollout-weight-noise", "-0.5"], "-0.5"),
         (["--rollout-temperature", "0"], "--rollout-temperature"),
         (["--rollout-corrupt-prob", "1.5"], "--rollout-corrupt-prob must be in [0, 1), got 1.5"),
+        (["--max-tokens-per-micro-batch", "3"], "--max-tokens-per-micro-batch 3 is below the longest sequence"),
     ],
 )
 def test_bad_config_fails_before_engine(tmp_path, flags, needle):

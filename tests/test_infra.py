@@ -406,6 +406,100 @@ def test_a_token_budget_under_ddp_neither_hangs_nor_changes_the_update():
         assert torch.equal(results[("budget", 0)]["delta"][name], results[("budget", 1)]["delta"][name])
 
 
+# ---- final/: the base model's dtype, streamed shard by shard ----------------------------------------------------
+class _Tokenizer:
+    def save_pretrained(self, path):
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write("{}")
+
+
+def _trained_from_a_bf16_base(base_dir):
+    """A bf16 checkpoint loaded as rc_train.py loads it (dtype="auto", then fp32 master weights), then 'trained':
+    moved off bf16's grid, so that the cast to bf16 at the save is a real rounding."""
+    from transformers import AutoModelForCausalLM
+
+    import tasks
+
+    if not os.path.isdir(base_dir):
+        tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).to(
+            torch.bfloat16
+        ).save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto").float()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    return model
+
+
+def _check_final(final, trained):
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((final / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["architectures"] == ["Qwen2ForCausalLM"]
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    expected = {k: v.to(torch.bfloat16) for k, v in trained.state_dict().items()}
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():  # the trained weights cast to the base dtype, bit for bit
+        assert torch.equal(got[name], value), name
+    assert any(not torch.equal(v.float(), trained.state_dict()[k]) for k, v in got.items())  # really bf16
+    assert (final / "tokenizer.json").exists()
+
+
+def test_final_weights_are_saved_in_the_base_dtype_shard_by_shard(tmp_path):
+    from safetensors import safe_open
+
+    trained = _trained_from_a_bf16_base(str(tmp_path / "base"))
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True)
+    written = []
+    import safetensors.torch
+
+    save_file = safetensors.torch.save_file
+
+    def recording_save_file(tensors, path, metadata=None):
+        written.append(sorted(tensors))
+        return save_file(tensors, path, metadata=metadata)
+
+    safetensors.torch.save_file = recording_save_file
+    try:
+        rc_run.save_final(str(tmp_path / "run"), trained, _Tokenizer(), accelerator, max_shard_bytes=20_000)
+    finally:
+        safetensors.torch.save_file = save_file
+    final = tmp_path / "run" / "final"
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == len(written) > 2 and all(len(w) <= 4 for w in written)  # each shard as soon as it filled
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as the embedding
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * 2 for k, v in trained.state_dict().items() if k != "lm_head.weight"
+    )
+    for file in files:
+        with safe_open(final / file, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+    _check_final(final, trained)
+    rc_run.save_final(str(tmp_path / "one"), trained, _Tokenizer(), accelerator)  # below the default shard size
+    assert sorted(p.name for p in (tmp_path / "one" / "final").glob("model*")) == ["model.safetensors"]
+    _check_final(tmp_path / "one" / "final", trained)
+
+
+def _fsdp_final_worker(rank, world, port, base_dir, run_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = rc_run.shard_model(_trained_from_a_bf16_base(base_dir), "cpu")
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=rank == 0)
+    rc_run.save_final(run_dir, model, _Tokenizer(), accelerator, max_shard_bytes=20_000)
+    dist.destroy_process_group()
+
+
+def test_final_weights_from_fsdp2_shards_equal_the_unsharded_ones(tmp_path):
+    trained = _trained_from_a_bf16_base(str(tmp_path / "base"))  # writes the base the ranks load
+    _spawn_or_fail(_fsdp_final_worker, (2, _free_port(), str(tmp_path / "base"), str(tmp_path / "run")), 300)
+    _check_final(tmp_path / "run" / "final", trained)
+
+
 def test_weight_fingerprint_sees_every_bit():
     weights = {"a": torch.randn(4, 3), "b": torch.randn(5).to(torch.bfloat16), "c": torch.randn(2).double()}
     base = rc_run.weights_sha256(weights.items())

@@ -762,11 +762,15 @@ def print_summary(
 def exit_cleanly(world: int) -> None:
     """End a multi-process run: destroy the process group, flush, and leave with os._exit(0). A plain interpreter
     exit after gloo collectives or torch distributed checkpoint aborts some of the time on these machines
-    ("terminate called without an active exception", SIGABRT, though every file is written: docs/gpus.md)."""
-    if world > 1:
-        import torch.distributed as dist
+    ("terminate called without an active exception", SIGABRT, though every file is written: docs/gpus.md).
+    At world 1 the only group is the one the engine created, which the engine's close tore down
+    (rc_rollout.shutdown_engine); one left by anything else is destroyed here too, and the interpreter exits."""
+    import torch.distributed as dist
 
+    if world > 1:
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -287,7 +287,8 @@ class Args:
     """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens}
     to ranks/rank{r}.jsonl (DDP check)"""
     save_final: bool = True
-    """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
+    """save the final weights to final/ in the base model's dtype, streamed in safetensors shards (loadable by
+    transformers and vLLM; rc_run.save_final)"""
 
     rc: CorrectionArgs = field(default_factory=CorrectionArgs)
     """rollout correction settings: a preset, then overrides; an override left at None keeps the preset's value,

@@ -581,6 +581,20 @@ def check_distributed(accelerator, args) -> None:
             )
 
 
+def check_token_budget(args, longest_prompt: int) -> None:
+    """A micro-batch token budget must hold the longest sequence a step can train on: the longest training prompt
+    (tokenized, chat template included: known only once the tokenizer exists, so rc_train.py calls this after
+    encoding the prompts, before the engine starts) plus --max-response-length. Checked against the prompts rather
+    than --max-model-len, which would refuse budgets that every real sequence fits. Below it, such a sequence could
+    only go alone and over the budget that was meant to bound the micro-batch's memory."""
+    budget, longest = args.max_tokens_per_micro_batch, longest_prompt + args.max_response_length
+    _need(
+        budget is None or budget >= longest,
+        f"--max-tokens-per-micro-batch {budget} is below the longest sequence a step can hold: the longest training "
+        f"prompt ({longest_prompt} tokens) + --max-response-length {args.max_response_length} = {longest}",
+    )
+
+
 def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
     """--max-staleness as given, or its default (None): on --resume the bound the checkpoint was written with (its
     batches in flight belong to that schedule); else 0 on GPUs (the rollout worker is CPU-only) or with --sync-every

@@ -390,8 +390,9 @@ class LocalEngine:
     rollout at the start of the step); a load runs at once, so it needs no request to be waiting (k = 0 only).
     On a GPU the engine sleeps during the update (EngineMemory)."""
 
-    def __init__(self, llm, memory: EngineMemory, generate, args):
+    def __init__(self, llm, memory: EngineMemory, generate, args, owns_process_group: bool = False):
         self.llm, self.memory, self.generate, self.args = llm, memory, generate, args
+        self.owns_process_group = owns_process_group  # the engine created this process's default group (world 1)
         self.version, self.waiting, self.idle, self.free_since = 0, {}, 0.0, time.time()
 
     def _busy(self):
@@ -418,7 +419,20 @@ class LocalEngine:
         return Result(self.version, groups, time.time() - t0, idle), time.time() - t0
 
     def close(self) -> None:
-        pass
+        """At world 1 the engine created the process's torch.distributed groups itself: tear them down now, with
+        vLLM's own shutdown (shutdown_engine). Under several ranks the engine runs in the trainer's group, which
+        rc_run.exit_cleanly destroys."""
+        if self.owns_process_group:
+            shutdown_engine(self.llm)
+
+
+def shutdown_engine(llm) -> None:
+    """vLLM's own teardown of an engine in this process (its InprocClient's shutdown: EngineCore.shutdown, then
+    cleanup_dist_env_and_memory). At world 1 vLLM's CPU build initialises torch.distributed itself (measured: a gloo
+    default group of world 1 on a file:// store in the temp folder, and 12 model-parallel subgroups), which it would
+    otherwise destroy only from an interpreter-exit finalizer. Torch's destroy_process_group alone is not enough:
+    that finalizer then destroys vLLM's subgroups again and fails ("Invalid process group specified")."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def exit_with_trainer() -> None:
@@ -479,6 +493,7 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
         message = requests.get()  # a trainer that dies meanwhile ends this process (exit_with_trainer)
         idle += time.time() - t0
         if message[0] == "stop":
+            shutdown_engine(llm)  # its process groups, before the process ends (LocalEngine.close)
             return
         if message[0] == "load":
             _, version, weights = message
@@ -573,8 +588,12 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
         return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
     placement, env = engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()  # the trainer's (several ranks), or none yet (world 1)
     llm = start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
-    return LocalEngine(llm, EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args)
+    memory = EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level)
+    return LocalEngine(llm, memory, generate, args, owns_process_group=not had_group and dist.is_initialized())
 
 
 # ---------------------------------------------------------------------------------------------

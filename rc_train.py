@@ -288,7 +288,8 @@ class Args:
     """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens}
     to ranks/rank{r}.jsonl (DDP check)"""
     save_final: bool = True
-    """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
+    """save the final weights to final/ in the base model's dtype, streamed in safetensors shards (loadable by
+    transformers and vLLM; rc_run.save_final)"""
 
     rc: CorrectionArgs = field(default_factory=CorrectionArgs)
     """rollout correction settings: a preset, then overrides; an override left at None keeps the preset's value,
@@ -467,6 +468,26 @@ def policy_loss(
     )
 
 
+def micro_batch_loss(
+    args: Args, correction: rc_core.RolloutCorrectionConfig, log_prob, micro: dict, denominators: dict, first: bool
+) -> tuple[torch.Tensor, dict, float, float]:
+    """ALGO LOGIC: one micro-batch's loss: the policy-gradient term (bypass mode corrects here, inside the loss:
+    rc_core, docs/corrections.md §7.3/§7.4), plus the KL penalty to the initial model over the original mask (§7.5)
+    when there is a reference model; its metrics; the values of the two terms (actor/pg_loss, actor/kl_loss)."""
+    loss, loss_metrics = policy_loss(args, correction, log_prob, micro, denominators, correction_metrics=first)
+    pg_loss, kl_loss = float(loss.detach()), 0.0  # actor/pg_loss: the policy-gradient term alone
+    if "ref_log_prob" in micro:
+        prox = micro["rollout_log_prob" if correction.bypass_mode else "old_log_prob"]
+        kl = rc_core.kl_penalty(
+            log_prob, micro["ref_log_prob"], args.kl_estimator, old_log_prob=prox if args.kl_is_corrected else None
+        )
+        kl_term = rc_core.agg_loss(
+            kl, micro["response_mask"], args.loss_agg_mode, response_mask=micro["response_mask"], **denominators
+        )
+        loss, kl_loss = loss + args.kl_coef * kl_term, float(kl_term.detach())
+    return loss, loss_metrics, pg_loss, kl_loss
+
+
 def micro_batch_metrics(
     loss_metrics: dict, log_prob, entropy, micro: dict, bypass: bool, first: bool, batch_correction: dict
 ) -> dict:
@@ -563,33 +584,21 @@ def update_policy(
             micro = micro_batches(
                 rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, shares_prefix(args)
             )
+            if world > 1 and args.max_tokens_per_micro_batch:  # the ranks' budget cuts differ: run as many as the most
+                micro = split_to_count(micro, batch, int(host.extreme([len(micro)], "max")[0]))
             for j, micro_rows in enumerate(micro):
-                log_prob, entropy, micro_size = forward_log_probs(model, batch, micro_rows, args, True, True)
-                size += micro_size
-                micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
-                # the policy-gradient loss; bypass mode corrects here, inside the loss (rc_core, docs §7.3/§7.4)
-                loss, loss_metrics = policy_loss(
-                    args, correction, log_prob, micro_tensors, denominators, correction_metrics=first
-                )
-                loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
-                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
-                    prox = micro_tensors["rollout_log_prob" if correction.bypass_mode else "old_log_prob"]
-                    kl = rc_core.kl_penalty(
-                        log_prob,
-                        micro_tensors["ref_log_prob"],
-                        args.kl_estimator,
-                        old_log_prob=prox if args.kl_is_corrected else None,
-                    )
-                    kl_loss = rc_core.agg_loss(
-                        kl,
-                        micro_tensors["response_mask"],
-                        args.loss_agg_mode,
-                        response_mask=micro_tensors["response_mask"],
-                        **denominators,
-                    )
-                    loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
+                # The whole micro-batch (forward, loss, backward) inside the accumulation context: DDP decides at
+                # forward time whether the backward all-reduces (DistributedDataParallel.no_sync's docstring), so a
+                # forward outside no_sync would reduce the gradients after every micro-batch
                 with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
+                    log_prob, entropy, micro_size = forward_log_probs(model, batch, micro_rows, args, True, True)
+                    micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
+                    loss, loss_metrics, pg_loss, kl_loss = micro_batch_loss(
+                        args, correction, log_prob, micro_tensors, denominators, first
+                    )
                     learner.accelerator.backward(loss * world)  # partial sum over global denominators; DDP averages
+                size += micro_size
+                loss_sum, kl_sum = loss_sum + pg_loss, kl_sum + kl_loss
                 step_metrics.add(
                     micro_batch_metrics(
                         loss_metrics, log_prob, entropy, micro_tensors, correction.bypass_mode, first, batch_correction
@@ -690,6 +699,27 @@ def micro_batches(
     return groups
 
 
+def split_to_count(groups: list[torch.Tensor], batch: dict, count: int) -> list[torch.Tensor]:
+    """`groups` (micro_batches' cut of one minibatch) split until there are `count`: each time the micro-batch with
+    the most padded tokens, into the two halves of its sorted rows (each within the budget still). Under DDP every
+    rank must run as many micro-batches as the others (each one's forward may broadcast buffers, the last reduces
+    the gradients: collectives), but a token budget cuts each rank's rows by their own lengths, so update_policy
+    splits every rank's cut up to the largest count over the ranks. Split rather than padded with empty
+    micro-batches (a zero loss): padding would leave each rank's gradient sum bit for bit as its own cut makes it,
+    but costs a forward and backward for nothing (and 0 x a non-finite log-prob is NaN); splitting only regroups
+    the rows, and the loss has global denominators, so it changes the gradient by float rounding, as any grouping
+    does (tests/test_infra.py::test_a_token_budget_under_ddp_neither_hangs_nor_changes_the_update)."""
+    groups = list(groups)
+    while len(groups) < count:
+        padded = [len(g) * int(batch["prompt_len"][g].max() + batch["response_len"][g].max()) for g in groups]
+        i = max((i for i in range(len(groups)) if len(groups[i]) > 1), key=padded.__getitem__, default=None)
+        if i is None:  # every rank holds as many rows (validate_args), so the largest count is within reach
+            raise RuntimeError(f"cannot split {len(groups)} micro-batches of one row each into {count}")
+        half = (len(groups[i]) + 1) // 2
+        groups[i : i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups
+
+
 def trimmed_inputs(batch: dict, rows: torch.Tensor):
     """input_ids and attention_mask of `rows`, cut to their own longest prompt and response; and that response width."""
     P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
@@ -775,6 +805,7 @@ if __name__ == "__main__":
             tasks.check_coverage(tokenizer, [tasks.prompt_text(task, row) for row in part], what)
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
+        rc_config.check_token_budget(args, max(map(len, train_prompts)))  # needs the tokenized prompts
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     host = rc_run.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not

@@ -1,9 +1,10 @@
 """The rollout engine: everything that talks to vLLM, and the staleness schedule of which version samples which batch.
 
 What belongs here starts, feeds, asks or stops an engine: its scheduler limits, device placement, logs and GPU memory
-(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, the lab's
-engine-side mismatch dials (weights the engine receives, planted tokens), the engine in the trainer's process and the
-rollout worker process, and the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
+(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, an MoE engine's
+expert prepack after a load and its routing capture (MoEEngine, docs/moe.md), the lab's engine-side mismatch dials
+(weights the engine receives, planted tokens), the engine in the trainer's process and the rollout worker process, and
+the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
 the batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead
 (request) and asks it for greedy evaluations (evaluate). What crosses a process boundary is a named tuple: a
 `Request` in, a `Result` of `Response`s out.

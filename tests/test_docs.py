@@ -24,7 +24,15 @@ CORRECTIONS = os.path.join(ROOT, "docs", "corrections.md")
 METRICS = os.path.join(ROOT, "docs", "metrics.md")
 # Pages that must not hold a second preset table or a second metric list (docs/corrections.md §6 keeps the formulas
 # of the rollout_corr/* and actor/* metrics and is not one of them).
-OTHER_PAGES = ("README.md", "docs/running.md", "docs/results.md", "docs/async.md", "docs/gpus.md", "lab/README.md")
+OTHER_PAGES = (
+    "README.md",
+    "docs/running.md",
+    "docs/results.md",
+    "docs/async.md",
+    "docs/gpus.md",
+    "docs/moe.md",
+    "lab/README.md",
+)
 
 PREFIXES = ("rollout_corr", "actor", "reward", "response_length", "rollout", "eval", "timing", "perf", "health")
 PREFIX = "(?:" + "|".join(PREFIXES) + ")/"

@@ -182,6 +182,7 @@ class Panel:
     hlines: reference lines (y, description), e.g. the ideal IS mean 1.0 or the ESS warning 0.3.
     min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
     few equal points do not produce a meaningless +-0.05 axis around them.
+    moe: drawn from an MoE run's routing metrics only (docs/moe.md): a dense run leaves it "not logged".
     """
 
     title: str
@@ -191,6 +192,7 @@ class Panel:
     smooth: bool = True
     hlines: tuple[tuple[float, str], ...] = ()
     min_span: tuple[float, float] | None = None
+    moe: bool = False
 
 
 PANELS: tuple[Panel, ...] = (
@@ -225,7 +227,12 @@ PANELS: tuple[Panel, ...] = (
         scale="symlog",
         hlines=((0.0, ""),),
     ),
-    Panel("Mismatch KL k3", "k3 KL", (Series("rollout_corr/k3_kl", "k3"),), scale="log"),
+    Panel(
+        "Mismatch KL k3",
+        "k3 KL",
+        (Series("rollout_corr/k3_kl", "k3"), Series("rollout_corr/unreplayed_k3_kl", "k3 without MoE replay", "--")),
+        scale="log",
+    ),
     Panel(
         "PPL ratio (train / rollout)",
         "ppl ratio",
@@ -254,10 +261,21 @@ PANELS: tuple[Panel, ...] = (
         (
             Series("rollout_corr/tv_mismatch", "α₁ tv_mismatch"),
             Series("actor/tv_update", "α₀ tv_update", "--"),
+            Series("rollout_corr/unreplayed_tv_mismatch", "α₁ without MoE replay", ":"),
         ),
     ),
     Panel("Grad norm", "grad norm", (Series("actor/grad_norm", "grad norm"),)),
     Panel("Response length", "tokens (mean)", (Series("response_length/mean", "mean length"),)),
+    Panel(
+        "MoE routing (trainer vs engine)",
+        "share",
+        (
+            Series("rollout_corr/routing_agreement", "routing agreement"),
+            Series("rollout_corr/routing_flip_token_fraction", "tokens whose position flipped", "--"),
+        ),
+        min_span=(0.0, 1.0),
+        moe=True,
+    ),
 )
 NCOLS = 4
 TITLE_PAD = 16  # points between axes and title: room for the per-panel style key

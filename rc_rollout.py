@@ -389,8 +389,9 @@ class MoEEngine:
     The weight push. On the CPU build, vLLM 0.32 prepacks the expert weights into its grouped-GEMM layout once, at
     load (CPUUnquantizedExperts.process_weights_after_loading); an in-place update (reload_weights) copies the new
     checkpoint-layout weights into the packed parameters and never packs them again (unquantized_fused_moe_method.py,
-    _setup_kernel), so the engine computes with garbage and says nothing (measured: routing agreement 0.52, |log p
-    error| 5.35 nats). after_load() runs the prepack again on every MoE layer (~0.02 s). Built for the CPU engine
+    _setup_kernel), so the engine computes with garbage and says nothing (../shared/notes/moe-routing-cpu.md: routing
+    agreement 0.52, |log p error| 5.35 nats after a perturbed push; tests/test_moe.py: 0.84 nats after an identity
+    push of the tiny MoE). after_load() runs the prepack again on every MoE layer (~0.02 s). Built for the CPU engine
     only: on GPU start_engine makes none, and the engine's own update path runs as is (not verified here).
 
     The routing capture (capture=True; CPU engine only: vLLM's own enable_return_routed_experts needs its V2 runner,
@@ -422,6 +423,7 @@ class MoEEngine:
         self.capturing, self.enabled = capture, False
         self.step: dict[int, torch.Tensor] = {}  # MoE layer -> top-k ids of the current forward's rows
         self.store: dict[str, list] = {}  # engine request id -> [(positions, ids [rows, layers, k]), ...]
+        self.by_sample: dict[str, list] | None = None  # the store by '{sample}_{request}' (routed)
         if capture:
             for index, m in enumerate(self.layers):
                 m.router.set_capture_fn(functools.partial(self._capture, index))
@@ -476,19 +478,17 @@ class MoEEngine:
     def begin(self) -> None:
         """Before a sampled generation: capture on, store empty."""
         self.store.clear()
-        self.__dict__.pop("by_sample", None)
-        self.enabled = True
+        self.by_sample, self.enabled = None, True
 
     def end(self) -> None:
-        self.enabled = False
         self.store.clear()
-        self.__dict__.pop("by_sample", None)
+        self.by_sample, self.enabled = None, False
 
     def routed(self, request_id: str, n: int, index: int, length: int) -> np.ndarray:
         """Sample `index` of the request `request_id` (RequestOutput.request_id, n samples): its routing over `length`
         positions (prompt + response). vLLM runs sample k of a request of n > 1 as '{k}_{id}-{8 hex}', of n = 1 as
         '{id}-{8 hex}' (vllm/v1/engine/parallel_sampling.py and input_processor.py)."""
-        if not hasattr(self, "by_sample"):
+        if self.by_sample is None:
             self.by_sample = {}
             for engine_id, chunks in self.store.items():
                 self.by_sample.setdefault(engine_id.rsplit("-", 1)[0], []).append(chunks)

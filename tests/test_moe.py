@@ -396,6 +396,13 @@ def test_r3_run_in_the_rollout_worker_keeps_the_engine_exact_after_every_push(tm
         assert r["rollout_corr/routing_agreement_layer0"] == r["rollout_corr/routing_agreement_layer1"] == 1.0
         assert r["rollout_corr/k3_kl"] < 1e-9 and r["rollout_corr/unreplayed_k3_kl"] < 1e-9
         assert r["timing/routing_s"] > 0
+    import rc_plot  # the dashboard draws them: routing, and the unreplayed k3 and alpha_1 beside the replayed ones
+
+    fig = rc_plot.build_dashboard([rc_plot.load_metrics(str(tmp_path / "run"))], ["moe"])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible() and ax.get_title()}
+    assert len(axes["MoE routing (trainer vs engine)"].get_lines()) == 2
+    assert len(axes["Mismatch KL k3"].get_lines()) == 2
+    assert len(axes["TV estimates (three-policy bound)"].get_lines()) == 3
 
 
 def test_reference_replay_and_bypass_r3_runs(tmp_path):

@@ -233,6 +233,22 @@ def test_moe_settings_that_need_the_models_config_are_refused_before_the_engine(
     assert rc_moe.moe_type(dense) is None and rc_moe.moe_type(qwen3) == "qwen3_moe"
 
 
+def test_the_script_refuses_replay_on_a_dense_model_folder_before_its_engine(tmp_path, monkeypatch):
+    """--model given as a folder (not 'tiny'): the model's config says dense, rc_train.py stops with one line before
+    the engine starts and before the run folder exists."""
+    monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path / "cache"))
+    dense = tasks.base_model_path(tasks.make_task("add"), tasks.MiniGSMArgs(), seed=1, log=None)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--config", os.path.join(ROOT, "configs", "cpu_add.yaml")]
+    cmd += ["--model", dense, "--routing-replay", "r3", "--output-dir", str(tmp_path), "--run-name", "run"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rc_train.py: error: --routing-replay r3 needs a Mixture-of-Experts model"), last
+    assert "(qwen2) is dense" in last
+    assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_capture_on_a_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for changes, flag in (
@@ -415,3 +431,24 @@ def test_reference_replay_and_bypass_r3_runs(tmp_path):
         assert all(r["rollout_corr/routing_agreement"] == 1.0 for r in rows)
     for r in ref + plain:  # pi_old ran unreplayed: its mismatch is the unreplayed one
         assert r["rollout_corr/unreplayed_k3_kl"] == r["rollout_corr/k3_kl"]
+
+
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_r3_under_two_processes_keeps_the_ranks_weights_equal(tmp_path, sharding):
+    """torchrun, 2 processes (DDP, or FSDP2), r3 with a bf16 engine: replay runs inside the wrapped (or sharded)
+    model, the ranks' weights agree after every step and change, each rank samples its own shard."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "rc_train.py"]
+    cmd += ["--config", "configs/cpu_add.yaml", "--model", "tiny-moe", "--moe-router-scale", "0.3"]
+    cmd += ["--routing-replay", "r3", "--rollout-dtype", "bfloat16", "--rc.preset", "decoupled_token_is", *sharding]
+    cmd += ["--num-steps", "4", "--num-prompts-per-step", "8", "--num-samples-per-prompt", "8", "--eval-limit", "10"]
+    cmd += ["--no-save-final", "--log-rank-checksums", "--output-dir", str(tmp_path), "--run-name", "run"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [[json.loads(line) for line in (tmp_path / "run" / "ranks" / f"rank{r}.jsonl").open()] for r in (0, 1)]
+    assert [len(r) for r in ranks] == [4, 4]
+    for a, b in zip(*ranks):
+        assert a["weights_sha256"] == b["weights_sha256"] and a["rollout_sha256"] != b["rollout_sha256"], a["step"]
+    assert len({r["weights_sha256"] for r in ranks[0]}) > 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()][1:]
+    assert all("rollout_corr/routing_agreement" in r and "rollout_corr/unreplayed_k3_kl" in r for r in rows)

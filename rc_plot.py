@@ -211,6 +211,7 @@ class Panel:
     record, is 1.0: the check fired).
     min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
     few equal points do not produce a meaningless +-0.05 axis around them.
+    moe: drawn from an MoE run's routing metrics only (docs/moe.md): a dense run leaves it "not logged".
     """
 
     title: str
@@ -222,6 +223,7 @@ class Panel:
     health: tuple[str, ...] = ()
     kind: str = "lines"
     min_span: tuple[float, float] | None = None
+    moe: bool = False
 
 
 PANELS: tuple[Panel, ...] = (
@@ -265,7 +267,12 @@ PANELS: tuple[Panel, ...] = (
         hlines=(RefLine(0.0, ""),),
         health=("health/kl",),
     ),
-    Panel("Mismatch KL k3", "k3 KL", (Series("rollout_corr/k3_kl", "k3"),), scale="log"),
+    Panel(
+        "Mismatch KL k3",
+        "k3 KL",
+        (Series("rollout_corr/k3_kl", "k3"), Series("rollout_corr/unreplayed_k3_kl", "k3 without MoE replay", "--")),
+        scale="log",
+    ),
     Panel(
         "PPL ratio (train / rollout)",
         "ppl ratio",
@@ -295,6 +302,7 @@ PANELS: tuple[Panel, ...] = (
         (
             Series("rollout_corr/tv_mismatch", "α₁ tv_mismatch"),
             Series("actor/tv_update", "α₀ tv_update", "--"),
+            Series("rollout_corr/unreplayed_tv_mismatch", "α₁ without MoE replay", ":"),
         ),
     ),
     Panel("Grad norm", "grad norm", (Series("actor/grad_norm", "grad norm"),)),
@@ -305,6 +313,16 @@ PANELS: tuple[Panel, ...] = (
         tuple(Series(name, name.removeprefix("health/")) for name in rc_core.HEALTH_CHECKS),
         smooth=False,
         kind="health",
+    ),
+    Panel(
+        "MoE routing (trainer vs engine)",
+        "share",
+        (
+            Series("rollout_corr/routing_agreement", "routing agreement"),
+            Series("rollout_corr/routing_flip_token_fraction", "tokens whose position flipped", "--"),
+        ),
+        min_span=(0.0, 1.0),
+        moe=True,
     ),
 )
 NCOLS = 4

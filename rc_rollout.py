@@ -1,9 +1,10 @@
 """The rollout engine: everything that talks to vLLM, and the staleness schedule of which version samples which batch.
 
 What belongs here starts, feeds, asks or stops an engine: its scheduler limits, device placement, logs and GPU memory
-(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, the lab's
-engine-side mismatch dials (weights the engine receives, planted tokens), the engine in the trainer's process and the
-rollout worker process, and the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
+(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, an MoE engine's
+expert prepack after a load and its routing capture (MoEEngine, docs/moe.md), the lab's engine-side mismatch dials
+(weights the engine receives, planted tokens), the engine in the trainer's process and the rollout worker process, and
+the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
 the batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead
 (request) and asks it for greedy evaluations (evaluate). What crosses a process boundary is a named tuple: a
 `Request` in, a `Result` of `Response`s out.
@@ -34,6 +35,7 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -44,6 +46,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 import rc_config
@@ -99,7 +102,9 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
         max_model_len=args.max_model_len,
         # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
         logprobs_mode=f"{args.rollout_logprobs}_logprobs",
-        enable_prefix_caching=True,
+        # off while the MoE routing is captured: a prompt position served from the cache is never computed, so its
+        # routing would be missing (MoEEngine)
+        enable_prefix_caching=not rc_config.routing_capture(args),
         **limits,
         **placement,
     )
@@ -118,7 +123,11 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
     with engine_output_to(log_path):
         from vllm import LLM
 
-        return LLM(**kwargs)
+        llm = LLM(**kwargs)
+    # read by load_weights and generate; the model's config says MoE or not (rc_config.check_moe refused the rest)
+    moe, on_gpu = llm.llm_engine.model_config.is_moe, torch.cuda.is_available()  # on GPU: vLLM's own update path
+    llm.rc_moe = MoEEngine(llm, rc_config.routing_capture(args)) if moe and not on_gpu else None
+    return llm
 
 
 @contextlib.contextmanager
@@ -300,11 +309,14 @@ def planted_tokens_processor():
 # ---------------------------------------------------------------------------------------------
 class Response(NamedTuple):
     """One sampled response: its token ids, the engine's log-prob of each (processed: the distribution that sampled
-    it; empty for a greedy one), its text."""
+    it; empty for a greedy one), its text, and with the MoE routing capture (MoEEngine) the experts the engine routed
+    each position to: int16 [prompt + response tokens, MoE layers, top-k], ids ascending, -1 where nothing was
+    computed (the last sampled token is never fed to the model); None otherwise (greedy, dense, capture off)."""
 
     token_ids: list[int]
     log_probs: list[float]
     text: str
+    routed_experts: np.ndarray | None = None
 
 
 class Request(NamedTuple):
@@ -330,9 +342,172 @@ class Result(NamedTuple):
 
 def load_weights(llm, weights) -> None:
     """Reload (name, tensor) pairs into the engine in place, then drop its prefix cache: the cached KV was computed
-    with the old weights (a cache kept across a load made the KL grow for a peer)."""
+    with the old weights (a cache kept across a load made the KL grow for a peer). An MoE engine on CPU then
+    prepacks its expert weights again (MoEEngine.after_load): vLLM 0.32 skips that on an update."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    moe = getattr(llm, "rc_moe", None)
+    if moe is not None:
+        moe.after_load()
     llm.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture-of-Experts engines (docs/moe.md): the expert prepack after a weight push, the routing capture
+# ---------------------------------------------------------------------------------------------
+VLLM_MOE_INTERNALS = (
+    # (module, attribute path): what MoEEngine relies on in vLLM 0.32 (../shared/notes/moe-routing-cpu.md)
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
+    ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model"),
+)
+
+
+def check_vllm_moe_internals() -> None:
+    """Raise RuntimeError naming the first vLLM internal that MoEEngine relies on and this vLLM lacks (before an
+    engine starts: rc_config.check_moe)."""
+    import importlib
+
+    with output_to(os.devnull):  # vLLM's import-time notes (Triton) stay off the console
+        import vllm
+
+        modules = {module: importlib.import_module(module) for module, _ in VLLM_MOE_INTERNALS}
+    for module, path in VLLM_MOE_INTERNALS:
+        obj = modules[module]
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise RuntimeError(
+                    f"vLLM {vllm.__version__} has no {module}.{path}, which the MoE weight push and routing capture "
+                    f"rely on (written against vLLM 0.32; docs/moe.md)"
+                )
+
+
+class MoEEngine:
+    """What an in-process vLLM engine of a Mixture-of-Experts model needs beside the dense path (docs/moe.md).
+
+    The weight push. On the CPU build, vLLM 0.32 prepacks the expert weights into its grouped-GEMM layout once, at
+    load (CPUUnquantizedExperts.process_weights_after_loading); an in-place update (reload_weights) copies the new
+    checkpoint-layout weights into the packed parameters and never packs them again (unquantized_fused_moe_method.py,
+    _setup_kernel), so the engine computes with garbage and says nothing (../shared/notes/moe-routing-cpu.md: routing
+    agreement 0.52, |log p error| 5.35 nats after a perturbed push; tests/test_moe.py: 0.84 nats after an identity
+    push of the tiny MoE). after_load() runs the prepack again on every MoE layer (~0.02 s). Built for the CPU engine
+    only: on GPU start_engine makes none, and the engine's own update path runs as is (not verified here).
+
+    The routing capture (capture=True; CPU engine only: vLLM's own enable_return_routed_experts needs its V2 runner,
+    which the CPU build cannot run). vLLM's routers call a capture function with the logical top-k expert ids of every
+    token of a forward (BaseRouter.set_capture_fn, the hook of the native feature); a wrapper around the runner's
+    _model_forward splits the forward's rows by request (input_batch.req_ids, num_scheduled_tokens of the
+    execute_model call) and reads each row's position. begin() clears the store before a generation, routed() returns
+    a request sample's [positions, layers, k] array after it. Both need the engine in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, as rc_train.py sets). Prompt positions served from the prefix cache would never
+    be computed, so an engine that captures runs without prefix caching (start_engine)."""
+
+    def __init__(self, llm, capture: bool):
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        self.runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]  # the live object (in-process engine)
+        self.layers = sorted((m for m in self.runner.model.modules() if isinstance(m, MoERunner)), key=_layer_id)
+        if not self.layers:
+            raise RuntimeError("the engine's model is MoE by its config, but vLLM built no MoERunner layer")
+        self.top_k = self.layers[0].router.top_k
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        for m in self.layers:
+            experts = getattr(getattr(m.routed_experts.quant_method, "moe_kernel", None), "fused_experts", None)
+            if not isinstance(experts, CPUUnquantizedExperts):
+                raise RuntimeError(
+                    f"MoE layer {m.layer_id} of the engine runs {type(experts).__name__}, not the "
+                    f"CPUUnquantizedExperts whose prepack every weight push repeats (docs/moe.md)"
+                )
+        self.capturing, self.enabled = capture, False
+        self.step: dict[int, torch.Tensor] = {}  # MoE layer -> top-k ids of the current forward's rows
+        self.store: dict[str, list] = {}  # engine request id -> [(positions, ids [rows, layers, k]), ...]
+        self.by_sample: dict[str, list] | None = None  # the store by '{sample}_{request}' (routed)
+        if capture:
+            for index, m in enumerate(self.layers):
+                m.router.set_capture_fn(functools.partial(self._capture, index))
+            self._wrap_runner()
+
+    def after_load(self) -> None:
+        """Prepack every layer's experts again, from the weights the reload just wrote (CPU; see the class)."""
+        for m in self.layers:
+            m.routed_experts.quant_method.moe_kernel.fused_experts.process_weights_after_loading(m.routed_experts)
+
+    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self.enabled:
+            self.step[layer] = topk_ids.clone()
+
+    def _wrap_runner(self) -> None:
+        """Keep each step's scheduled tokens per request (execute_model) and file each forward's captured rows under
+        their requests (_model_forward)."""
+        runner = self.runner
+        execute_model, model_forward = runner.execute_model, runner._model_forward
+
+        def execute(scheduler_output, *args, **kwargs):
+            self.scheduled = scheduler_output.num_scheduled_tokens  # {engine request id: tokens in this step}
+            return execute_model(scheduler_output, *args, **kwargs)
+
+        def forward(*args, **kwargs):
+            self.step.clear()
+            out = model_forward(*args, **kwargs)
+            if self.enabled:
+                self._keep(kwargs["positions"])
+            return out
+
+        runner.execute_model, runner._model_forward = execute, forward
+
+    def _keep(self, positions: torch.Tensor) -> None:
+        """Split one forward's captured rows by request: the runner lays the requests out in input_batch order, each
+        with its scheduled tokens; padding rows (if any) come last."""
+        requests = self.runner.input_batch.req_ids
+        counts = [self.scheduled.get(r, 0) for r in requests]
+        n = sum(counts)
+        if len(self.step) != len(self.layers) or n > len(positions) or any(len(t) < n for t in self.step.values()):
+            raise RuntimeError(
+                f"routing capture: {len(self.step)} of {len(self.layers)} MoE layers reported, {n} scheduled tokens "
+                f"for {len(positions)} positions (vLLM's runner changed?)"
+            )
+        ids = torch.stack([self.step[i][:n] for i in range(len(self.layers))], 1)
+        ids = ids.sort(-1).values.to(torch.int16).cpu()  # vLLM's CPU router takes an unsorted top-k
+        positions, first = positions[:n].to("cpu", copy=True), 0  # the runner reuses its buffer next step
+        for request, count in zip(requests, counts):
+            self.store.setdefault(request, []).append((positions[first : first + count], ids[first : first + count]))
+            first += count
+
+    def begin(self) -> None:
+        """Before a sampled generation: capture on, store empty."""
+        self.store.clear()
+        self.by_sample, self.enabled = None, True
+
+    def end(self) -> None:
+        self.store.clear()
+        self.by_sample, self.enabled = None, False
+
+    def routed(self, request_id: str, n: int, index: int, length: int) -> np.ndarray:
+        """Sample `index` of the request `request_id` (RequestOutput.request_id, n samples): its routing over `length`
+        positions (prompt + response). vLLM runs sample k of a request of n > 1 as '{k}_{id}-{8 hex}', of n = 1 as
+        '{id}-{8 hex}' (vllm/v1/engine/parallel_sampling.py and input_processor.py)."""
+        if self.by_sample is None:
+            self.by_sample = {}
+            for engine_id, chunks in self.store.items():
+                self.by_sample.setdefault(engine_id.rsplit("-", 1)[0], []).append(chunks)
+        found = self.by_sample.get(f"{index}_{request_id}" if n > 1 else request_id, [])
+        if len(found) != 1:
+            raise RuntimeError(
+                f"routing capture: {len(found)} engine requests hold sample {index} of request {request_id!r} "
+                f"(vLLM's request ids changed?)"
+            )
+        out = np.full((length, len(self.layers), self.top_k), -1, dtype=np.int16)
+        for positions, ids in found[0]:  # in order: a recomputed position keeps its latest routing
+            keep = positions < length
+            out[positions[keep].numpy()] = ids[keep].numpy()
+        return out
+
+
+def _layer_id(module) -> int:
+    return module.layer_id
 
 
 def sampling_seed(*keys: int) -> int:
@@ -370,15 +545,24 @@ def generate(llm, request: Request, args) -> list[list[Response]]:
         )
         for i in range(len(prompt_ids))
     ]
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    result = []
-    for out in outputs:
-        group = []
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
-            group.append(Response(ids, lps, o.text))
-        result.append(group)
+    moe = getattr(llm, "rc_moe", None)
+    capture = moe is not None and moe.capturing and not greedy  # greedy evaluation: no routing wanted
+    if capture:
+        moe.begin()
+    try:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        result = []
+        for prompt, out in zip(prompt_ids, outputs):
+            group = []
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
+                routed = moe.routed(out.request_id, request.n, o.index, len(prompt) + len(ids)) if capture else None
+                group.append(Response(ids, lps, o.text, routed))
+            result.append(group)
+    finally:
+        if capture:
+            moe.end()
     return result
 
 

@@ -25,7 +25,15 @@ CORRECTIONS = os.path.join(ROOT, "docs", "corrections.md")
 METRICS = os.path.join(ROOT, "docs", "metrics.md")
 # Pages that must not hold a second preset table or a second metric list (docs/corrections.md §6 keeps the formulas
 # of the rollout_corr/* and actor/* metrics and is not one of them).
-OTHER_PAGES = ("README.md", "docs/running.md", "docs/results.md", "docs/async.md", "docs/gpus.md", "lab/README.md")
+OTHER_PAGES = (
+    "README.md",
+    "docs/running.md",
+    "docs/results.md",
+    "docs/async.md",
+    "docs/gpus.md",
+    "docs/moe.md",
+    "lab/README.md",
+)
 
 PREFIXES = ("rollout_corr", "actor", "reward", "response_length", "rollout", "eval", "timing", "perf", "health")
 PREFIX = "(?:" + "|".join(PREFIXES) + ")/"
@@ -34,19 +42,22 @@ LITERAL = re.compile(r"""(?<![\w/])["'](""" + PREFIX + r"""\w+)["']""")
 DYNAMIC_FSTRING = re.compile(r"""f["']""" + PREFIX + r"""[^"']*\{""")
 DYNAMIC_CONCAT = re.compile(r"""["']""" + PREFIX + r"""["']\s*\+""")
 # The files whose string literals name metrics (rc_core's rollout_corr/* names are built at run time: see below).
-LITERAL_FILES = ("rc_train.py", "rc_config.py", "rc_rollout.py", "rc_run.py", "rc_core.py")
+LITERAL_FILES = ("rc_train.py", "rc_config.py", "rc_rollout.py", "rc_run.py", "rc_core.py", "rc_moe.py")
 # Metric names built at run time, each handled on purpose: (file, the start of its f-string) -> how it is collected.
 DYNAMIC = {
     ("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
     "calls rc_core for every preset, RS option, batch norm and the veto",
     ("rc_run.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress and print_summary "
     "read the task's accuracy key, one of them); task_metrics collects those of every task in tasks.TASKS",
+    ("rc_moe.py", 'f"rollout_corr/routing_agreement_layer{'): "routing_metrics logs one per MoE layer; moe_metrics "
+    "calls it on a 3-layer routing",
 }
 # The placeholders docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
 # rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_..."),
 # and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_run.evaluate).
 OPTION = "<option>"
 KEY = "<key>"
+LAYER = "<layer>"  # an MoE layer's index (rollout_corr/routing_agreement_layer<layer>, rc_moe.routing_metrics)
 
 
 def read(path: str) -> str:
@@ -307,8 +318,17 @@ def task_metrics() -> frozenset:
     return frozenset(f"eval/accuracy_{k}" for name in tasks.TASKS for k in tasks.make_task(name).score_keys)
 
 
+@functools.cache
+def moe_metrics() -> frozenset:
+    """rc_moe.routing_metrics's names, per-layer ones included, from a 3-layer routing."""
+    import rc_moe
+
+    routing = torch.zeros((1, 4, 3, 2), dtype=torch.long)
+    return frozenset(rc_moe.routing_metrics(routing, routing, torch.ones((1, 2))))
+
+
 def logged_metrics() -> frozenset:
-    return core_metrics() | literal_metrics() | task_metrics()
+    return core_metrics() | literal_metrics() | task_metrics() | moe_metrics()
 
 
 def doc_metrics(metrics_text: str) -> set:
@@ -318,19 +338,19 @@ def doc_metrics(metrics_text: str) -> set:
 
 def pattern(name: str) -> re.Pattern:
     """A documented name as a regular expression: <option> stands for any RS option of rc_core, <key> for any score
-    key of a task."""
+    key of a task, <layer> for a layer index."""
     options = "|".join(map(re.escape, rc.RS_OPTIONS))
     keys = "|".join(sorted({re.escape(n.removeprefix("eval/accuracy_")) for n in task_metrics()}))
-    text = re.escape(name).replace(re.escape(OPTION), f"(?:{options})")
+    text = re.escape(name).replace(re.escape(OPTION), f"(?:{options})").replace(re.escape(LAYER), "[0-9]+")
     return re.compile(text.replace(re.escape(KEY), f"(?:{keys})"))
 
 
 def metric_problems(metrics_text: str, logged: frozenset) -> list[str]:
     documented = doc_metrics(metrics_text)
     problems = [
-        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION} and {KEY})"
+        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION}, {KEY} and {LAYER})"
         for n in sorted(documented)
-        if set("<>") & set(n.replace(OPTION, "").replace(KEY, ""))
+        if set("<>") & set(n.replace(OPTION, "").replace(KEY, "").replace(LAYER, ""))
     ]
     # The name column of every table spells each name out: no shorthand such as `_max` or `rollout_is_*`.
     for table in tables(metrics_text):

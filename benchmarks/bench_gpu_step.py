@@ -1305,44 +1305,16 @@ def summarize(path: str) -> int:
     return 0 if results else 1
 
 
-def main(argv=None) -> int:
-    plan = parse_plan(argv, world=int(os.environ.get("WORLD_SIZE", "1")))
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    device, main_process = accelerator.device, accelerator.is_main_process
-    say = print if main_process else (lambda *a, **k: None)
-    peak_tflops, peak_source = plan.peak_tflops, "--peak-tflops" if plan.peak_tflops else None
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-        if peak_tflops is None:
-            peak_tflops, peak_source = measure_peak_tflops(device), "bf16 8192^3 matmul, measured"
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        device_name = f"cpu ({torch.get_num_threads()} threads)"
-    args = plan.train
-    layout = f"{plan.world} process(es), {'FSDP2' if args.fsdp else 'DDP' if plan.world > 1 else 'unsharded'}"
-    say(
-        f"bench_gpu_step: Qwen2.5-{plan.model_size} shape (random init) on {device_name}, {layout}, config "
-        f"{plan.config_path}: one warm-up update, then {plan.repeats} timed"
-        + (", then the breakdown" if plan.breakdown else ""),
-        flush=True,
-    )
-    import transformers  # noqa: F401  (imported before the RSS baseline, so it is not counted)
-
-    rss_before = _peak_rss_kib()
-    bench = setup(plan, accelerator)
-    params = sum(p.numel() for p in accelerator.unwrap_model(bench.learner.model).parameters())  # DTensor: in full
-    (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
-    B, L = bench.batch["input_ids"].shape
-
-    bench.update()  # warm-up: kernels, allocator, AdamW state
+def timed_updates(bench: Bench, device: torch.device) -> tuple[list[float], dict, Counter]:
+    """One warm-up update (kernels, allocator, AdamW state), then --repeats timed ones: their seconds, the last one's
+    figures, and the allocator's counts over the timed ones (peak memory statistics reset after the warm-up)."""
+    bench.update()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     allocator_before = _allocator_counts(device)
     times = []
-    for _ in range(plan.repeats):
+    for _ in range(bench.plan.repeats):
         _sync(device)
         t0 = time.perf_counter()
         stats = bench.update()
@@ -1350,50 +1322,22 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - t0)
     allocator = _allocator_counts(device)
     allocator.subtract(allocator_before)
-    reserved_gib = None
-    if device.type == "cuda":
-        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-        reserved_gib = bench.learner.host.extreme([torch.cuda.max_memory_reserved(device) / 2**30], "max")[0]
-        memory_kind = "cuda max_memory_allocated (timed updates), the largest rank's"
-    else:
-        peak_gib = max(0, _peak_rss_kib() - rss_before) / 2**20
-        memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
-    peak_gib = bench.learner.host.extreme([peak_gib], "max")[0]  # the largest rank's
-    update_s = bench.learner.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
-    steps_per_update = args.num_minibatches * args.ppo_epochs
-    flops = 6 * params * stats["update_tokens"] + 2 * params * stats["no_grad_tokens"]  # per update, all ranks
-    mfu = flops / update_s / (peak_tflops * 1e12 * plan.world) if peak_tflops else None
-    batch_padding = 1 - float(bench.batch["attention_mask"].float().mean())
-    update_padding = 1 - stats["update_tokens"] / stats["update_positions"] if stats["update_positions"] else 0.0
-    result = {
-        "device": device_name,
-        "processes": plan.world,
-        "fsdp": args.fsdp,
-        "params": params,
-        "sequences": B * plan.world,
-        "padded_length": L,
-        "micro_batch_size": args.micro_batch_size,
-        "dtype": args.train_dtype,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "shared_prompt_pass": bench.share_prefix,
-        "preset": args.rc.preset,
-        "prompt_len": plan.prompt_len,
-        "response_len": plan.response_len,
-        "peak_memory_gib": round(peak_gib, 4),
-        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth",
-        "peak_reserved_gib": None if reserved_gib is None else round(reserved_gib, 4),
-        "allocator_per_update": {k: v / plan.repeats for k, v in allocator.items()} if device.type == "cuda" else None,
-        "seconds_per_update": update_s,
-        "seconds_per_optimizer_step": update_s / steps_per_update,
-        "tokens_per_second": stats["tokens"] / update_s,
-        "update_padding_fraction": update_padding,
-        "batch_padding_fraction": batch_padding,
-        "peak_tflops": peak_tflops,
-        "peak_tflops_source": peak_source,
-        "mfu": mfu,
-    }
+    return times, stats, allocator
+
+
+def result_rows(
+    plan: Plan, bench: Bench, result: dict, stats: dict, times: list, memory_kind: str, layout: str
+) -> list:
+    """The report's (name, text) lines of a run: `result` (main's JSON object), `stats` (the last update's)."""
+    args = plan.train
+    (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
+    B, L = bench.batch["input_ids"].shape
+    params, peak_gib, reserved_gib = result["params"], result["peak_memory_gib"], result["peak_reserved_gib"]
+    update_s, steps_per_update = result["seconds_per_update"], args.num_minibatches * args.ppo_epochs
+    update_padding, batch_padding = result["update_padding_fraction"], result["batch_padding_fraction"]
+    mfu, peak_tflops, peak_source = result["mfu"], result["peak_tflops"], result["peak_tflops_source"]
     rows = [
-        ("device", f"{device_name}; {layout}"),
+        ("device", f"{result['device']}; {layout}"),
         ("model", f"Qwen2.5-{plan.model_size} shape, {params:,} parameters, float32 master weights"),
         (
             "rollout batch",
@@ -1447,6 +1391,84 @@ def main(argv=None) -> int:
         ),
         ("loss, grad norm", f"{stats['loss']:.4f}, {stats['grad_norm']:.4f} (last timed update)"),
     ]
+    return rows
+
+
+def main(argv=None) -> int:
+    plan = parse_plan(argv, world=int(os.environ.get("WORLD_SIZE", "1")))
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    device, main_process = accelerator.device, accelerator.is_main_process
+    say = print if main_process else (lambda *a, **k: None)
+    peak_tflops, peak_source = plan.peak_tflops, "--peak-tflops" if plan.peak_tflops else None
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+        if peak_tflops is None:
+            peak_tflops, peak_source = measure_peak_tflops(device), "bf16 8192^3 matmul, measured"
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        device_name = f"cpu ({torch.get_num_threads()} threads)"
+    args = plan.train
+    layout = f"{plan.world} process(es), {'FSDP2' if args.fsdp else 'DDP' if plan.world > 1 else 'unsharded'}"
+    say(
+        f"bench_gpu_step: Qwen2.5-{plan.model_size} shape (random init) on {device_name}, {layout}, config "
+        f"{plan.config_path}: one warm-up update, then {plan.repeats} timed"
+        + (", then the breakdown" if plan.breakdown else ""),
+        flush=True,
+    )
+    import transformers  # noqa: F401  (imported before the RSS baseline, so it is not counted)
+
+    rss_before = _peak_rss_kib()
+    bench = setup(plan, accelerator)
+    params = sum(p.numel() for p in accelerator.unwrap_model(bench.learner.model).parameters())  # DTensor: in full
+    (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
+    B, L = bench.batch["input_ids"].shape
+
+    times, stats, allocator = timed_updates(bench, device)
+    reserved_gib = None
+    if device.type == "cuda":
+        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        reserved_gib = bench.learner.host.extreme([torch.cuda.max_memory_reserved(device) / 2**30], "max")[0]
+        memory_kind = "cuda max_memory_allocated (timed updates), the largest rank's"
+    else:
+        peak_gib = max(0, _peak_rss_kib() - rss_before) / 2**20
+        memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
+    peak_gib = bench.learner.host.extreme([peak_gib], "max")[0]  # the largest rank's
+    update_s = bench.learner.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
+    steps_per_update = args.num_minibatches * args.ppo_epochs
+    flops = 6 * params * stats["update_tokens"] + 2 * params * stats["no_grad_tokens"]  # per update, all ranks
+    mfu = flops / update_s / (peak_tflops * 1e12 * plan.world) if peak_tflops else None
+    batch_padding = 1 - float(bench.batch["attention_mask"].float().mean())
+    update_padding = 1 - stats["update_tokens"] / stats["update_positions"] if stats["update_positions"] else 0.0
+    result = {
+        "device": device_name,
+        "processes": plan.world,
+        "fsdp": args.fsdp,
+        "params": params,
+        "sequences": B * plan.world,
+        "padded_length": L,
+        "micro_batch_size": args.micro_batch_size,
+        "dtype": args.train_dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "shared_prompt_pass": bench.share_prefix,
+        "preset": args.rc.preset,
+        "prompt_len": plan.prompt_len,
+        "response_len": plan.response_len,
+        "peak_memory_gib": round(peak_gib, 4),
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth",
+        "peak_reserved_gib": None if reserved_gib is None else round(reserved_gib, 4),
+        "allocator_per_update": {k: v / plan.repeats for k, v in allocator.items()} if device.type == "cuda" else None,
+        "seconds_per_update": update_s,
+        "seconds_per_optimizer_step": update_s / steps_per_update,
+        "tokens_per_second": stats["tokens"] / update_s,
+        "update_padding_fraction": update_padding,
+        "batch_padding_fraction": batch_padding,
+        "peak_tflops": peak_tflops,
+        "peak_tflops_source": peak_source,
+        "mfu": mfu,
+    }
+    rows = result_rows(plan, bench, result, stats, times, memory_kind, layout)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         say(f"  {key:<{width}}  {value}")

@@ -792,7 +792,10 @@ def newest_checkpoint_state(run_dir: str) -> dict | None:
     dirs = checkpoint_dirs(run_dir)
     if not dirs:
         return None
-    return _read_json(os.path.join(dirs[-1], "trainer_state.json"))
+    try:
+        return _read_json(os.path.join(dirs[-1], "trainer_state.json"))
+    except RunError as e:
+        raise _damaged(run_dir, dirs[-1], str(e)) from None
 
 
 def _read_json(path: str):
@@ -935,7 +938,7 @@ def verify_checkpoint(path: str, state: dict) -> str | None:
     for rel, digest in sorted(sums["sha256"].items()):
         file = os.path.join(path, rel)
         if not os.path.isfile(file):
-            raise RunError(f"{file} is missing")
+            raise RunError(f"{file} is {'not a file' if os.path.exists(file) else 'missing'}")
         try:
             actual = file_sha256(file)
         except OSError as e:
@@ -1006,7 +1009,8 @@ def check_settings(run_dir: str, ckpt: str, state: dict, args) -> None:
         said = "; ".join(f"--{k.replace('_', '-')} is {a!r} in the checkpoint, {b!r} now" for k, a, b in differ)
         raise RunError(
             f"--resume: {said} ({source}): a resumed step must compute what the uninterrupted run would, so these "
-            f"settings must be the checkpoint's (docs/running.md, 'Resume'); drop the changed flags, or start a new run"
+            f"settings must be the checkpoint's (docs/running.md, 'Checkpoints and resume'); drop the changed flags, "
+            f"or start a new run"
         )
 
 

@@ -883,6 +883,8 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, cou
             _replace_folder(tmp, final)
     except BaseException as e:  # torch's CheckpointException is a BaseException
         fault = os_error_in(e) if not isinstance(e, (KeyboardInterrupt, SystemExit)) else None
+        if fault is None and not isinstance(e, (KeyboardInterrupt, SystemExit)) and disk_full(tmp):
+            fault = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # torch's zip writer hides the OS error
         if fault is None:
             raise
         if main:
@@ -894,6 +896,20 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, cou
     accelerator.wait_for_everyone()
     if main:
         prune_checkpoints(run_dir, args.keep_checkpoints, final)
+
+
+def disk_full(path: str, margin: int = 4 << 20) -> bool:
+    """The file system of `path` (or of its nearest existing parent) has less than `margin` bytes left for this
+    process (root may use the blocks reserved for it). torch.save's zip writer, which torch distributed checkpoint
+    uses for every file, turns a failed write into "RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos" without the OS error (measured on a full tmpfs): a failed save on a full file system is told as one."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return False
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize < margin
 
 
 def _replace_folder(tmp: str, final: str) -> None:

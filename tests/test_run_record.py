@@ -328,10 +328,11 @@ def _args(**changes):
     return dataclasses.replace(rc_train.Args(), max_staleness=0, **changes)
 
 
-@pytest.mark.parametrize("where", ["state", "in_flight_rank0.pt"])
+@pytest.mark.parametrize("where", ["state", "in_flight_rank0.pt", "torch's zip writer"])
 def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeypatch, where):
-    """ENOSPC inside torch distributed checkpoint's writer or in torch.save: a RunError saying 'no space left on
-    device' and the file, the unfinished .tmp folder removed, the checkpoint before it untouched."""
+    """ENOSPC inside torch distributed checkpoint's writer or in torch.save, or the RuntimeError torch's zip writer
+    raises instead on a full file system (seen on a full tmpfs): a RunError saying 'no space left on device' and the
+    file, the unfinished .tmp folder removed, the checkpoint before it untouched."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     model, optimizer, scheduler = _tiny()
@@ -341,7 +342,16 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeyp
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    if where == "state":
+    def zip_writer(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    if where == "torch's zip writer":
+        monkeypatch.setattr(dcp_fs, "_write_item", zip_writer)
+        with pytest.raises(BaseException, match="unexpected pos"):  # a disk with room: a fault of the program
+            rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
+        monkeypatch.setattr(rc_run, "disk_full", lambda path: True)
+        where = "state"
+    elif where == "state":
         monkeypatch.setattr(dcp_fs, "_write_item", full)
     else:
         save = torch.save

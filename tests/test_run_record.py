@@ -142,6 +142,39 @@ def test_the_lock_names_its_holder_and_never_outlives_it(tmp_path):
     assert probe.returncode == 3 and not (tmp_path / "gone").exists()
 
 
+def test_two_processes_hold_and_refuse_together(tmp_path):
+    """Under two processes rank 0 holds the lock and both ranks learn a refusal, with no hang and nothing written:
+    a folder another process holds, and a resume whose damage only rank 1 sees (its batches in flight)."""
+    from tests.test_train import launch
+
+    launch(tmp_path, "torchrun", "dp", *FLAGS, "--num-steps", "2")
+    run_dir = tmp_path / "dp"
+    for damage in (None, "in_flight_rank1.pt"):
+        if damage is None:  # another process holds the folder
+            holder = subprocess.Popen(
+                [sys.executable, "-c", f"import rc_run, time; rc_run.RunLock({str(run_dir)!r}); print('held', "
+                 "flush=True); time.sleep(600)"],
+                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            )  # fmt: skip
+            assert holder.stdout.readline().strip() == "held"
+            needles = [f"in use by pid {holder.pid}"]
+        else:
+            ckpt = newest(run_dir)
+            (ckpt / damage).write_bytes(b"not a torch file")
+            rewrite_checksums(ckpt)
+            needles = [f"{damage} cannot be loaded"]
+        before = record(run_dir)
+        _, proc = launch(tmp_path, "torchrun", "dp", *FLAGS, "--num-steps", "4", "--resume", check=False)
+        if damage is None:
+            holder.kill()
+            holder.wait()
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if "rc_train.py: error:" in line]
+        assert len(lines) == 2 and all(n in line for n in needles for line in lines), proc.stderr[-3000:]
+        assert ENGINE_STARTED not in proc.stdout + proc.stderr and record(run_dir) == before
+        assert not (run_dir / "ranks").exists()
+
+
 # ---- 2. A resume touches nothing until it has proven it can continue ----------------------------------------------
 def _nan_weights(ckpt):
     """One weight of the checkpoint set to NaN, written back through torch distributed checkpoint."""

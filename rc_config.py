@@ -197,6 +197,7 @@ def validate_args(args, world_size: int) -> tasks.Task:
     _check_engine(args)
     _check_optimisation(args)
     _check_loss(args)
+    _check_moe_settings(args)
     return task
 
 
@@ -243,9 +244,10 @@ def _check_names_and_paths(args) -> None:
     )
     model = args.model
     _need(
-        model.strip() != "", f"--model must be 'tiny', a local model folder or a Hugging Face model id, got {model!r}"
+        model.strip() != "",
+        f"--model must be 'tiny', 'tiny-moe', a local model folder or a Hugging Face model id, got {model!r}",
     )
-    if model != tasks.TINY_MODEL and _local_path(model) and not os.path.isdir(model):  # 'tiny' is built here
+    if model not in (tasks.TINY_MODEL, tasks.TINY_MOE_MODEL) and _local_path(model) and not os.path.isdir(model):
         home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
         _need(
             False,
@@ -478,6 +480,82 @@ def _check_loss(args) -> None:
         raise ValueError(f"{e} (--clip-ratio-{side} is unset: it takes --clip-ratio {args.clip_ratio})") from None
 
 
+def _check_moe_settings(args) -> None:
+    """The Mixture-of-Experts settings that need no model: the router scale, replay on the dense tiny model, replay
+    under gradient checkpointing, and the routing capture, which only the CPU engine provides. The rest needs the
+    model's config: check_moe, before the engine starts."""
+    _need(
+        args.moe_router_scale > 0 and math.isfinite(args.moe_router_scale),
+        f"--moe-router-scale must be a finite number > 0 (the standard deviation of the router's initial weights), "
+        f"got {args.moe_router_scale}",
+    )
+    replay = args.routing_replay
+    _need(
+        replay == "none" or args.model != "tiny",
+        f"--routing-replay {replay} needs a Mixture-of-Experts model, and --model tiny is dense: use --model tiny-moe",
+    )
+    _need(
+        args.routing_metrics is not True or args.model != "tiny",
+        "--routing-metrics needs a Mixture-of-Experts model, and --model tiny is dense: use --model tiny-moe",
+    )
+    _need(
+        replay == "none" or not args.gradient_checkpointing,
+        f"--routing-replay {replay} cannot run under --gradient-checkpointing: the recomputed forward would run "
+        f"outside the replayed pass and route on its own",
+    )
+    if torch.cuda.is_available():  # vLLM's native enable_return_routed_experts is not wired up (docs/moe.md)
+        _need(
+            replay != "r3",
+            "--routing-replay r3 needs the engine's routing, and only vLLM's CPU build is captured here (docs/moe.md): "
+            "use --routing-replay reference on GPUs",
+        )
+        _need(
+            not args.routing_metrics,
+            "--routing-metrics needs the engine's routing, and only vLLM's CPU build is captured here (docs/moe.md)",
+        )
+
+
+def check_moe(args, config, bypass_mode: bool, on_gpu: bool) -> None:
+    """The settings that need the model's Hugging Face `config`, before the engine starts: replay or routing metrics
+    need an MoE model, an MoE model needs a supported architecture (rc_moe.SUPPORTED) and the vLLM and transformers
+    internals its weight push, capture and replay rely on; reference replay needs decoupled mode. Resolves
+    --routing-metrics None: on for an MoE model on the CPU engine."""
+    import rc_moe
+
+    kind, replay = rc_moe.moe_type(config), args.routing_replay
+    model = f"--model {args.model} ({config.model_type})"
+    if kind is None:
+        _need(replay == "none", f"--routing-replay {replay} needs a Mixture-of-Experts model; {model} is dense")
+        _need(not args.routing_metrics, f"--routing-metrics needs a Mixture-of-Experts model; {model} is dense")
+        args.routing_metrics = False
+        return
+    _need(
+        kind in rc_moe.SUPPORTED,
+        f"{model}: the MoE architecture {kind!r} is not supported (weight push, capture and replay are written and "
+        f"verified for {', '.join(rc_moe.SUPPORTED)}; docs/moe.md)",
+    )
+    _need(
+        replay != "reference" or not bypass_mode,
+        "--routing-replay reference replays pi_old's routing, and bypass mode has no pi_old pass (pi_old is the "
+        "rollout policy): use --routing-replay r3, or a decoupled preset",
+    )
+    import rc_rollout
+
+    try:
+        rc_moe.check_transformers()
+        if not on_gpu:
+            rc_rollout.check_vllm_moe_internals()
+    except RuntimeError as e:
+        raise ValueError(f"{model}: {e}") from None
+    if args.routing_metrics is None:
+        args.routing_metrics = not on_gpu
+
+
+def routing_capture(args) -> bool:
+    """The engine records each sample's MoE routing (rc_rollout.MoEEngine): for r3 replay and the routing metrics."""
+    return args.routing_replay == "r3" or bool(args.routing_metrics)
+
+
 # ---------------------------------------------------------------------------------------------
 # Settings derived from others: one rule each, read wherever the setting is used
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +591,10 @@ def build_correction_config(rc) -> rc_core.RolloutCorrectionConfig:
         for k, v in dataclasses.asdict(rc).items()
         if k != "preset" and v is not None
     }
-    return dataclasses.replace(rc_core.RolloutCorrectionConfig.from_name(rc.preset), **set_fields)
+    preset = rc_core.RolloutCorrectionConfig.from_name(rc.preset)
+    # replace() constructs anew; without overrides keep the preset itself, so that a preset's deliberate construction
+    # (ppo_is_bypass: metrics-only IS, no warning; docs/design-readings.md §9) reaches the trainer unchanged
+    return dataclasses.replace(preset, **set_fields) if set_fields else preset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,6 +671,20 @@ def check_distributed(accelerator, args) -> None:
                 f"engine needs a GPU of its own (num_processes of the Accelerate config, or torchrun "
                 f"--nproc_per_node)"
             )
+
+
+def check_token_budget(args, longest_prompt: int) -> None:
+    """A micro-batch token budget must hold the longest sequence a step can train on: the longest training prompt
+    (tokenized, chat template included: known only once the tokenizer exists, so rc_train.py calls this after
+    encoding the prompts, before the engine starts) plus --max-response-length. Checked against the prompts rather
+    than --max-model-len, which would refuse budgets that every real sequence fits. Below it, such a sequence could
+    only go alone and over the budget that was meant to bound the micro-batch's memory."""
+    budget, longest = args.max_tokens_per_micro_batch, longest_prompt + args.max_response_length
+    _need(
+        budget is None or budget >= longest,
+        f"--max-tokens-per-micro-batch {budget} is below the longest sequence a step can hold: the longest training "
+        f"prompt ({longest_prompt} tokens) + --max-response-length {args.max_response_length} = {longest}",
+    )
 
 
 def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:

@@ -1276,7 +1276,8 @@ class PolicyLossInputs(NamedTuple):
 
     def aggregate(self, phi: torch.Tensor, loss_agg_mode: str | None = None) -> torch.Tensor:
         """agg_loss over m' with the §7.5 denominators from m; ``loss_agg_mode`` overrides the
-        configured mode (GSPO and SAPO fix seq-mean-token-mean, as verl does)."""
+        configured mode (GSPO and SAPO fix seq-mean-token-mean: SAPO as verl does, GSPO as its paper
+        does, where verl's gspo takes the configured mode; docs/corrections.md §11 item 21)."""
         return agg_loss(
             phi,
             self.keep,
@@ -1338,8 +1339,12 @@ def policy_loss_gspo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch
     s_i = exp(min(log s_i, 10)),  A_i = <A>_{m', row i},
     L_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),  loss = seq-mean-token-mean
     of L_i broadcast over row i's kept tokens.  The gradient reaches every token through s_i:
-    grad s_i = s_i (1/n'_i) sum_t grad log pi_theta.  No dual clip.  With a constant advantage
-    per row it equals :func:`policy_loss_gspo_token` in value and gradient.
+    grad s_i = s_i (1/n'_i) sum_t grad log pi_theta.  No dual clip.  With an advantage and an IS
+    weight constant within each row (GRPO; sequence-level IS or none) it equals
+    :func:`policy_loss_gspo_token` in value and gradient.  Token-level IS weights scale row i's
+    loss by their mean over the row, so each token's gradient carries that mean, where
+    gspo_token (verl's gspo) gives each token its own weight: same value, another gradient
+    (found by benchmarks/parity_objectives.py; test_rc.py::test_gspo_spreads_token_is_weights_over_the_row).
     """
     log_s = torch.clamp(gspo_sequence_log_ratio(a), max=GSPO_LOG_RATIO_MAX)
     adv = _row_mean(a.advantages, a.keep)

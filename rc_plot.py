@@ -5,12 +5,19 @@
     python rc_train.py plot runs/A runs/B         # same thing, through the trainer's entry point
 
 One PNG with a grid of panels (the mismatch diagnostics of docs/corrections.md §6 and the collapse signatures the
-lab reads, lab/README.md): reward, eval accuracy, IS-weight mean, effective sample size,
+lab reads, lab/README.md): reward, eval accuracy, IS-weight mean and std, effective sample size,
 k1 / k3 mismatch KL, PPL ratio, chi-squared (token, sequence), masked fractions (RS, veto),
 TV estimates (alpha_1 = `rollout_corr/tv_mismatch`, alpha_0 = `actor/tv_update` of the
-three-policy bound), grad norm, response length. Runs are overlaid, one colour per run in every
-panel; within a panel, several metrics are told apart by line style. A panel whose metrics no
-run logged says "not logged" (e.g. IS panels of a run without IS) instead of showing empty axes.
+three-policy bound), grad norm, response length, and the steps on which each health check fired
+(`health/*`). Runs are overlaid, one colour per run in every panel; within a panel, several metrics
+are told apart by line style. A panel whose metrics no run logged says "not logged" (e.g. IS panels
+of a run without IS) instead of showing empty axes.
+
+Reference lines are those of verl's usage guide ("Debugging: Visualizing Metrics"): the ideal IS mean
+and PPL ratio 1.0, ESS 0.5 (good) and, wherever a panel shows a metric of `rc_core.HEALTH_CHECKS`,
+the thresholds of that check (IS mean 0.5 and 2, IS std 1, ESS 0.3, |k1| 0.1, chi-squared 1), read
+from `rc_core.HEALTH_CHECKS` when the panel is drawn (docs/corrections.md §6.7, docs/metrics.md
+`health/`), so that the lines and the run-time alarms cannot disagree.
 
 Rendering uses matplotlib's Agg canvas on a bare `Figure` (no pyplot global state), so it works
 headless and inside the trainer process.
@@ -26,11 +33,14 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+
+import rc_core
 
 METRICS_FILE = "metrics.jsonl"
 DEFAULT_OUT = "dashboard.png"
@@ -172,6 +182,20 @@ class Series:
     marker: str | None = None
 
 
+class RefLine(NamedTuple):
+    """A fixed reference line of a panel: its y, its name in the panel's key, its colour."""
+
+    y: float
+    label: str
+    color: str = "0.45"
+
+
+REF_COLOR = "0.45"  # ideal values (IS mean 1.0, PPL ratio 1.0, KL 0)
+GOOD_COLOR = "#2e7d32"  # the guide's "good" line (ESS 0.5)
+WARN_COLOR = "#b71c1c"  # a health check's threshold
+REF_STYLE = ":"  # every reference line is dotted: runs are drawn solid or dashed
+
+
 @dataclass(frozen=True)
 class Panel:
     """One axis of the dashboard.
@@ -179,9 +203,15 @@ class Panel:
     scale: "linear", "log" (used only if some value is positive; non-positive points are hidden),
     or "symlog" (for signed quantities spanning decades, e.g. the k1 KL estimate).
     smooth: whether the --smooth moving average applies (not for sparse eval points).
-    hlines: reference lines (y, description), e.g. the ideal IS mean 1.0 or the ESS warning 0.3.
+    hlines: fixed reference lines, e.g. the ideal IS mean 1.0 or the ESS the guide calls good, 0.5.
+    health: names of rc_core.HEALTH_CHECKS whose thresholds are drawn (warning colour); they are
+    read from HEALTH_CHECKS when the panel is drawn, never copied here. The check's metric must be
+    one of the panel's series (tests/test_plot.py checks it).
+    kind: "lines" (metrics against steps) or "health" (the steps on which each series, a health/*
+    record, is 1.0: the check fired).
     min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
     few equal points do not produce a meaningless +-0.05 axis around them.
+    moe: drawn from an MoE run's routing metrics only (docs/moe.md): a dense run leaves it "not logged".
     """
 
     title: str
@@ -189,8 +219,11 @@ class Panel:
     series: tuple[Series, ...]
     scale: str = "linear"
     smooth: bool = True
-    hlines: tuple[tuple[float, str], ...] = ()
+    hlines: tuple[RefLine, ...] = ()
+    health: tuple[str, ...] = ()
+    kind: str = "lines"
     min_span: tuple[float, float] | None = None
+    moe: bool = False
 
 
 PANELS: tuple[Panel, ...] = (
@@ -210,34 +243,49 @@ PANELS: tuple[Panel, ...] = (
         "IS weight mean",
         "mean IS weight",
         (Series("rollout_corr/rollout_is_mean", "IS mean"),),
-        hlines=((1.0, "ideal 1.0"),),
+        hlines=(RefLine(1.0, "ideal 1.0"),),
+        health=("health/is_mean",),
+    ),
+    Panel(
+        "IS weight std",
+        "std of IS weights",
+        (Series("rollout_corr/rollout_is_std", "IS std"),),
+        health=("health/is_std",),
     ),
     Panel(
         "Effective sample size",
         "ESS (fraction of batch)",
         (Series("rollout_corr/rollout_is_eff_sample_size", "ESS"),),
-        hlines=((0.3, "warn < 0.3"),),
+        hlines=(RefLine(0.5, "good ≥ 0.5", GOOD_COLOR),),
+        health=("health/is_ess",),
     ),
     Panel(
         "Mismatch KL k1 (rollout vs train)",
         "k1 KL",
         (Series("rollout_corr/kl", "k1"),),
         scale="symlog",
-        hlines=((0.0, ""),),
+        hlines=(RefLine(0.0, ""),),
+        health=("health/kl",),
     ),
-    Panel("Mismatch KL k3", "k3 KL", (Series("rollout_corr/k3_kl", "k3"),), scale="log"),
+    Panel(
+        "Mismatch KL k3",
+        "k3 KL",
+        (Series("rollout_corr/k3_kl", "k3"), Series("rollout_corr/unreplayed_k3_kl", "k3 without MoE replay", "--")),
+        scale="log",
+    ),
     Panel(
         "PPL ratio (train / rollout)",
         "ppl ratio",
         (Series("rollout_corr/ppl_ratio", "ppl ratio"),),
-        hlines=((1.0, "ideal 1.0"),),
+        hlines=(RefLine(1.0, "ideal 1.0"),),
     ),
     Panel(
         "Chi-squared divergence",
         "χ²",
         (Series("rollout_corr/chi2_token", "token"), Series("rollout_corr/chi2_seq", "seq", "--")),
         scale="symlog",
-        hlines=((0.0, ""),),
+        hlines=(RefLine(0.0, ""),),
+        health=("health/chi2_token",),
     ),
     Panel(
         "Masked fractions",
@@ -254,10 +302,28 @@ PANELS: tuple[Panel, ...] = (
         (
             Series("rollout_corr/tv_mismatch", "α₁ tv_mismatch"),
             Series("actor/tv_update", "α₀ tv_update", "--"),
+            Series("rollout_corr/unreplayed_tv_mismatch", "α₁ without MoE replay", ":"),
         ),
     ),
     Panel("Grad norm", "grad norm", (Series("actor/grad_norm", "grad norm"),)),
     Panel("Response length", "tokens (mean)", (Series("response_length/mean", "mean length"),)),
+    Panel(
+        "Health checks fired",
+        "",
+        tuple(Series(name, name.removeprefix("health/")) for name in rc_core.HEALTH_CHECKS),
+        smooth=False,
+        kind="health",
+    ),
+    Panel(
+        "MoE routing (trainer vs engine)",
+        "share",
+        (
+            Series("rollout_corr/routing_agreement", "routing agreement"),
+            Series("rollout_corr/routing_flip_token_fraction", "tokens whose position flipped", "--"),
+        ),
+        min_span=(0.0, 1.0),
+        moe=True,
+    ),
 )
 NCOLS = 4
 TITLE_PAD = 16  # points between axes and title: room for the per-panel style key
@@ -269,6 +335,107 @@ def _symlog_linthresh(values: np.ndarray) -> float:
     if nz.size == 0:
         return 1.0
     return float(10.0 ** math.floor(math.log10(np.percentile(nz, 10))))
+
+
+def health_thresholds(name: str) -> tuple[list[float], str]:
+    """The y values of the thresholds of check `name` of rc_core.HEALTH_CHECKS, read now, and their
+    key text: IS mean -> [0.5, 2.0], "warn < 0.5 or > 2"; |k1| -> [0.1, -0.1], "warn |x| > 0.1"."""
+    check = rc_core.HEALTH_CHECKS[name]
+    ys, parts = [], []
+    for bound, sign in ((check.low, "<"), (check.high, ">")):
+        if bound is None:
+            continue
+        ys += [bound, -bound] if check.absolute and bound != 0 else [bound]
+        parts.append(f"{sign} {bound:g}")
+    return ys, "warn " + ("|x| " if check.absolute else "") + " or ".join(parts)
+
+
+def _not_logged(ax) -> None:
+    ax.text(
+        0.5,
+        0.5,
+        "not logged",
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=11,
+        color="0.5",
+        style="italic",
+    )
+    ax.set_yticks([])
+
+
+def _style_key(ax, handles: list) -> None:
+    """The panel's key, in the strip between title and axes so that it never covers data."""
+    if handles:
+        ax.legend(
+            handles=handles,
+            fontsize=7.5,
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.0),
+            ncol=len(handles),
+            frameon=False,
+            handlelength=2.4,
+            borderaxespad=0.1,
+            columnspacing=1.2,
+        )
+
+
+def _draw_reference_lines(ax, panel: Panel, used_series: list) -> list:
+    """The panel's fixed lines (gid "ref") and its health thresholds (gid = the check's name), each
+    axhline dotted and included in the y-range; returns their key handles."""
+    handles = []
+    for line in panel.hlines:
+        ax.axhline(line.y, color=line.color, linestyle=REF_STYLE, linewidth=1.0, zorder=0, gid="ref")
+        if line.label:
+            handles.append(Line2D([], [], color=line.color, linestyle=REF_STYLE, label=line.label))
+    for name in panel.health:
+        ys, label = health_thresholds(name)
+        for y in ys:
+            ax.axhline(y, color=WARN_COLOR, linestyle=REF_STYLE, linewidth=1.2, zorder=0, gid=name)
+        metric = rc_core.HEALTH_CHECKS[name].metric
+        named = [s.name for s in used_series if s.key == metric and len(panel.series) > 1]
+        label = " ".join(named + [label])
+        handles.append(Line2D([], [], color=WARN_COLOR, linestyle=REF_STYLE, linewidth=1.2, label=label))
+    return handles
+
+
+def health_events(records: Sequence[dict], name: str) -> tuple[np.ndarray, bool]:
+    """(steps on which health check `name` fired, whether the run logged the check at all).
+    rc_run.HealthWatch logs 1.0 on a firing step, 0.0 where the metric passed, nothing where the
+    correction has no such metric."""
+    steps, values = run_series(records, name)
+    return steps[values > 0.5], steps.size > 0
+
+
+def _draw_health_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list) -> bool:
+    """One row per series of the panel (the checks of rc_core.HEALTH_CHECKS, top to bottom in its
+    order), a mark on each step where it fired, one colour per run (runs a little apart vertically);
+    a check no run logged is labelled "(not logged)". "not logged" if no run has any health/* key
+    (a run from before the check, or one whose correction logs none of its metrics)."""
+    names = [s.key for s in panel.series]
+    ax.set_title(panel.title, fontsize=10, pad=TITLE_PAD)
+    ax.tick_params(labelsize=8)
+    events = {name: [health_events(records, name) for records in runs] for name in names}
+    if not any(logged for per_run in events.values() for _, logged in per_run):
+        _not_logged(ax)
+        return False
+    fired_any = False
+    spread = 0.5 / max(len(runs), 1)
+    for row, name in enumerate(names):
+        y = len(names) - 1 - row
+        for r, ((steps, _), color) in enumerate(zip(events[name], colors)):
+            if steps.size:
+                fired_any = True
+                offset = (r - (len(runs) - 1) / 2) * spread
+                ax.plot(steps, np.full(steps.size, y + offset), linestyle="none", marker="|", markersize=9, color=color)
+    labels = [s.name + ("" if any(logged for _, logged in events[s.key]) else " (not logged)") for s in panel.series]
+    ax.set_yticks(range(len(names)), labels[::-1])
+    ax.set_ylim(-0.7, len(names) - 0.3)
+    if not fired_any:
+        ax.text(0.5, 0.5, "none fired", transform=ax.transAxes, ha="center", va="center", fontsize=10, color="0.4")
+    ax.grid(True, axis="x", alpha=0.3, linewidth=0.6)
+    return True
 
 
 def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, smooth: int) -> bool:
@@ -297,21 +464,9 @@ def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, 
     ax.set_title(panel.title, fontsize=10, pad=TITLE_PAD)
     ax.tick_params(labelsize=8)
     if not used_series:
-        ax.text(
-            0.5,
-            0.5,
-            "not logged",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            fontsize=11,
-            color="0.5",
-            style="italic",
-        )
-        ax.set_yticks([])
+        _not_logged(ax)
         return False
-    for y, _ in panel.hlines:
-        ax.axhline(y, color="0.45", linestyle=":", linewidth=1.0, zorder=0)
+    reference_handles = _draw_reference_lines(ax, panel, used_series)
     values = np.concatenate(drawn_values)
     ylabel = panel.ylabel
     if panel.scale == "log" and np.any(values > 0):
@@ -328,7 +483,7 @@ def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, 
             ax.set_ylim(min(lo, values.min()) - pad, max(hi, values.max()) + pad)
     ax.set_ylabel(ylabel, fontsize=9)
     # Style key (for panels defined with several metrics: the logged ones; plus named reference
-    # lines), drawn in the strip between title and axes so that it never covers data.
+    # lines and health thresholds), drawn in the strip between title and axes.
     handles = (
         [
             Line2D([], [], color="0.25", linestyle=s.style, marker=s.marker, markersize=4, label=s.name)
@@ -337,19 +492,7 @@ def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, 
         if len(panel.series) > 1
         else []
     )
-    handles += [Line2D([], [], color="0.45", linestyle=":", label=lab) for _, lab in panel.hlines if lab]
-    if handles:
-        ax.legend(
-            handles=handles,
-            fontsize=7.5,
-            loc="lower center",
-            bbox_to_anchor=(0.5, 1.0),
-            ncol=len(handles),
-            frameon=False,
-            handlelength=2.4,
-            borderaxespad=0.1,
-            columnspacing=1.2,
-        )
+    _style_key(ax, handles + reference_handles)
     ax.grid(True, alpha=0.3, linewidth=0.6)
     return True
 
@@ -375,10 +518,13 @@ def build_dashboard(
     cycle = [f"C{i % 10}" for i in range(len(runs))]
     axes = fig.subplots(nrows, NCOLS, sharex=True, squeeze=False).ravel()
     for ax, panel in zip(axes, PANELS):
-        _draw_panel(ax, panel, runs, cycle, smooth)
+        if panel.kind == "health":
+            _draw_health_panel(ax, panel, runs, cycle)
+        else:
+            _draw_panel(ax, panel, runs, cycle, smooth)
     for ax in axes[len(PANELS) :]:
         ax.set_visible(False)
-    for ax in axes[-NCOLS:]:
+    for ax in axes[len(PANELS) - NCOLS : len(PANELS)]:  # the lowest visible panel of each column
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelbottom=True)
     title = "Rollout-correction dashboard" + (f" (moving average over {smooth} steps)" if smooth > 1 else "")

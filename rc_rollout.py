@@ -1,9 +1,10 @@
 """The rollout engine: everything that talks to vLLM, and the staleness schedule of which version samples which batch.
 
 What belongs here starts, feeds, asks or stops an engine: its scheduler limits, device placement, logs and GPU memory
-(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, the lab's
-engine-side mismatch dials (weights the engine receives, planted tokens), the engine in the trainer's process and the
-rollout worker process, and the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
+(sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, an MoE engine's
+expert prepack after a load and its routing capture (MoEEngine, docs/moe.md), the lab's engine-side mismatch dials
+(weights the engine receives, planted tokens), the engine in the trainer's process and the rollout worker process, and
+the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
 the batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead
 (request) and asks it for greedy evaluations (evaluate). What crosses a process boundary is a named tuple: a
 `Request` in, a `Result` of `Response`s out.
@@ -38,6 +39,7 @@ Where the engine runs (measured on the 2-core CPU machines; docs/async.md has th
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -48,6 +50,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 import rc_config
@@ -103,7 +106,9 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
         max_model_len=args.max_model_len,
         # processed: temperature/top-p applied, i.e. the distribution that sampled ('raw' is a lab dial)
         logprobs_mode=f"{args.rollout_logprobs}_logprobs",
-        enable_prefix_caching=True,
+        # off while the MoE routing is captured: a prompt position served from the cache is never computed, so its
+        # routing would be missing (MoEEngine)
+        enable_prefix_caching=not rc_config.routing_capture(args),
         **limits,
         **placement,
     )
@@ -122,7 +127,11 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
     with engine_output_to(log_path):
         from vllm import LLM
 
-        return LLM(**kwargs)
+        llm = LLM(**kwargs)
+    # read by load_weights and generate; the model's config says MoE or not (rc_config.check_moe refused the rest)
+    moe, on_gpu = llm.llm_engine.model_config.is_moe, torch.cuda.is_available()  # on GPU: vLLM's own update path
+    llm.rc_moe = MoEEngine(llm, rc_config.routing_capture(args)) if moe and not on_gpu else None
+    return llm
 
 
 @contextlib.contextmanager
@@ -304,11 +313,14 @@ def planted_tokens_processor():
 # ---------------------------------------------------------------------------------------------
 class Response(NamedTuple):
     """One sampled response: its token ids, the engine's log-prob of each (processed: the distribution that sampled
-    it; empty for a greedy one), its text."""
+    it; empty for a greedy one), its text, and with the MoE routing capture (MoEEngine) the experts the engine routed
+    each position to: int16 [prompt + response tokens, MoE layers, top-k], ids ascending, -1 where nothing was
+    computed (the last sampled token is never fed to the model); None otherwise (greedy, dense, capture off)."""
 
     token_ids: list[int]
     log_probs: list[float]
     text: str
+    routed_experts: np.ndarray | None = None
 
 
 class Request(NamedTuple):
@@ -334,9 +346,172 @@ class Result(NamedTuple):
 
 def load_weights(llm, weights) -> None:
     """Reload (name, tensor) pairs into the engine in place, then drop its prefix cache: the cached KV was computed
-    with the old weights (a cache kept across a load made the KL grow for a peer)."""
+    with the old weights (a cache kept across a load made the KL grow for a peer). An MoE engine on CPU then
+    prepacks its expert weights again (MoEEngine.after_load): vLLM 0.32 skips that on an update."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    moe = getattr(llm, "rc_moe", None)
+    if moe is not None:
+        moe.after_load()
     llm.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture-of-Experts engines (docs/moe.md): the expert prepack after a weight push, the routing capture
+# ---------------------------------------------------------------------------------------------
+VLLM_MOE_INTERNALS = (
+    # (module, attribute path): what MoEEngine relies on in vLLM 0.32 (../shared/notes/moe-routing-cpu.md)
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
+    ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model"),
+)
+
+
+def check_vllm_moe_internals() -> None:
+    """Raise RuntimeError naming the first vLLM internal that MoEEngine relies on and this vLLM lacks (before an
+    engine starts: rc_config.check_moe)."""
+    import importlib
+
+    with output_to(os.devnull):  # vLLM's import-time notes (Triton) stay off the console
+        import vllm
+
+        modules = {module: importlib.import_module(module) for module, _ in VLLM_MOE_INTERNALS}
+    for module, path in VLLM_MOE_INTERNALS:
+        obj = modules[module]
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise RuntimeError(
+                    f"vLLM {vllm.__version__} has no {module}.{path}, which the MoE weight push and routing capture "
+                    f"rely on (written against vLLM 0.32; docs/moe.md)"
+                )
+
+
+class MoEEngine:
+    """What an in-process vLLM engine of a Mixture-of-Experts model needs beside the dense path (docs/moe.md).
+
+    The weight push. On the CPU build, vLLM 0.32 prepacks the expert weights into its grouped-GEMM layout once, at
+    load (CPUUnquantizedExperts.process_weights_after_loading); an in-place update (reload_weights) copies the new
+    checkpoint-layout weights into the packed parameters and never packs them again (unquantized_fused_moe_method.py,
+    _setup_kernel), so the engine computes with garbage and says nothing (../shared/notes/moe-routing-cpu.md: routing
+    agreement 0.52, |log p error| 5.35 nats after a perturbed push; tests/test_moe.py: 0.84 nats after an identity
+    push of the tiny MoE). after_load() runs the prepack again on every MoE layer (~0.02 s). Built for the CPU engine
+    only: on GPU start_engine makes none, and the engine's own update path runs as is (not verified here).
+
+    The routing capture (capture=True; CPU engine only: vLLM's own enable_return_routed_experts needs its V2 runner,
+    which the CPU build cannot run). vLLM's routers call a capture function with the logical top-k expert ids of every
+    token of a forward (BaseRouter.set_capture_fn, the hook of the native feature); a wrapper around the runner's
+    _model_forward splits the forward's rows by request (input_batch.req_ids, num_scheduled_tokens of the
+    execute_model call) and reads each row's position. begin() clears the store before a generation, routed() returns
+    a request sample's [positions, layers, k] array after it. Both need the engine in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, as rc_train.py sets). Prompt positions served from the prefix cache would never
+    be computed, so an engine that captures runs without prefix caching (start_engine)."""
+
+    def __init__(self, llm, capture: bool):
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        self.runner = llm.collective_rpc(lambda worker: worker.model_runner)[0]  # the live object (in-process engine)
+        self.layers = sorted((m for m in self.runner.model.modules() if isinstance(m, MoERunner)), key=_layer_id)
+        if not self.layers:
+            raise RuntimeError("the engine's model is MoE by its config, but vLLM built no MoERunner layer")
+        self.top_k = self.layers[0].router.top_k
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        for m in self.layers:
+            experts = getattr(getattr(m.routed_experts.quant_method, "moe_kernel", None), "fused_experts", None)
+            if not isinstance(experts, CPUUnquantizedExperts):
+                raise RuntimeError(
+                    f"MoE layer {m.layer_id} of the engine runs {type(experts).__name__}, not the "
+                    f"CPUUnquantizedExperts whose prepack every weight push repeats (docs/moe.md)"
+                )
+        self.capturing, self.enabled = capture, False
+        self.step: dict[int, torch.Tensor] = {}  # MoE layer -> top-k ids of the current forward's rows
+        self.store: dict[str, list] = {}  # engine request id -> [(positions, ids [rows, layers, k]), ...]
+        self.by_sample: dict[str, list] | None = None  # the store by '{sample}_{request}' (routed)
+        if capture:
+            for index, m in enumerate(self.layers):
+                m.router.set_capture_fn(functools.partial(self._capture, index))
+            self._wrap_runner()
+
+    def after_load(self) -> None:
+        """Prepack every layer's experts again, from the weights the reload just wrote (CPU; see the class)."""
+        for m in self.layers:
+            m.routed_experts.quant_method.moe_kernel.fused_experts.process_weights_after_loading(m.routed_experts)
+
+    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self.enabled:
+            self.step[layer] = topk_ids.clone()
+
+    def _wrap_runner(self) -> None:
+        """Keep each step's scheduled tokens per request (execute_model) and file each forward's captured rows under
+        their requests (_model_forward)."""
+        runner = self.runner
+        execute_model, model_forward = runner.execute_model, runner._model_forward
+
+        def execute(scheduler_output, *args, **kwargs):
+            self.scheduled = scheduler_output.num_scheduled_tokens  # {engine request id: tokens in this step}
+            return execute_model(scheduler_output, *args, **kwargs)
+
+        def forward(*args, **kwargs):
+            self.step.clear()
+            out = model_forward(*args, **kwargs)
+            if self.enabled:
+                self._keep(kwargs["positions"])
+            return out
+
+        runner.execute_model, runner._model_forward = execute, forward
+
+    def _keep(self, positions: torch.Tensor) -> None:
+        """Split one forward's captured rows by request: the runner lays the requests out in input_batch order, each
+        with its scheduled tokens; padding rows (if any) come last."""
+        requests = self.runner.input_batch.req_ids
+        counts = [self.scheduled.get(r, 0) for r in requests]
+        n = sum(counts)
+        if len(self.step) != len(self.layers) or n > len(positions) or any(len(t) < n for t in self.step.values()):
+            raise RuntimeError(
+                f"routing capture: {len(self.step)} of {len(self.layers)} MoE layers reported, {n} scheduled tokens "
+                f"for {len(positions)} positions (vLLM's runner changed?)"
+            )
+        ids = torch.stack([self.step[i][:n] for i in range(len(self.layers))], 1)
+        ids = ids.sort(-1).values.to(torch.int16).cpu()  # vLLM's CPU router takes an unsorted top-k
+        positions, first = positions[:n].to("cpu", copy=True), 0  # the runner reuses its buffer next step
+        for request, count in zip(requests, counts):
+            self.store.setdefault(request, []).append((positions[first : first + count], ids[first : first + count]))
+            first += count
+
+    def begin(self) -> None:
+        """Before a sampled generation: capture on, store empty."""
+        self.store.clear()
+        self.by_sample, self.enabled = None, True
+
+    def end(self) -> None:
+        self.store.clear()
+        self.by_sample, self.enabled = None, False
+
+    def routed(self, request_id: str, n: int, index: int, length: int) -> np.ndarray:
+        """Sample `index` of the request `request_id` (RequestOutput.request_id, n samples): its routing over `length`
+        positions (prompt + response). vLLM runs sample k of a request of n > 1 as '{k}_{id}-{8 hex}', of n = 1 as
+        '{id}-{8 hex}' (vllm/v1/engine/parallel_sampling.py and input_processor.py)."""
+        if self.by_sample is None:
+            self.by_sample = {}
+            for engine_id, chunks in self.store.items():
+                self.by_sample.setdefault(engine_id.rsplit("-", 1)[0], []).append(chunks)
+        found = self.by_sample.get(f"{index}_{request_id}" if n > 1 else request_id, [])
+        if len(found) != 1:
+            raise RuntimeError(
+                f"routing capture: {len(found)} engine requests hold sample {index} of request {request_id!r} "
+                f"(vLLM's request ids changed?)"
+            )
+        out = np.full((length, len(self.layers), self.top_k), -1, dtype=np.int16)
+        for positions, ids in found[0]:  # in order: a recomputed position keeps its latest routing
+            keep = positions < length
+            out[positions[keep].numpy()] = ids[keep].numpy()
+        return out
+
+
+def _layer_id(module) -> int:
+    return module.layer_id
 
 
 def sampling_seed(*keys: int) -> int:
@@ -374,15 +549,24 @@ def generate(llm, request: Request, args) -> list[list[Response]]:
         )
         for i in range(len(prompt_ids))
     ]
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    result = []
-    for out in outputs:
-        group = []
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
-            group.append(Response(ids, lps, o.text))
-        result.append(group)
+    moe = getattr(llm, "rc_moe", None)
+    capture = moe is not None and moe.capturing and not greedy  # greedy evaluation: no routing wanted
+    if capture:
+        moe.begin()
+    try:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        result = []
+        for prompt, out in zip(prompt_ids, outputs):
+            group = []
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                lps = [] if greedy else [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
+                routed = moe.routed(out.request_id, request.n, o.index, len(prompt) + len(ids)) if capture else None
+                group.append(Response(ids, lps, o.text, routed))
+            result.append(group)
+    finally:
+        if capture:
+            moe.end()
     return result
 
 
@@ -394,8 +578,9 @@ class LocalEngine:
     rollout at the start of the step); a load runs at once, so it needs no request to be waiting (k = 0 only).
     On a GPU the engine sleeps during the update (EngineMemory)."""
 
-    def __init__(self, llm, memory: EngineMemory, generate, args):
+    def __init__(self, llm, memory: EngineMemory, generate, args, owns_process_group: bool = False):
         self.llm, self.memory, self.generate, self.args = llm, memory, generate, args
+        self.owns_process_group = owns_process_group  # the engine created this process's default group (world 1)
         self.version, self.waiting, self.idle, self.free_since = 0, {}, 0.0, time.time()
 
     def _busy(self):
@@ -422,7 +607,57 @@ class LocalEngine:
         return Result(self.version, groups, time.time() - t0, idle), time.time() - t0
 
     def close(self) -> None:
-        pass
+        """At world 1 the engine created the process's torch.distributed groups itself: tear them down now, with
+        vLLM's own shutdown (shutdown_engine). Under several ranks the engine runs in the trainer's group, which
+        rc_run.exit_cleanly destroys."""
+        if self.owns_process_group:
+            shutdown_engine(self.llm)
+
+
+def shutdown_engine(llm) -> None:
+    """vLLM's own teardown of an engine in this process (its InprocClient's shutdown: EngineCore.shutdown, then
+    cleanup_dist_env_and_memory). At world 1 vLLM's CPU build initialises torch.distributed itself (measured: a gloo
+    default group of world 1 on a file:// store in the temp folder, and 12 model-parallel subgroups), which it would
+    otherwise destroy only from an interpreter-exit finalizer. Torch's destroy_process_group alone is not enough:
+    that finalizer then destroys vLLM's subgroups again and fails ("Invalid process group specified")."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def exit_with_trainer() -> None:
+    """Make this process (the rollout worker) end, with every process it started, as soon as the trainer that
+    spawned it dies, by whatever signal (SIGKILL and SIGTERM included: neither lets the trainer say a word).
+
+    A daemon thread waits on multiprocessing's parent sentinel: the read end of a pipe whose only write end the
+    trainer holds, so it reads EOF the moment the trainer is gone, however it died; nothing can be missed and
+    nothing is polled. The thread then SIGKILLs this process's own process group (made here: this process and
+    whatever it started, such as the compilers torch's inductor runs during the first rollouts) in one call.
+    It has to end the process itself, from its own thread: the main thread may be anywhere, in the middle of a
+    generation or blocked for good; a return from worker_main was not enough (issue: a trainer killed while a
+    result larger than the pipe's 64 KiB was on its way left the worker alive forever, its exit waiting on the
+    queue's feeder thread, which was blocked writing into a pipe nobody reads any more).
+    With the worker gone, the multiprocessing resource tracker, which the trainer started, reads EOF from its
+    last holder and exits too. Not chosen: prctl(PR_SET_PDEATHSIG), Linux only and tied to the trainer's thread
+    that spawned the worker, and it would kill the worker alone, leaving what the worker started behind.
+    Its own process group also keeps a Ctrl-C at the terminal for the trainer alone, which stops the worker as
+    it stops (RolloutWorker.close, or multiprocessing's exit handler for a daemonic process)."""
+    import multiprocessing.connection
+    import signal
+    import threading
+
+    sentinel = multiprocessing.parent_process().sentinel
+    try:
+        os.setpgid(0, 0)
+        group = True
+    except OSError:  # cannot happen for a spawned process; then the worker ends alone
+        group = False
+
+    def watch():
+        multiprocessing.connection.wait([sentinel])
+        if group:
+            os.killpg(0, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-trainer", daemon=True).start()
 
 
 def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_path: str, requests, results) -> None:
@@ -432,28 +667,21 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
                                        between two generations, then the prefix cache is dropped
     ("generate", tag, Request)      -> ("result", tag, Result)
     """
+    exit_with_trainer()  # first: the engine's start alone takes ~15 s
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))
     try:
         llm = start_engine(args, model_path, seed, limits, log_path, {})
     except Exception as e:  # the trainer is waiting for ("ready",): tell it why not
         results.put(("failed", f"{type(e).__name__}: {e}"))
         return
-    import multiprocessing
-
-    trainer = multiprocessing.parent_process()
     version, idle = 0, 0.0
     results.put(("ready",))
     while True:
         t0 = time.time()
-        message = None
-        while message is None:
-            try:
-                message = requests.get(timeout=1.0)
-            except queue.Empty:  # a trainer killed without a word (SIGKILL) must not leave an engine behind
-                if not trainer.is_alive():
-                    return
+        message = requests.get()  # a trainer that dies meanwhile ends this process (exit_with_trainer)
         idle += time.time() - t0
         if message[0] == "stop":
+            shutdown_engine(llm)  # its process groups, before the process ends (LocalEngine.close)
             return
         if message[0] == "load":
             _, version, weights = message
@@ -548,8 +776,12 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
         return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
     placement, env = engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()  # the trainer's (several ranks), or none yet (world 1)
     llm = start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
-    return LocalEngine(llm, EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level), generate, args)
+    memory = EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level)
+    return LocalEngine(llm, memory, generate, args, owns_process_group=not had_group and dist.is_initialized())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import dataclasses
 import errno
 import fcntl
@@ -117,9 +118,10 @@ def full_weights(model):
 
 
 def accumulating(accelerator, model, last_micro_batch: bool, fsdp: bool):
-    """The context of one micro-batch's backward: gradients are reduced across ranks only on the last micro-batch
-    of an optimizer step. DDP: no_sync on the others. FSDP2: no reduce-scatter until the last
-    (set_requires_gradient_sync); the unsharded gradients accumulate meanwhile."""
+    """The context of one micro-batch's forward, loss and backward: gradients are reduced across ranks only on the
+    last micro-batch of an optimizer step. DDP: no_sync on the others, entered before the forward (DDP decides there
+    whether the backward reduces). FSDP2: no reduce-scatter until the last (set_requires_gradient_sync, read by the
+    backward); the unsharded gradients accumulate meanwhile. Both counted in tests/test_infra.py."""
     if fsdp:
         model.set_requires_gradient_sync(last_micro_batch)
         return contextlib.nullcontext()
@@ -325,7 +327,7 @@ class HealthWatch:
             elif name in self.firing and name not in fired:
                 self._say(f"step {step}: {name} clears ({check.metric} = {value:.4g})")
         self.firing = (self.firing - set(out)) | set(fired)
-        self.fired.update(fired)
+        self.fired.update(fired.keys())  # steps fired on, not the values
         return out
 
     def summary(self, steps: int) -> str:
@@ -1195,20 +1197,59 @@ def commit_resume(run_dir: str, resumed: Resumed, accelerator, args, correction,
 # ---------------------------------------------------------------------------------------------
 # The end of a run: final weights, the closing summary, the exit
 # ---------------------------------------------------------------------------------------------
-def save_final(run_dir: str, model, tokenizer, accelerator) -> None:
-    """final/: the trained weights with save_pretrained (loadable by transformers and vLLM). Under FSDP2 the full
-    state dict is gathered onto the main process's CPU memory (torch's get_model_state_dict), the other ranks keep
-    none of it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+FINAL_SHARD_BYTES = 2 * 1024**3  # final/'s safetensors shards: the most rank 0 holds in host memory while saving
+
+
+def save_final(run_dir: str, model, tokenizer, accelerator, max_shard_bytes: int = FINAL_SHARD_BYTES) -> None:
+    """final/: the trained weights in the base model's own dtype (config.dtype, the checkpoint's: bf16 for Qwen2.5,
+    not the fp32 master weights; from_pretrained(dtype="auto") sets it and .float() leaves it), as safetensors shards
+    of at most `max_shard_bytes` with their index, the config and the tokenizer: loadable by transformers and vLLM.
+    Streamed: one tensor at a time is gathered (under FSDP2 every rank runs each all-gather, in state-dict order),
+    cast on its device and, on the main process, moved to host memory; a shard is written as soon as its last tensor
+    is in. So the main process holds at most a shard, never the full state dict (in fp32, 30.5 GB at 7B), and the
+    other ranks hold one tensor at a time. By hand because save_pretrained and huggingface_hub's
+    save_torch_state_dict take the whole state dict at once; the shard plan and the file names are
+    huggingface_hub's (split_torch_state_dict_into_shards, on meta tensors), the files safetensors'."""
+    from huggingface_hub import constants, split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
 
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = get_model_state_dict(unwrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # a tied lm_head comes back as a separate gathered copy: keep each parameter under its first name only
+    dtype = unwrapped.config.dtype or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # a tied lm_head is the same parameter under a second name: keep each under its first name only
     owned = {n for n, _ in unwrapped.named_parameters()} | {n for n, _ in unwrapped.named_buffers()}
-    state_dict = {k: v for k, v in state_dict.items() if k in owned}
-    if accelerator.is_main_process:
-        unwrapped.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
-        tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+    entries = [(n, t) for n, t in unwrapped.state_dict().items() if n in owned]  # live tensors or shards: no copy
+    plan = split_torch_state_dict_into_shards(
+        {n: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in entries}, max_shard_size=max_shard_bytes
+    )
+    final, main = os.path.join(run_dir, "final"), accelerator.is_main_process
+    if main:
+        os.makedirs(final, exist_ok=True)
+    shards: dict[str, dict] = {}
+    for name, t in entries:
+        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()  # under FSDP2 a collective on every rank
+        if not main:
+            continue
+        file = plan.tensor_to_filename[name]
+        shard = shards.setdefault(file, {})
+        shard[name] = full.to(dtype).cpu().contiguous()  # cast where it lives: half the bytes to move for bf16
+        if len(shard) == len(plan.filename_to_tensors[file]):
+            save_file(shards.pop(file), os.path.join(final, file), metadata={"format": "pt"})
+        del full
+    if not main:
+        return
+    if plan.is_sharded:
+        index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+        with open(os.path.join(final, constants.SAFETENSORS_INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    config = copy.deepcopy(unwrapped.config)
+    config.dtype = dtype
+    config.architectures = [type(unwrapped).__name__.removeprefix("FSDP")]  # as save_pretrained names a sharded one
+    config.save_pretrained(final)
+    if unwrapped.can_generate() and unwrapped.generation_config is not None:
+        unwrapped.generation_config.save_pretrained(final)
+    tokenizer.save_pretrained(final)
 
 
 def print_summary(
@@ -1235,11 +1276,15 @@ def print_summary(
 def exit_cleanly(world: int) -> None:
     """End a multi-process run: destroy the process group, flush, and leave with os._exit(0). A plain interpreter
     exit after gloo collectives or torch distributed checkpoint aborts some of the time on these machines
-    ("terminate called without an active exception", SIGABRT, though every file is written: docs/gpus.md)."""
-    if world > 1:
-        import torch.distributed as dist
+    ("terminate called without an active exception", SIGABRT, though every file is written: docs/gpus.md).
+    At world 1 the only group is the one the engine created, which the engine's close tore down
+    (rc_rollout.shutdown_engine); one left by anything else is destroyed here too, and the interpreter exits."""
+    import torch.distributed as dist
 
+    if world > 1:
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    if dist.is_initialized():
+        dist.destroy_process_group()

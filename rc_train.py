@@ -40,6 +40,7 @@ import torch
 
 import rc_config
 import rc_core
+import rc_moe
 import rc_rollout
 import rc_run
 import tasks
@@ -138,7 +139,8 @@ class Args:
     # Model and task
     model: str = tasks.TINY_MODEL
     """'tiny' (built locally, cached, no download: the warm-started 1M-parameter base for minigsm, a random
-    0.3M-parameter net for a task without a warm start), a local path, or a HF model id"""
+    0.3M-parameter net for a task without a warm start), 'tiny-moe' (the same, as a Qwen3-MoE with 8 experts, top-2:
+    docs/moe.md), a local path, or a HF model id"""
     task: str = "minigsm"
     """a name of tasks.TASKS: 'minigsm': the miniature GSM8K built here (tasks.py; settings under --mini.*);
     'gsm8k': the real data set; 'add': 'a+b=' -> one digit (the fast tests' one-token fixture)"""
@@ -224,6 +226,18 @@ class Args:
     """every N steps save log(pi_trainer/pi_rollout) of rank 0's valid tokens to log_ratio/step_N.npy
     (0 = never; for IS-weight histograms)"""
 
+    # Mixture of Experts (docs/moe.md)
+    moe_router_scale: float = 0.02
+    """--model tiny-moe: standard deviation of the router weights at initialisation, before any warm start (> 0; the
+    router's sharpness; hashed into the cached model's name)"""
+    routing_replay: Literal["none", "r3", "reference"] = "none"
+    """MoE: replay a recorded routing in the policy's forward passes, the gate weights being the trainer's router
+    probabilities renormalised over the replayed experts. r3: the experts the engine chose, in every pi_old and pi_theta
+    pass (rollout routing replay; CPU engine); reference: pi_old's own routing in the pi_theta passes (decoupled)"""
+    routing_metrics: bool | None = None
+    """MoE: capture the engine's routing and log the trainer-engine routing agreement and the mismatch without replay
+    (rollout_corr/routing_*, rollout_corr/unreplayed_*); None = on for an MoE model on the CPU engine"""
+
     # Optimisation
     learning_rate: float = 1e-4
     """AdamW learning rate"""
@@ -291,7 +305,8 @@ class Args:
     """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens}
     to ranks/rank{r}.jsonl (DDP check)"""
     save_final: bool = True
-    """save the final weights with save_pretrained (loadable by transformers and vLLM)"""
+    """save the final weights to final/ in the base model's dtype, streamed in safetensors shards (loadable by
+    transformers and vLLM; rc_run.save_final)"""
 
     rc: CorrectionArgs = field(default_factory=CorrectionArgs)
     """rollout correction settings: a preset, then overrides; an override left at None keeps the preset's value,
@@ -368,7 +383,8 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
 
     Returns input_ids/attention_mask (B, P+T), rollout log-probs and response mask (B, T), each row's prompt and
     response length, and each row's group (rows of one group share their prompt; default: every row its own).
-    `responses`: rc_rollout.Response (token ids, rollout log-probs, text) per row.
+    `responses`: rc_rollout.Response (token ids, rollout log-probs, text, routing) per row. With the engine's MoE
+    routing (Response.routed_experts) the batch also holds it as rollout_routing (B, P+T, layers, k), rc_moe.
     """
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r[0]) for r in responses))
@@ -377,7 +393,7 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     attention = torch.zeros((B, P + T), dtype=torch.long)
     rollout_lp = torch.zeros((B, T), dtype=torch.float32)
     mask = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, (ids, lps, _text)) in enumerate(zip(prompt_ids, responses)):
+    for i, (p, (ids, lps, *_)) in enumerate(zip(prompt_ids, responses)):
         input_ids[i, P - len(p) : P] = torch.tensor(p)
         attention[i, P - len(p) : P] = 1
         if ids:
@@ -385,6 +401,7 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
             attention[i, P : P + len(ids)] = 1
             rollout_lp[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
             mask[i, : len(ids)] = 1.0
+    routing = rc_moe.batch_routing(prompt_ids, responses, P, T)
     return dict(
         input_ids=input_ids,
         attention_mask=attention,
@@ -393,6 +410,7 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
         prompt_len=attention[:, :P].sum(-1),
         response_len=attention[:, P:].sum(-1),
         group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long),
+        **({} if routing is None else {"rollout_routing": routing}),
     )
 
 
@@ -470,6 +488,26 @@ def policy_loss(
     )
 
 
+def micro_batch_loss(
+    args: Args, correction: rc_core.RolloutCorrectionConfig, log_prob, micro: dict, denominators: dict, first: bool
+) -> tuple[torch.Tensor, dict, float, float]:
+    """ALGO LOGIC: one micro-batch's loss: the policy-gradient term (bypass mode corrects here, inside the loss:
+    rc_core, docs/corrections.md §7.3/§7.4), plus the KL penalty to the initial model over the original mask (§7.5)
+    when there is a reference model; its metrics; the values of the two terms (actor/pg_loss, actor/kl_loss)."""
+    loss, loss_metrics = policy_loss(args, correction, log_prob, micro, denominators, correction_metrics=first)
+    pg_loss, kl_loss = float(loss.detach()), 0.0  # actor/pg_loss: the policy-gradient term alone
+    if "ref_log_prob" in micro:
+        prox = micro["rollout_log_prob" if correction.bypass_mode else "old_log_prob"]
+        kl = rc_core.kl_penalty(
+            log_prob, micro["ref_log_prob"], args.kl_estimator, old_log_prob=prox if args.kl_is_corrected else None
+        )
+        kl_term = rc_core.agg_loss(
+            kl, micro["response_mask"], args.loss_agg_mode, response_mask=micro["response_mask"], **denominators
+        )
+        loss, kl_loss = loss + args.kl_coef * kl_term, float(kl_term.detach())
+    return loss, loss_metrics, pg_loss, kl_loss
+
+
 def micro_batch_metrics(
     loss_metrics: dict, log_prob, entropy, micro: dict, bypass: bool, first: bool, batch_correction: dict
 ) -> dict:
@@ -513,6 +551,46 @@ def decoupled_correction(
     if log_ratios is not None:
         log_ratios.add(old_log_prob - rollout_log_prob, mask)
     return metrics, size
+
+
+def plan_routing(args: Args, correction: rc_core.RolloutCorrectionConfig, model, batch: dict) -> None:
+    """ALGO LOGIC: which policy passes of the step replay or record an MoE routing (rc_moe, docs/moe.md). r3: every
+    pass from here on replays the engine's routing (batch['rollout_routing']), pi_old's and pi_theta's alike. The
+    trainer's own routing (reference replay, the routing metrics) is recorded by decoupled mode's pi_old pass when that
+    pass runs unreplayed; otherwise routing_step runs a pass of its own."""
+    if args.routing_replay == "r3":
+        batch["replay_routing"] = batch["rollout_routing"]
+    elif not correction.bypass_mode and (args.routing_replay == "reference" or args.routing_metrics):
+        batch["record_routing"] = rc_moe.record_buffer(model, batch)
+
+
+def routing_step(args: Args, model, batch: dict, tensors: dict) -> tuple[dict, Counter]:
+    """ALGO LOGIC: after the correction, the trainer's own MoE routing of the batch (rc_moe, docs/moe.md): recorded by
+    the pi_old pass (plan_routing), or by one more no-grad pass without replay, whose log-probs also give the
+    mismatch that replay hides from the loss (the three-policy note: replay rewrites the surrogate, it does not shrink
+    alpha_1): rollout_corr/unreplayed_k3_kl and rollout_corr/unreplayed_tv_mismatch. reference: the update's pi_theta
+    passes replay it from here on. Returns the routing metrics (none without the engine's routing) and the size of the
+    extra pass. `model`: the unwrapped policy (no gradient, no collective)."""
+    size, own, own_log_prob = Counter(), batch.pop("record_routing", None), tensors.get("old_log_prob")
+    if own is None:  # r3 replayed pi_old, or bypass mode: the extra pass
+        replay = batch.pop("replay_routing", None)
+        batch["record_routing"] = rc_moe.record_buffer(model, batch)
+        model.eval()
+        own_log_prob, size = no_grad_pass(model, batch, args)
+        own = batch.pop("record_routing")
+        if replay is not None:
+            batch["replay_routing"] = replay
+    if args.routing_replay == "reference":
+        batch["replay_routing"] = own
+    if "rollout_routing" not in batch:
+        return {}, size
+    mask = tensors["response_mask"]
+    ell = rc_core.safety_clip(own_log_prob - tensors["rollout_log_prob"])
+    return {
+        **rc_moe.routing_metrics(own, batch["rollout_routing"], mask),
+        "rollout_corr/unreplayed_k3_kl": float(rc_core.masked_mean(rc_core.k3_divergence(ell), mask)),
+        "rollout_corr/unreplayed_tv_mismatch": float(rc_core.estimate_tv_distance(ell, None, mask)),
+    }, size
 
 
 @dataclass
@@ -566,33 +644,21 @@ def update_policy(
             micro = micro_batches(
                 rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, shares_prefix(args)
             )
+            if world > 1 and args.max_tokens_per_micro_batch:  # the ranks' budget cuts differ: run as many as the most
+                micro = split_to_count(micro, batch, int(host.extreme([len(micro)], "max")[0]))
             for j, micro_rows in enumerate(micro):
-                log_prob, entropy, micro_size = forward_log_probs(model, batch, micro_rows, args, True, True)
-                size += micro_size
-                micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
-                # the policy-gradient loss; bypass mode corrects here, inside the loss (rc_core, docs §7.3/§7.4)
-                loss, loss_metrics = policy_loss(
-                    args, correction, log_prob, micro_tensors, denominators, correction_metrics=first
-                )
-                loss_sum += float(loss.detach())  # actor/pg_loss: the policy-gradient term alone
-                if "ref_log_prob" in micro_tensors:  # KL penalty to the initial model, over the original mask (§7.5)
-                    prox = micro_tensors["rollout_log_prob" if correction.bypass_mode else "old_log_prob"]
-                    kl = rc_core.kl_penalty(
-                        log_prob,
-                        micro_tensors["ref_log_prob"],
-                        args.kl_estimator,
-                        old_log_prob=prox if args.kl_is_corrected else None,
-                    )
-                    kl_loss = rc_core.agg_loss(
-                        kl,
-                        micro_tensors["response_mask"],
-                        args.loss_agg_mode,
-                        response_mask=micro_tensors["response_mask"],
-                        **denominators,
-                    )
-                    loss, kl_sum = loss + args.kl_coef * kl_loss, kl_sum + float(kl_loss.detach())
+                # The whole micro-batch (forward, loss, backward) inside the accumulation context: DDP decides at
+                # forward time whether the backward all-reduces (DistributedDataParallel.no_sync's docstring), so a
+                # forward outside no_sync would reduce the gradients after every micro-batch
                 with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
+                    log_prob, entropy, micro_size = forward_log_probs(model, batch, micro_rows, args, True, True)
+                    micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
+                    loss, loss_metrics, pg_loss, kl_loss = micro_batch_loss(
+                        args, correction, log_prob, micro_tensors, denominators, first
+                    )
                     learner.accelerator.backward(loss * world)  # partial sum over global denominators; DDP averages
+                size += micro_size
+                loss_sum, kl_sum = loss_sum + pg_loss, kl_sum + kl_loss
                 step_metrics.add(
                     micro_batch_metrics(
                         loss_metrics, log_prob, entropy, micro_tensors, correction.bypass_mode, first, batch_correction
@@ -623,8 +689,11 @@ def update_policy(
 def shares_prefix(args: Args) -> bool:
     """Forward each distinct prompt once (--share-prompt-prefix): not under gradient checkpointing (no KV cache
     there), nor under FSDP2 (every sharded forward is a collective, and this pass runs one or two forwards depending
-    on the lengths, so the ranks could run different numbers)."""
-    return args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp
+    on the lengths, so the ranks could run different numbers), nor when an MoE routing is replayed or recorded: each
+    sample's prompt positions carry their own routing (the engine computes every sample's prompt, and a bf16 engine
+    can route one sample's prompt differently from its sibling's), which one shared prompt pass cannot replay."""
+    routing = args.routing_replay != "none" or args.routing_metrics
+    return args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp and not routing
 
 
 def forward_log_probs(net, batch: dict, rows, args: Args, with_grad: bool, with_entropy=False):
@@ -640,7 +709,8 @@ def forward_log_probs(net, batch: dict, rows, args: Args, with_grad: bool, with_
         tokens=int(attention[once, :p].sum() + attention[:, p:].sum()),
     )
     device = next(net.parameters()).device
-    with torch.enable_grad() if with_grad else torch.no_grad():
+    # an MoE's routing replayed and/or recorded for these rows (rc_moe; when the batch holds it)
+    with torch.enable_grad() if with_grad else torch.no_grad(), rc_moe.forward_routing(net, batch, rows, input_ids, t):
         out = sequence_log_probs(
             net,
             input_ids.to(device),
@@ -693,6 +763,27 @@ def micro_batches(
     return groups
 
 
+def split_to_count(groups: list[torch.Tensor], batch: dict, count: int) -> list[torch.Tensor]:
+    """`groups` (micro_batches' cut of one minibatch) split until there are `count`: each time the micro-batch with
+    the most padded tokens, into the two halves of its sorted rows (each within the budget still). Under DDP every
+    rank must run as many micro-batches as the others (each one's forward may broadcast buffers, the last reduces
+    the gradients: collectives), but a token budget cuts each rank's rows by their own lengths, so update_policy
+    splits every rank's cut up to the largest count over the ranks. Split rather than padded with empty
+    micro-batches (a zero loss): padding would leave each rank's gradient sum bit for bit as its own cut makes it,
+    but costs a forward and backward for nothing (and 0 x a non-finite log-prob is NaN); splitting only regroups
+    the rows, and the loss has global denominators, so it changes the gradient by float rounding, as any grouping
+    does (tests/test_infra.py::test_a_token_budget_under_ddp_neither_hangs_nor_changes_the_update)."""
+    groups = list(groups)
+    while len(groups) < count:
+        padded = [len(g) * int(batch["prompt_len"][g].max() + batch["response_len"][g].max()) for g in groups]
+        i = max((i for i in range(len(groups)) if len(groups[i]) > 1), key=padded.__getitem__, default=None)
+        if i is None:  # every rank holds as many rows (validate_args), so the largest count is within reach
+            raise RuntimeError(f"cannot split {len(groups)} micro-batches of one row each into {count}")
+        half = (len(groups[i]) + 1) // 2
+        groups[i : i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups
+
+
 def trimmed_inputs(batch: dict, rows: torch.Tensor):
     """input_ids and attention_mask of `rows`, cut to their own longest prompt and response; and that response width."""
     P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
@@ -742,7 +833,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: setup -- CLI, every check before the engine starts, run folder, seeding
     args = rc_config.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
     from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the console holds our progress bar only
@@ -774,14 +865,18 @@ if __name__ == "__main__":
         tasks.check_scorer(task, train_rows[:1])
         with accelerator.main_process_first():  # rank 0 builds (or checks) the cached model, the others reuse it
             say = (lambda m: print(m, flush=True)) if accelerator.is_main_process else None  # None: quiet
-            model_path = (
-                tasks.base_model_path(task, args.mini, args.seed, say) if args.model == tasks.TINY_MODEL else args.model
-            )
+            model_path = args.model
+            if args.model in (tasks.TINY_MODEL, tasks.TINY_MOE_MODEL):  # built here; the MoE with its router scale
+                moe = args.moe_router_scale if args.model == tasks.TINY_MOE_MODEL else None
+                model_path = tasks.base_model_path(task, args.mini, args.seed, say, router_scale=moe)
+        hf_config = AutoConfig.from_pretrained(model_path)  # dense or MoE: replay and capture need the latter
+        rc_config.check_moe(args, hf_config, correction.bypass_mode, torch.cuda.is_available())
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         for what, part in (("train prompt", train_rows), ("eval prompt", eval_rows)):  # before the engine starts
             tasks.check_coverage(tokenizer, [tasks.prompt_text(task, row) for row in part], what)
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
+        rc_config.check_token_budget(args, max(map(len, train_prompts)))  # needs the tokenized prompts
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     facts = dict(model_path=model_path, train_rows=len(train_rows), train_rows_skipped=n_skipped)  # in config.yaml
@@ -793,6 +888,8 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: models, optimizer, resume, engine
     load = dict(dtype="auto", device_map={"": device})  # then fp32 on the device: no fp32 host copy per rank
     model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
+    if args.routing_replay != "none" or args.routing_metrics:  # the MoE router hooks (rc_moe): replay and record
+        rc_moe.install(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
@@ -896,6 +993,7 @@ if __name__ == "__main__":
                 norm_adv_by_std=args.norm_adv_by_std,
             )
         tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
+        plan_routing(args, correction, unwrapped, batch)  # MoE: which passes replay or record a routing (rc_moe)
         dump = rc_run.LogRatioDump(run_dir, step, args.dump_log_ratio_every, accelerator.is_main_process)
 
         # ALGO LOGIC: correction -- decoupled: pi_old once per rollout batch, IS weights and rejection mask frozen
@@ -906,6 +1004,10 @@ if __name__ == "__main__":
             with timer("timing/old_log_prob_s"):
                 batch_correction, size = decoupled_correction(args, correction, unwrapped, batch, tensors, dump)
                 counters["old_log_prob_passes"] += 1
+        if args.routing_metrics or args.routing_replay == "reference":  # MoE: the trainer's own routing (rc_moe)
+            with timer("timing/routing_s"):
+                routing_metrics, routing_size = routing_step(args, unwrapped, batch, tensors)
+                batch_correction, size = {**batch_correction, **routing_metrics}, size + routing_size
         with timer("timing/ref_log_prob_s"):
             if ref_model is not None:
                 tensors["ref_log_prob"], ref_size = no_grad_pass(ref_model, batch, args)
@@ -924,7 +1026,8 @@ if __name__ == "__main__":
                 log_ratios=dump,
             )
         dump.save()
-        train_s = sum(timer.seconds[k] for k in ("timing/old_log_prob_s", "timing/ref_log_prob_s", "timing/update_s"))
+        passes = ("timing/old_log_prob_s", "timing/routing_s", "timing/ref_log_prob_s", "timing/update_s")
+        train_s = sum(timer.seconds.get(k, 0.0) for k in passes)
         perf = rc_run.pass_metrics(size + update_size, train_s)
 
         # TRY NOT TO MODIFY: weight sync -- the new weights (version step+1) reach the engine in place, between two

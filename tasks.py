@@ -38,10 +38,13 @@ from tqdm import tqdm
 import gsm8k
 
 TINY_MODEL = "tiny"  # the --model value of the tiny models built here (base_model_path), never downloaded
+TINY_MOE_MODEL = "tiny-moe"  # the same, a Qwen3-MoE (make_qwen3_moe; its router scale in the cache key)
 # Bumped whenever the generator, tokenizer or warm start changes what a cached warm-started base holds.
 BUILDER_VERSION = 1
 # The random tiny net's own version (its cache name does not hash BUILDER_VERSION): bumped when its build changes.
 TINY_BUILDER_VERSION = 2
+# The tiny MoE's own version (hashed into both of its cache names): bumped when its architecture or build changes.
+MOE_BUILDER_VERSION = 1
 
 
 @dataclass
@@ -381,26 +384,42 @@ def cache_root() -> str:
     return os.environ.get("RC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rc_train"))
 
 
-def base_model_path(task: Task, mini: MiniGSMArgs, seed: int, log: Callable[[str], None] | None = print) -> str:
+def base_model_path(
+    task: Task,
+    mini: MiniGSMArgs,
+    seed: int,
+    log: Callable[[str], None] | None = print,
+    router_scale: float | None = None,
+) -> str:
     """The model behind `--model tiny`: for a task with a warm start, its warm-started base (one per setting, shared by
     every run seed; mini's sft_* fields and model_seed); for any other task, a random net initialised from the run
-    seed, whose tokenizer encodes every character of the task's prompts. `log` (None: quiet, no progress bar) gets
-    a line saying where the model is cached."""
+    seed, whose tokenizer encodes every character of the task's prompts. With `router_scale` (`--model tiny-moe`) the
+    same, built as the tiny Qwen3-MoE (make_qwen3_moe) whose router weights start with that standard deviation; its
+    cache names hash it. `log` (None: quiet, no progress bar) gets a line saying where the model is cached."""
     show_progress, log = log is not None, log or (lambda _: None)
     if task.warm_start is not None:
         prompts, solutions = warm_start_corpus(task, mini)
+        name = warm_base_name(task, mini, prompts, solutions)
+        if router_scale is not None:
+            sft = {k: v for k, v in asdict(mini).items() if k.startswith("sft_") or k == "model_seed"}
+            moe = {"version": MOE_BUILDER_VERSION, "router_scale": router_scale, **sft, "corpus": [prompts, solutions]}
+            name = f"{task.name}-moe-base-{_digest(moe)[:16]}"
         return cached_build(
-            warm_base_name(task, mini, prompts, solutions),
-            lambda path: build_warm_base(task, mini, prompts, solutions, path, log, show_progress),
+            name,
+            lambda path: build_warm_base(task, mini, prompts, solutions, path, log, show_progress, router_scale),
             log,
         )
     prompts = [prompt_text(task, row) for split in ("train", "test") for row in task.problems(split)[0]]
     corpus, alphabet = tiny_corpus(), tiny_alphabet(prompts)
     vocab_size = TINY_VOCAB + len(alphabet) - len(tiny_alphabet([]))  # one more token per extra alphabet symbol
     digest = _digest({"version": TINY_BUILDER_VERSION, "corpus": corpus, "alphabet": alphabet, "vocab": vocab_size})
+    name = f"tiny-qwen2-v{vocab_size}-{digest[:12]}-s{seed}"
+    if router_scale is not None:
+        moe = {"version": MOE_BUILDER_VERSION, "router_scale": router_scale, "tokenizer": digest}
+        name = f"tiny-qwen3moe-v{vocab_size}-{_digest(moe)[:12]}-s{seed}"
     return cached_build(
-        f"tiny-qwen2-v{vocab_size}-{digest[:12]}-s{seed}",
-        lambda path: build_random_tiny(path, seed, corpus, alphabet, vocab_size),
+        name,
+        lambda path: build_random_tiny(path, seed, corpus, alphabet, vocab_size, router_scale),
         log,
     )
 
@@ -517,6 +536,42 @@ def make_qwen2(vocab_size: int, eos: int, hidden: int, layers: int, intermediate
     return Qwen2ForCausalLM(config)
 
 
+def make_qwen3_moe(vocab_size: int, eos: int, hidden: int, layers: int, seed: int, router_scale: float):
+    """The tiny Mixture-of-Experts (`--model tiny-moe`, docs/moe.md): a Qwen3-MoE whose every layer is sparse, 8 experts
+    of intermediate size 128 (a multiple of 32, as vLLM's CPU grouped GEMM wants), top-2 renormalised
+    (norm_topk_prob), head_dim 64 and tied embeddings like make_qwen2. The router weights start with standard
+    deviation `router_scale` (the rest with transformers' 0.02): the router's sharpness, the dial of how often a
+    bf16 engine routes a token elsewhere (../shared/notes/moe-routing-cpu.md measured 0.02 against 0.3)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,  # unused: every layer is sparse (decoder_sparse_step 1, no mlp_only_layers)
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, router_scale)
+    return model
+
+
 TINY_VOCAB = 160  # the random tiny net's vocabulary on printable ASCII: a random policy hits a digit ~1 time in 160
 PRINTABLE = [chr(c) for c in range(32, 127)] + ["\n"]
 
@@ -539,14 +594,22 @@ def tiny_alphabet(prompts: list[str]) -> list[str]:
     return sorted(set("".join(piece for piece, _ in mapped)))
 
 
-def build_random_tiny(path: str, seed: int, corpus: list[str], alphabet: list[str], vocab_size: int) -> dict:
+def build_random_tiny(
+    path: str, seed: int, corpus: list[str], alphabet: list[str], vocab_size: int, router_scale: float | None = None
+) -> dict:
     """A random 0.3M-parameter Qwen2 (2 layers, hidden 128) and a ~160-token BPE: the smoke model of every task
-    without a warm start."""
+    without a warm start. With `router_scale`: the tiny Qwen3-MoE instead (make_qwen3_moe, 2 layers)."""
     tokenizer = make_tokenizer(corpus, vocab_size, alphabet)
-    model = make_qwen2(len(tokenizer), tokenizer.eos_token_id, hidden=128, layers=2, intermediate=256, seed=seed)
+    eos = tokenizer.eos_token_id
+    if router_scale is None:
+        model = make_qwen2(len(tokenizer), eos, hidden=128, layers=2, intermediate=256, seed=seed)
+        info = {"kind": "random tiny"}
+    else:
+        model = make_qwen3_moe(len(tokenizer), eos, 128, layers=2, seed=seed, router_scale=router_scale)
+        info = {"kind": "random tiny MoE", "router_scale": router_scale}
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
-    return {"kind": "random tiny", "alphabet": "".join(alphabet)}
+    return {**info, "alphabet": "".join(alphabet)}
 
 
 def warm_start_corpus(task: Task, mini: MiniGSMArgs) -> tuple[list[str], list[str]]:
@@ -566,15 +629,21 @@ def build_warm_base(
     path: str,
     log: Callable[[str], None],
     show_progress: bool = False,
+    router_scale: float | None = None,
 ) -> dict:
     """Tokenizer (trained on the task's prompts and solutions, warm_start_corpus) + a 1M-parameter Qwen2 (4 layers,
     hidden 128), warm-started by supervised fine-tuning on the train split: loss on the solution tokens and EOS only,
     the prompt built exactly as rc_train.py builds it. Sizing and measurements of the minigsm base: docs/running.md
-    "The miniature GSM8K"."""
+    "The miniature GSM8K". With `router_scale`: the tiny Qwen3-MoE (make_qwen3_moe, 4 layers) by the same loop, plus
+    Qwen3-MoE's own load-balancing loss (router_aux_loss_coef) so that the experts share the tokens (docs/moe.md)."""
     t0 = time.time()
     tokenizer = make_tokenizer(prompts + solutions, 512)
     eos = tokenizer.eos_token_id
-    model = make_qwen2(len(tokenizer), eos, hidden=128, layers=4, intermediate=512, seed=mini.model_seed)
+    if router_scale is None:
+        model = make_qwen2(len(tokenizer), eos, hidden=128, layers=4, intermediate=512, seed=mini.model_seed)
+    else:
+        model = make_qwen3_moe(len(tokenizer), eos, 128, layers=4, seed=mini.model_seed, router_scale=router_scale)
+    moe = {} if router_scale is None else {"output_router_logits": True}  # the aux loss joins out.loss
     examples = [
         (
             tokenizer(p, add_special_tokens=False)["input_ids"],
@@ -595,7 +664,7 @@ def build_warm_base(
         for step in bar:
             idx = torch.randint(len(examples), (mini.sft_batch_size,), generator=order).tolist()
             input_ids, labels = sft_batch([examples[i] for i in idx], eos)
-            out = model(input_ids=input_ids, labels=labels)  # right padding: causal attention never sees it
+            out = model(input_ids=input_ids, labels=labels, **moe)  # right padding: causal attention never sees it
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -613,8 +682,8 @@ def build_warm_base(
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
     return {
-        "kind": f"{task.name} base",
-        "settings": asdict(mini),
+        "kind": f"{task.name} base" if router_scale is None else f"{task.name} MoE base",
+        "settings": asdict(mini) if router_scale is None else {**asdict(mini), "router_scale": router_scale},
         "sft_final_loss": loss,
         "build_seconds": round(time.time() - t0, 1),
     }

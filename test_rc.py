@@ -1876,6 +1876,30 @@ def test_gspo_sequence_ratio_and_its_token_variant_agree_with_a_row_advantage():
     assert loss == pytest.approx(-1.2) and grad == [0.0, 0.0] and met["actor/pg_clipfrac"] == 1.0
 
 
+def test_gspo_spreads_token_is_weights_over_the_row():
+    # One row, l = (0.2, 0.0): s = e^0.1 inside [0.8, 1.2], A = 1, seq-mean-token-mean over n = 2 tokens.
+    # gspo_token: phi_t = -w_t s_t, grad_t = -(1/2) w_t s (each token's own weight, verl's gspo).
+    # gspo:       phi_t = -w_t s_i, loss = -s_i mean(w), grad_t = -mean(w) s / 2 (the row's mean weight).
+    # Both losses are -s mean(w); with w constant in the row the gradients agree too.
+    s = math.exp(0.1)
+
+    def run(mode, weights):
+        lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+        old = torch.tensor([[-1.2, -2.0]], dtype=torch.float64)
+        adv, mask = torch.ones_like(old), torch.ones_like(old)
+        w = torch.tensor([weights], dtype=torch.float64)
+        loss, _ = rc.compute_policy_loss_vanilla(old, lp, adv, mask, rollout_is_weights=w, config=C(loss_mode=mode))
+        loss.backward()
+        return float(loss.detach()), lp.grad[0].tolist()
+
+    for mode, grad in (("gspo_token", [-0.25 * s, -0.75 * s]), ("gspo", [-0.5 * s, -0.5 * s])):
+        loss, g = run(mode, [0.5, 1.5])
+        assert loss == pytest.approx(-s) and g == pytest.approx(grad), mode
+    for mode in ("gspo_token", "gspo"):
+        loss, g = run(mode, [0.8, 0.8])
+        assert loss == pytest.approx(-0.8 * s) and g == pytest.approx([-0.4 * s, -0.4 * s]), mode
+
+
 def test_cispo_keeps_the_gradient_of_a_clipped_token_through_a_stop_gradient_weight():
     # r = e^0.5 = 1.65 -> clip 1.2 (detached); phi = -1.2 * A * log pi = -1.2 * 2 * (-1) = 2.4
     loss, met, grad = _one_row([-1.0], [-1.5], [2.0], "cispo")

@@ -9,6 +9,7 @@ small random batch (every preset, every RS option, batch normalisation, the veto
 names from the string literals of its files.
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -24,7 +25,15 @@ CORRECTIONS = os.path.join(ROOT, "docs", "corrections.md")
 METRICS = os.path.join(ROOT, "docs", "metrics.md")
 # Pages that must not hold a second preset table or a second metric list (docs/corrections.md §6 keeps the formulas
 # of the rollout_corr/* and actor/* metrics and is not one of them).
-OTHER_PAGES = ("README.md", "docs/running.md", "docs/results.md", "docs/async.md", "docs/gpus.md", "lab/README.md")
+OTHER_PAGES = (
+    "README.md",
+    "docs/running.md",
+    "docs/results.md",
+    "docs/async.md",
+    "docs/gpus.md",
+    "docs/moe.md",
+    "lab/README.md",
+)
 
 PREFIXES = ("rollout_corr", "actor", "reward", "response_length", "rollout", "eval", "timing", "perf", "health")
 PREFIX = "(?:" + "|".join(PREFIXES) + ")/"
@@ -33,19 +42,22 @@ LITERAL = re.compile(r"""(?<![\w/])["'](""" + PREFIX + r"""\w+)["']""")
 DYNAMIC_FSTRING = re.compile(r"""f["']""" + PREFIX + r"""[^"']*\{""")
 DYNAMIC_CONCAT = re.compile(r"""["']""" + PREFIX + r"""["']\s*\+""")
 # The files whose string literals name metrics (rc_core's rollout_corr/* names are built at run time: see below).
-LITERAL_FILES = ("rc_train.py", "rc_config.py", "rc_rollout.py", "rc_run.py", "rc_core.py")
+LITERAL_FILES = ("rc_train.py", "rc_config.py", "rc_rollout.py", "rc_run.py", "rc_core.py", "rc_moe.py")
 # Metric names built at run time, each handled on purpose: (file, the start of its f-string) -> how it is collected.
 DYNAMIC = {
     ("rc_core.py", 'f"rollout_corr/{'): "_apply_correction prefixes every correction metric; core_metrics "
     "calls rc_core for every preset, RS option, batch norm and the veto",
     ("rc_run.py", 'f"eval/accuracy_{'): "evaluate logs one per score key of the task (progress and print_summary "
     "read the task's accuracy key, one of them); task_metrics collects those of every task in tasks.TASKS",
+    ("rc_moe.py", 'f"rollout_corr/routing_agreement_layer{'): "routing_metrics logs one per MoE layer; moe_metrics "
+    "calls it on a 3-layer routing",
 }
 # The placeholders docs/metrics.md may use: an RS option of rc_core.RS_OPTIONS (the per-option RS metrics
 # rollout_corr/rollout_rs_<option>_*, built by rc_core.compute_rs_option_metrics as f"rollout_rs_{option.name}_..."),
 # and a score key of a task of tasks.TASKS (eval/accuracy_<key>, built by rc_run.evaluate).
 OPTION = "<option>"
 KEY = "<key>"
+LAYER = "<layer>"  # an MoE layer's index (rollout_corr/routing_agreement_layer<layer>, rc_moe.routing_metrics)
 
 
 def read(path: str) -> str:
@@ -139,6 +151,96 @@ def test_no_other_page_holds_a_second_preset_table():
 
 
 # ---------------------------------------------------------------------------------------------
+# Configuration fields and objectives
+# ---------------------------------------------------------------------------------------------
+RUNNING = os.path.join(ROOT, "docs", "running.md")
+
+
+def field_table(corrections_text: str) -> list[str]:
+    """The field names of the §9.1 table (a row may name several, e.g. `clip_cov_lb`, `clip_cov_ub`)."""
+    return [
+        n for table in tables(section(corrections_text, "9.1")) for row in table for n in re.findall(r"`(\w+)`", row[0])
+    ]
+
+
+def test_every_config_field_has_a_row_in_9_1_and_every_row_is_a_field():
+    fields = [f.name for f in dataclasses.fields(rc.RolloutCorrectionConfig) if f.init]
+    listed = field_table(read(CORRECTIONS))
+    assert [f for f in fields if f not in listed] == []
+    assert [n for n in listed if n not in fields] == []
+
+
+def page_section(text: str, title: str) -> str:
+    """The body of the '## title' section of a page without section numbers, up to the next '## ' heading."""
+    lines = text.splitlines()
+    start = lines.index(f"## {title}")
+    end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def objective_problems(running_text: str) -> list[str]:
+    """docs/running.md "Choosing an objective and a mask": every objective of rc_core.POLICY_LOSSES has a row, and every
+    loss mode a row names is one (a row names modes as `--rc.loss-mode NAME` and then `NAME`, `NAME`, ...)."""
+    named = []
+    for table in tables(page_section(running_text, "Choosing an objective and a mask")):
+        for row in table:
+            if "--rc.loss-mode" in row[0]:
+                named += [n.removeprefix("--rc.loss-mode ") for n in re.findall(r"`([^`]+)`", row[0])]
+    problems = [f"objective {n!r} has no row in running.md" for n in rc.POLICY_LOSSES if n not in named]
+    return problems + [
+        f"running.md names objective {n!r}, not in rc_core.POLICY_LOSSES" for n in named if n not in rc.POLICY_LOSSES
+    ]
+
+
+def test_the_objective_table_names_every_loss_mode_and_only_those():
+    assert objective_problems(read(RUNNING)) == []
+    running = read(RUNNING)
+    row = next(line for line in running.splitlines() if line.startswith("| `--rc.loss-mode cispo`"))
+    assert any("'cispo'" in p for p in objective_problems(running.replace(row + "\n", "")))
+    assert any(
+        "'bogus'" in p for p in objective_problems(running.replace("`--rc.loss-mode cispo`", "`--rc.loss-mode bogus`"))
+    )
+
+
+def test_every_rc_flag_on_the_running_page_is_a_correction_field():
+    """Every `--rc.NAME` that docs/running.md spells is a field of rc_train.CorrectionArgs (its --rc.* flags)."""
+    import rc_train
+
+    fields = {f.name.replace("_", "-") for f in dataclasses.fields(rc_train.CorrectionArgs)}
+    spelled = set(re.findall(r"--rc\.([a-z0-9-]+)", read(RUNNING)))
+    spelled = {n.removesuffix("-") for n in spelled}  # '--rc.rollout-outlier-threshold-low/-high'
+    assert spelled and sorted(spelled - fields - {"rollout-outlier-threshold"}) == []
+
+
+def test_the_workflow_commands_build_valid_corrections(monkeypatch):
+    """The commands of docs/running.md "Choosing a correction step by step" parse (rc_config.parse_cli) into a
+    correction rc_core accepts (rc_config.build_correction_config), and do what the page says of them."""
+    import sys
+
+    import rc_config
+    import rc_train
+
+    text = page_section(read(RUNNING), "Choosing a correction step by step")
+    commands = [line.split()[2:] for line in text.splitlines() if line.startswith("python rc_train.py ")]
+    assert len(commands) == 5
+    built = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # none of them asks for metrics-only IS by accident
+        for argv in commands:
+            monkeypatch.setattr(sys, "argv", ["rc_train.py", *argv])
+            built.append(
+                rc_config.build_correction_config(rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults).rc)
+            )
+    measure, measure_is, band, geo, full = built
+    assert all(c.bypass_mode for c in built)
+    assert (measure.rollout_is, measure.rs_specs) == (None, ()) and measure.loss_type == "ppo_clip"
+    assert measure_is.rollout_is == "token" and measure_is.rs_specs == ()
+    assert [o.name for o in band.rs_specs] == ["seq_sum_k1"] and band.rollout_is is None
+    assert [o.name for o in geo.rs_specs] == ["seq_mean_k1"]
+    assert full.loss_type == "reinforce" and full.rollout_is == "sequence" and full.rs_specs == band.rs_specs
+
+
+# ---------------------------------------------------------------------------------------------
 # Metrics
 # ---------------------------------------------------------------------------------------------
 def correction_configs() -> list:
@@ -216,8 +318,17 @@ def task_metrics() -> frozenset:
     return frozenset(f"eval/accuracy_{k}" for name in tasks.TASKS for k in tasks.make_task(name).score_keys)
 
 
+@functools.cache
+def moe_metrics() -> frozenset:
+    """rc_moe.routing_metrics's names, per-layer ones included, from a 3-layer routing."""
+    import rc_moe
+
+    routing = torch.zeros((1, 4, 3, 2), dtype=torch.long)
+    return frozenset(rc_moe.routing_metrics(routing, routing, torch.ones((1, 2))))
+
+
 def logged_metrics() -> frozenset:
-    return core_metrics() | literal_metrics() | task_metrics()
+    return core_metrics() | literal_metrics() | task_metrics() | moe_metrics()
 
 
 def doc_metrics(metrics_text: str) -> set:
@@ -227,19 +338,19 @@ def doc_metrics(metrics_text: str) -> set:
 
 def pattern(name: str) -> re.Pattern:
     """A documented name as a regular expression: <option> stands for any RS option of rc_core, <key> for any score
-    key of a task."""
+    key of a task, <layer> for a layer index."""
     options = "|".join(map(re.escape, rc.RS_OPTIONS))
     keys = "|".join(sorted({re.escape(n.removeprefix("eval/accuracy_")) for n in task_metrics()}))
-    text = re.escape(name).replace(re.escape(OPTION), f"(?:{options})")
+    text = re.escape(name).replace(re.escape(OPTION), f"(?:{options})").replace(re.escape(LAYER), "[0-9]+")
     return re.compile(text.replace(re.escape(KEY), f"(?:{keys})"))
 
 
 def metric_problems(metrics_text: str, logged: frozenset) -> list[str]:
     documented = doc_metrics(metrics_text)
     problems = [
-        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION} and {KEY})"
+        f"docs/metrics.md: unknown placeholder in {n!r} (only {OPTION}, {KEY} and {LAYER})"
         for n in sorted(documented)
-        if set("<>") & set(n.replace(OPTION, "").replace(KEY, ""))
+        if set("<>") & set(n.replace(OPTION, "").replace(KEY, "").replace(LAYER, ""))
     ]
     # The name column of every table spells each name out: no shorthand such as `_max` or `rollout_is_*`.
     for table in tables(metrics_text):

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 import types
 
 import pytest
@@ -222,6 +223,281 @@ def test_micro_batches_accumulate_without_all_reduce_except_the_last():
             rc_run.accumulating(_accelerator("MULTI_GPU"), model, last, fsdp=True), contextlib.nullcontext
         )
     assert calls == [False, False, True]
+
+
+def test_a_token_budget_must_hold_the_longest_sequence():
+    args = types.SimpleNamespace(max_tokens_per_micro_batch=99, max_response_length=64)
+    with pytest.raises(ValueError, match=r"^--max-tokens-per-micro-batch 99 is below .*\(36 tokens\).* = 100$"):
+        rc_config.check_token_budget(args, 36)
+    rc_config.check_token_budget(args, 35)  # 35 + 64 fits
+    rc_config.check_token_budget(types.SimpleNamespace(max_tokens_per_micro_batch=None, max_response_length=64), 999)
+
+
+# ---- Data-parallel updates: gradient reductions per optimizer step, token budgets across ranks ---------------------
+def _rank_batch(rank, rows, long):
+    """A rollout batch of `rows` sequences (groups of 2 sharing a prompt) for one rank: `long` ones (prompts of 10,
+    responses of 8 tokens) or short ones (3 and 1), so a token budget cuts the ranks into different counts."""
+    import rc_train
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    p_len, t_len = (10, 8) if long else (3, 1)
+    prompts, responses, groups = [], [], []
+    for g in range(rows // 2):
+        prompt = torch.randint(1, 50, (p_len,), generator=gen).tolist()
+        for _ in range(2):
+            prompts.append(prompt)
+            ids = torch.randint(1, 50, (t_len,), generator=gen).tolist()
+            responses.append((ids, (-torch.rand(t_len, generator=gen)).tolist(), ""))
+            groups.append(g)
+    batch = rc_train.make_batch(prompts, responses, 0, groups)
+    mask = batch["response_mask"].double()
+    tensors = dict(
+        response_mask=mask,
+        advantages=torch.randn(mask.shape, generator=gen, dtype=torch.float64) * mask,
+        rollout_log_prob=batch["rollout_log_prob"].double(),
+    )
+    return batch, tensors
+
+
+def _ddp_update_worker(rank, world, port, results, runs, long_rank):
+    """One data-parallel rank (gloo) through rc_train.update_policy, the model prepared as rc_train.py prepares it
+    (Accelerate's DDP, or rc_run.shard_model with fsdp=True). For each of `runs` (name, Args overrides), from the same
+    initial weights: the gradient reductions of each optimizer step are counted (DDP: a comm hook, one round per
+    backward that reduces, ending with its last bucket; FSDP2: its reduce-scatters, one per sharded module), and SGD
+    at lr 1 makes the weight change the gradient."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    os.environ.update(LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import rc_train
+    import tasks
+
+    accelerator = Accelerator(cpu=True)
+    host = rc_run.HostGroup(world)
+    batch, tensors = _rank_batch(rank, 8, long=rank == long_rank)
+    initial = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
+    correction = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
+    rounds = [0]
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counting_reduce_scatter(*a, **kw):  # FSDP2 calls dist.reduce_scatter_single once per module and backward
+        rounds[0] += 1
+        return reduce_scatter(*a, **kw)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
+    for name, overrides in runs:
+        model = initial.__class__(initial.config).double()
+        model.load_state_dict(initial.state_dict())
+        if overrides.get("fsdp"):
+            model = rc_run.shard_model(model, "cpu")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        rounds[0], per_step = 0, []
+        optimizer.register_step_pre_hook(lambda *_, steps=per_step: steps.append(rounds[0] - sum(steps)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        if not overrides.get("fsdp"):
+            model, optimizer = accelerator.prepare(model, optimizer)
+
+            def counting_hook(state, bucket):
+                rounds[0] += bucket.is_last()  # one round of reduction per backward that reduces, whatever its buckets
+                return default_hooks.allreduce_hook(None, bucket)
+
+            model.register_comm_hook(None, counting_hook)
+        args = rc_train.Args(
+            num_minibatches=1, ppo_epochs=2, max_grad_norm=1e9, max_response_length=8, **dict(overrides)
+        )
+        learner = rc_train.Learner(accelerator, host, model, optimizer, scheduler)
+        _, actor, _ = rc_train.update_policy(
+            args=args,
+            correction=correction,
+            learner=learner,
+            batch=batch,
+            tensors=dict(tensors),
+            generator=torch.Generator().manual_seed(rank),
+            batch_correction={},
+        )
+        weights = dict(rc_run.full_weights(accelerator.unwrap_model(model)))
+        results[(name, rank)] = {
+            "per_step": per_step,
+            "pg_loss": actor["actor/pg_loss"],
+            "grad_norm": actor["actor/grad_norm"],
+            "delta": {k: (weights[k] - v).clone() for k, v in initial.state_dict().items()},
+        }
+    dist.destroy_process_group()
+
+
+def _spawn_or_fail(worker, args, timeout):
+    """Run `worker` on 2 processes; a run that does not end within `timeout` s (a hung collective) is killed and
+    fails the test."""
+    context = mp.spawn(worker, args=args, nprocs=2, join=False)
+    deadline = time.time() + timeout
+    while not context.join(timeout=max(0.1, deadline - time.time())):
+        if time.time() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"the 2 ranks did not finish within {timeout} s: a collective hung")
+
+
+@pytest.mark.parametrize("share_prompt_prefix", [False, True])
+def test_ddp_reduces_gradients_once_per_optimizer_step(share_prompt_prefix):
+    """DDP decides at forward time whether a backward all-reduces (DistributedDataParallel.no_sync), so every
+    non-final micro-batch must run its forward, loss and backward under no_sync: 4 micro-batches per optimizer step,
+    2 optimizer steps, exactly one reduction round in each."""
+    results = mp.Manager().dict()
+    runs = [("count", {"micro_batch_size": 2, "share_prompt_prefix": share_prompt_prefix})]
+    _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, None), timeout=300)
+    for rank in (0, 1):
+        assert results[("count", rank)]["per_step"] == [1, 1], results[("count", rank)]["per_step"]
+
+
+def test_fsdp2_reduce_scatters_once_per_optimizer_step():
+    """FSDP2 (rc_run.accumulating: set_requires_gradient_sync) reduce-scatters each sharded module's gradients on
+    the last micro-batch only: 4 micro-batches per optimizer step reduce as often as 1."""
+    results = mp.Manager().dict()
+    runs = [("four", {"micro_batch_size": 2, "fsdp": True}), ("one", {"micro_batch_size": 8, "fsdp": True})]
+    _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, None), timeout=300)
+    for rank in (0, 1):
+        four, one = results[("four", rank)]["per_step"], results[("one", rank)]["per_step"]
+        assert four == one and one[0] == one[1] > 0, (four, one)
+        assert results[("four", rank)]["grad_norm"] == pytest.approx(results[("one", rank)]["grad_norm"], rel=1e-6)
+
+
+def test_split_to_count_halves_the_largest_micro_batch():
+    import rc_train
+
+    batch, _ = _rank_batch(0, 8, long=False)  # 8 sequences of 3 + 1 tokens
+    batch["response_len"][torch.tensor([0, 1])] = 4  # rows 0 and 1 are longer (their padded size counts)
+    groups = [torch.tensor([2, 3, 4, 5, 6, 7]), torch.tensor([0, 1])]
+    assert rc_train.split_to_count(groups, batch, 2) == groups  # already as many
+    split = rc_train.split_to_count(groups, batch, 4)
+    # 6 x 4 = 24 padded tokens, then 3 x 4 = 12 against 2 x 7 = 14: the second split is the long pair's
+    assert [g.tolist() for g in split] == [[2, 3, 4], [5, 6, 7], [0], [1]]
+    assert len(rc_train.split_to_count(groups, batch, 8)) == 8
+    with pytest.raises(RuntimeError, match="into 9"):
+        rc_train.split_to_count(groups, batch, 9)
+
+
+def test_a_token_budget_under_ddp_neither_hangs_nor_changes_the_update():
+    """Rank 1's sequences are long and rank 0's short: a token budget of 20 cuts rank 1's minibatch into 8
+    micro-batches and rank 0's into 2. Every rank must run as many (each reduction and buffer broadcast is a
+    collective); the loss has global denominators, so the update equals the one without a budget."""
+    import rc_train
+
+    for rank, count in ((0, 2), (1, 8)):  # what the budget alone cuts on each rank
+        batch, _ = _rank_batch(rank, 8, long=rank == 1)
+        assert len(rc_train.micro_batches(torch.arange(8), batch, 8, 20, by_group=True)) == count
+    results = mp.Manager().dict()
+    runs = [("budget", {"micro_batch_size": 8, "max_tokens_per_micro_batch": 20}), ("plain", {"micro_batch_size": 8})]
+    _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, 1), timeout=120)
+    for rank in (0, 1):
+        budget, plain = results[("budget", rank)], results[("plain", rank)]
+        assert budget["per_step"] == plain["per_step"] == [1, 1]
+        # float64 weights, float32 log-probs (rc_core.log_probs_from_logits): another grouping rounds them otherwise
+        # in their last bit (measured: 7.5e-8 of the largest weight change after 2 steps); a micro-batch lost or
+        # counted twice would move them by ~1/8
+        assert budget["pg_loss"] == pytest.approx(plain["pg_loss"], rel=1e-8)
+        assert budget["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+        for name, delta in plain["delta"].items():
+            torch.testing.assert_close(budget["delta"][name], delta, rtol=0, atol=1e-6 * float(delta.abs().max()))
+    for name in plain["delta"]:  # the replicas agree
+        assert torch.equal(results[("budget", 0)]["delta"][name], results[("budget", 1)]["delta"][name])
+
+
+# ---- final/: the base model's dtype, streamed shard by shard ----------------------------------------------------
+class _Tokenizer:
+    def save_pretrained(self, path):
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write("{}")
+
+
+def _trained_from_a_bf16_base(base_dir):
+    """A bf16 checkpoint loaded as rc_train.py loads it (dtype="auto", then fp32 master weights), then 'trained':
+    moved off bf16's grid, so that the cast to bf16 at the save is a real rounding."""
+    from transformers import AutoModelForCausalLM
+
+    import tasks
+
+    if not os.path.isdir(base_dir):
+        tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).to(
+            torch.bfloat16
+        ).save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto").float()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    return model
+
+
+def _check_final(final, trained):
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((final / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["architectures"] == ["Qwen2ForCausalLM"]
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    expected = {k: v.to(torch.bfloat16) for k, v in trained.state_dict().items()}
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():  # the trained weights cast to the base dtype, bit for bit
+        assert torch.equal(got[name], value), name
+    assert any(not torch.equal(v.float(), trained.state_dict()[k]) for k, v in got.items())  # really bf16
+    assert (final / "tokenizer.json").exists()
+
+
+def test_final_weights_are_saved_in_the_base_dtype_shard_by_shard(tmp_path):
+    from safetensors import safe_open
+
+    trained = _trained_from_a_bf16_base(str(tmp_path / "base"))
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True)
+    written = []
+    import safetensors.torch
+
+    save_file = safetensors.torch.save_file
+
+    def recording_save_file(tensors, path, metadata=None):
+        written.append(sorted(tensors))
+        return save_file(tensors, path, metadata=metadata)
+
+    safetensors.torch.save_file = recording_save_file
+    try:
+        rc_run.save_final(str(tmp_path / "run"), trained, _Tokenizer(), accelerator, max_shard_bytes=20_000)
+    finally:
+        safetensors.torch.save_file = save_file
+    final = tmp_path / "run" / "final"
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == len(written) > 2 and all(len(w) <= 4 for w in written)  # each shard as soon as it filled
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as the embedding
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * 2 for k, v in trained.state_dict().items() if k != "lm_head.weight"
+    )
+    for file in files:
+        with safe_open(final / file, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+    _check_final(final, trained)
+    rc_run.save_final(str(tmp_path / "one"), trained, _Tokenizer(), accelerator)  # below the default shard size
+    assert sorted(p.name for p in (tmp_path / "one" / "final").glob("model*")) == ["model.safetensors"]
+    _check_final(tmp_path / "one" / "final", trained)
+
+
+def _fsdp_final_worker(rank, world, port, base_dir, run_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = rc_run.shard_model(_trained_from_a_bf16_base(base_dir), "cpu")
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=rank == 0)
+    rc_run.save_final(run_dir, model, _Tokenizer(), accelerator, max_shard_bytes=20_000)
+    dist.destroy_process_group()
+
+
+def test_final_weights_from_fsdp2_shards_equal_the_unsharded_ones(tmp_path):
+    trained = _trained_from_a_bf16_base(str(tmp_path / "base"))  # writes the base the ranks load
+    _spawn_or_fail(_fsdp_final_worker, (2, _free_port(), str(tmp_path / "base"), str(tmp_path / "run")), 300)
+    _check_final(tmp_path / "run" / "final", trained)
 
 
 def test_weight_fingerprint_sees_every_bit():
@@ -491,3 +767,21 @@ def test_torch_threads_follow_the_mode_unless_omp_num_threads_is_set(monkeypatch
     assert rc_config.torch_threads(0, environ={"OMP_NUM_THREADS": "1"}) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert rc_config.torch_threads(1, environ={}) == 1
+
+
+# ---- The health check at run time -----------------------------------------------------------------------------
+def test_health_watch_says_when_a_check_fires_and_clears_and_counts_steps():
+    lines = []
+    watch = rc_run.HealthWatch(lines.append)
+    healthy = {"rollout_corr/rollout_is_eff_sample_size": 0.9, "rollout_corr/kl": 0.01}
+    sick = {"rollout_corr/rollout_is_eff_sample_size": 0.2, "rollout_corr/kl": -0.3}
+    assert watch.check(0, healthy) == {"health/is_ess": 0.0, "health/kl": 0.0}  # absent metrics: no key
+    assert watch.check(1, sick) == {"health/is_ess": 1.0, "health/kl": 1.0}
+    assert watch.check(2, sick) == {"health/is_ess": 1.0, "health/kl": 1.0}  # still firing: no new line
+    assert watch.check(3, {**sick, "rollout_corr/kl": 0.05})["health/kl"] == 0.0
+    assert len(lines) == 3 and all(line.startswith("health: ") for line in lines)
+    assert "step 1" in lines[0] and "health/is_ess" in lines[0] and "< 0.3" in lines[0]
+    assert "step 1" in lines[1] and "|rollout_corr/kl| = -0.3" in lines[1] and "> 0.1" in lines[1]
+    assert lines[2] == "health: step 3: health/kl clears (rollout_corr/kl = 0.05)"
+    assert watch.summary(4) == "health checks fired: health/is_ess on 3 of 4 steps, health/kl on 2 of 4 steps"
+    assert rc_run.HealthWatch().summary(4) == "health checks: none fired"

@@ -13,6 +13,7 @@ import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.image import imread
 
+import rc_core
 import rc_plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -52,6 +53,13 @@ def records_is(n=10):
             "rollout_corr/rollout_rs_masked_fraction": 0.001 * s,
             "rollout_corr/rollout_is_veto_fraction": 0.0005 * s,
             "actor/grad_norm": 1.0 + s,
+            "rollout_corr/rollout_is_std": 0.3 + 0.1 * s,
+            # rc_run.HealthWatch's records: 1.0 where a check fires (IS std above 1 from step 8), 0.0 where it passes.
+            "health/is_mean": 0.0,
+            "health/is_ess": 0.0,
+            "health/is_std": float(s >= 8),
+            "health/kl": float(s in (1, 5)),
+            "health/chi2_token": 0.0,
         }
         if s in (0, 4, 9):
             r["eval/accuracy"] = 0.2 + 0.05 * s
@@ -218,7 +226,7 @@ def test_dashboard_panels_hold_the_expected_data(two_runs):
     np.testing.assert_allclose(ev_b["--"].get_ydata(), [0.5])  # flexible
 
     # IS / ESS / masked fractions: only the run that logs them.
-    for title in ("IS weight mean", "Effective sample size"):
+    for title in ("IS weight mean", "IS weight std", "Effective sample size"):
         assert len(lines_of(axes[title], a)) == 1 and lines_of(axes[title], b) == []
     masked = axes["Masked fractions"]
     assert {ln.get_linestyle() for ln in lines_of(masked, a)} == {"-", "--"} and lines_of(masked, b) == []
@@ -248,10 +256,100 @@ def test_dashboard_not_logged_for_a_run_without_is(tmp_path):
     d = write_run(tmp_path, "plain", records_plain())
     fig = rc_plot.build_dashboard([rc_plot.load_metrics(str(d))], ["plain"])
     axes = panel_axes(fig)
-    for title in ("IS weight mean", "Effective sample size", "Masked fractions", "Response length"):
+    for title in (
+        "IS weight mean",
+        "IS weight std",
+        "Effective sample size",
+        "Masked fractions",
+        "Response length",
+        "Health checks fired",
+    ):
         assert [t.get_text() for t in axes[title].texts] == ["not logged"], title
         assert axes[title].get_lines() == []
     assert axes["Mismatch KL k3"].get_yscale() == "log"  # zero at step 0, positive later
+
+
+def reference_lines(ax) -> set[tuple[str, float]]:
+    """(gid, y) of the horizontal reference lines of a panel: gid "ref" for a fixed line, the check's name for a
+    threshold of rc_core.HEALTH_CHECKS (rc_plot._draw_reference_lines)."""
+    out = set()
+    for ln in ax.get_lines():
+        if ln.get_gid():
+            y0, y1 = ln.get_ydata()
+            assert y0 == y1, ln.get_gid()  # an axhline
+            out.add((ln.get_gid(), float(y0)))
+    return out
+
+
+def test_reference_lines_are_the_usage_guides(two_runs):
+    """verl's usage guide ("Debugging: Visualizing Metrics"; check_rollout_correction_health): ESS 0.5 good and 0.3
+    warning, chi-squared 1.0, IS mean ideal 1.0 and alarms outside [0.5, 2], IS std 1, |KL| 0.1."""
+    runs = [rc_plot.load_metrics(str(d)) for d in two_runs]
+    axes = panel_axes(rc_plot.build_dashboard(runs, ["A", "B"]))
+    assert reference_lines(axes["Effective sample size"]) == {("ref", 0.5), ("health/is_ess", 0.3)}
+    assert reference_lines(axes["Chi-squared divergence"]) == {("ref", 0.0), ("health/chi2_token", 1.0)}
+    assert reference_lines(axes["IS weight mean"]) == {("ref", 1.0), ("health/is_mean", 0.5), ("health/is_mean", 2.0)}
+    assert reference_lines(axes["IS weight std"]) == {("health/is_std", 1.0)}
+    kl = reference_lines(axes["Mismatch KL k1 (rollout vs train)"])
+    assert kl == {("ref", 0.0), ("health/kl", 0.1), ("health/kl", -0.1)}
+    assert reference_lines(axes["PPL ratio (train / rollout)"]) == {("ref", 1.0)}
+    # A threshold line is included in the y-range even where the data stay far from it.
+    lo, hi = axes["IS weight mean"].get_ylim()
+    assert lo < 0.5 and hi > 2.0
+    # The key names the thresholds.
+    labels = [t.get_text() for t in axes["IS weight mean"].get_legend().get_texts()]
+    assert labels == ["ideal 1.0", "warn < 0.5 or > 2"]
+    assert "token warn > 1" in [t.get_text() for t in axes["Chi-squared divergence"].get_legend().get_texts()]
+
+
+def test_threshold_lines_are_read_from_health_checks(two_runs, monkeypatch):
+    """The lines follow rc_core.HEALTH_CHECKS (a changed threshold moves its line): no second copy of the numbers."""
+    runs = [rc_plot.load_metrics(str(d)) for d in two_runs]
+    checks = dict(rc_core.HEALTH_CHECKS)
+    checks["health/is_ess"] = rc_core.HealthCheck("rollout_corr/rollout_is_eff_sample_size", 0.25, None)
+    checks["health/is_mean"] = rc_core.HealthCheck("rollout_corr/rollout_is_mean", None, 3.0)
+    checks["health/kl"] = rc_core.HealthCheck("rollout_corr/kl", None, 0.2, absolute=True)
+    monkeypatch.setattr(rc_core, "HEALTH_CHECKS", checks)
+    axes = panel_axes(rc_plot.build_dashboard(runs, ["A", "B"]))
+    assert ("health/is_ess", 0.25) in reference_lines(axes["Effective sample size"])
+    assert ("health/is_ess", 0.3) not in reference_lines(axes["Effective sample size"])
+    assert reference_lines(axes["IS weight mean"]) == {("ref", 1.0), ("health/is_mean", 3.0)}
+    assert {("health/kl", 0.2), ("health/kl", -0.2)} <= reference_lines(axes["Mismatch KL k1 (rollout vs train)"])
+
+
+def test_every_health_check_is_drawn_on_a_panel_of_its_metric():
+    for name, check in rc_core.HEALTH_CHECKS.items():
+        panels = [p for p in rc_plot.PANELS if name in p.health]
+        assert len(panels) == 1, name
+        assert check.metric in [s.key for s in panels[0].series], (name, panels[0].title)
+    assert all(n in rc_core.HEALTH_CHECKS for p in rc_plot.PANELS for n in p.health)
+    [events] = [p for p in rc_plot.PANELS if p.kind == "health"]
+    assert [s.key for s in events.series] == list(rc_core.HEALTH_CHECKS)  # one row per check
+
+
+def test_health_panel_marks_the_steps_each_check_fired_on(tmp_path):
+    """One row per check (HEALTH_CHECKS order, top to bottom), a mark per firing step in the run's colour; a run
+    without health/* records adds nothing; a logged run where nothing fired says so."""
+    quiet = [{**r, "health/kl": 0.0, "health/is_std": 0.0} for r in records_is()]
+    runs = [records_is(), records_plain(), quiet]
+    axes = panel_axes(rc_plot.build_dashboard(runs, ["A", "B", "C"]))
+    ax = axes["Health checks fired"]
+    names = list(rc_core.HEALTH_CHECKS)
+    rows = {len(names) - 1 - i: n for i, n in enumerate(names)}
+    marks = {}
+    for ln in lines_of(ax, "C0"):
+        [row] = {round(y) for y in ln.get_ydata()}
+        marks[rows[row]] = list(ln.get_xdata())
+    assert marks == {"health/is_std": [8, 9], "health/kl": [1, 5]}
+    assert lines_of(ax, "C1") == [] and lines_of(ax, "C2") == []
+    assert [t.get_text() for t in ax.get_yticklabels()] == [n.removeprefix("health/") for n in names][::-1]
+    assert "none fired" not in [t.get_text() for t in ax.texts]
+
+    axes = panel_axes(rc_plot.build_dashboard([quiet], ["C"]))
+    assert [t.get_text() for t in axes["Health checks fired"].texts] == ["none fired"]
+    partial = [{k: v for k, v in r.items() if k != "health/is_mean"} for r in quiet]
+    ticks = panel_axes(rc_plot.build_dashboard([partial], ["P"]))["Health checks fired"].get_yticklabels()
+    assert "is_mean (not logged)" in [t.get_text() for t in ticks]
 
 
 def test_build_dashboard_rejects_bad_arguments(two_runs):

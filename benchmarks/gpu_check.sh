@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU check of the trainer's update, one command: benchmarks/bench_gpu_step.py --breakdown --profile on one GPU
+# at three shapes (Qwen2.5-0.5B at the mean GSM8K shape, 0.5B and 1.5B at the worst case: 400-token prompts, 512-token
+# responses) and two with larger micro-batches, then one table of the runs. About 6-7 minutes on an H200 (each run is
+# bounded by `timeout`, so a slow or failing run leaves the others).
+#
+#   bash benchmarks/gpu_check.sh          # from any folder; writes to $OUT if set, else runs/gpu_check
+#   GPU_CHECK_EXTRA="--tiny --prompt-len 16 --response-len 12" bash benchmarks/gpu_check.sh   # a CPU dry run, seconds
+#
+# Written there (8 files at most, none more than one folder down): gpu_check.log (everything printed),
+# results.jsonl (each run's JSON line, with "check": its name), profiles.txt (the three profiler tables),
+# trace_<run>.json.gz (Chrome traces of the profiled micro-batches; open in https://ui.perfetto.dev).
+#
+# tyro (imported by rc_infra) may be missing on a GPU machine that has torch, transformers and accelerate: the script
+# then installs it from wheels in .whl/ (git-ignored), downloaded beforehand where an index is reachable:
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+# .whl/ is ignored by git, so a tool that copies the working tree must be told to take it along: with this
+# workplace's device tool, run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600).
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+out=${OUT:-runs/gpu_check}
+mkdir -p "$out" || exit 2
+log="$out/gpu_check.log"
+results="$out/results.jsonl"
+: >"$log"
+: >"$results"
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if ! "$python" -c "import tyro" 2>/dev/null; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_check: tyro is not installed and .whl/ holds no wheels: see the header of $0" | tee -a "$log" >&2
+        exit 2
+    fi
+    site=$(mktemp -d /tmp/gpu_check_site.XXXXXX)
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        2>&1 | tee -a "$log" || exit 2
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$python" -c "import torch, transformers, accelerate, tyro; print('python', __import__('sys').version.split()[0], \
+'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, \
+'tyro', tyro.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee -a "$log"
+
+run() { # run NAME SECONDS ARGS...: one bench_gpu_step run; its last line (the JSON) goes to results.jsonl
+    local name=$1 limit=$2
+    shift 2
+    local stdout status
+    stdout=$(mktemp /tmp/gpu_check_stdout.XXXXXX)
+    local extra=${BREAKDOWN---breakdown --profile $out}  # BREAKDOWN="" for a run without them
+    echo "=== $name: python -m benchmarks.bench_gpu_step $extra $*" | tee -a "$log"
+    # shellcheck disable=SC2086  # GPU_CHECK_EXTRA, extra: words
+    timeout -k 10 "$limit" "$python" -m benchmarks.bench_gpu_step $extra "$@" ${GPU_CHECK_EXTRA:-} \
+        2> >(tee -a "$log" >&2) | tee -a "$log" "$stdout" | grep -v '^{'  # the JSON line: in the log and results
+    status=${PIPESTATUS[0]}
+    if [ "$status" -eq 0 ] && tail -n 1 "$stdout" | grep -q '^{'; then
+        tail -n 1 "$stdout" | sed "s/^{/{\"check\": \"$name\", /" >>"$results"
+    else
+        echo "=== $name: failed (exit $status; 124 = over its $limit s)" | tee -a "$log"
+    fi
+    rm -f "$stdout"
+}
+
+run 0.5b_mean 150 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2
+run 1.5b_worst 200 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
+# Fewer, larger micro-batches at the same shapes (the per-micro-batch overhead against the memory they need):
+# timings and memory only, no breakdown
+BREAKDOWN="" run 0.5b_mean_mb64 90 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2 --micro-batch-size 64
+BREAKDOWN="" run 1.5b_worst_mb16 120 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 \
+    --repeats 1 --micro-batch-size 16
+run 0.5b_worst 120 --config configs/gsm8k_qwen0.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
+
+if ls "$out"/profile_*.txt >/dev/null 2>&1; then
+    cat "$out"/profile_*.txt >"$out/profiles.txt" && rm -f "$out"/profile_*.txt
+fi
+echo "=== summary (per micro-batch unless said; the three runs' JSON lines: $results)" | tee -a "$log"
+"$python" -c "import sys, benchmarks.bench_gpu_step as b; sys.exit(b.summarize(sys.argv[1]))" "$results" 2>&1 |
+    tee -a "$log"

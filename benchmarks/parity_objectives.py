@@ -1,0 +1,520 @@
+"""The objectives against their peers (issue 32, "Checks"; not a test): every objective of rc_core.POLICY_LOSSES
+(docs/corrections.md §7.7) that verl 0.9.1 or TRL 1.16 also implements, computed by both on the same random inputs:
+the loss, its gradient with respect to log pi_theta, and the metrics both report. Prints the largest difference per
+objective; docs/results.md "Objectives against verl and TRL" records the table.
+
+Each peer lives in its own virtual environment under .bench/ (never the trainer's), created here on first use with
+pinned versions. verl's full dependency set (ray[default], vLLM or SGLang extras, wandb, ...) is not needed to call
+its losses: verl is installed with --no-deps beside VERL_IMPORT_DEPS, the packages importing
+verl.trainer.ppo.core_algos needs (found by importing it in an empty environment until it imported). TRL is
+installed with its dependencies (TRL_PINS). Both get this interpreter's torch, pinned to its exact version. The
+comparison runs inside the peer's environment: rc_core is pure torch and is imported from this repository.
+
+Call conventions (read from the peers' code):
+  verl   core_algos.get_policy_loss_fn(mode)(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+         config=ActorConfig(..., policy_loss=PolicyLossConfig(loss_mode=mode, ...)), rollout_is_weights=w)
+         -> (loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}); verl's actor passes its
+         configured loss_agg_mode (workers/utils/losses.py), so each case names the mode it compares.
+  TRL    GRPOTrainer._compute_loss(self, model, inputs) is a method that also runs the model; it is called on a
+         trainer object built without __init__ whose per-token log-prob function returns the test's log_prob, with
+         one process, no gradient accumulation, no entropy bonus, no vLLM.
+  ours   rc_core.compute_policy_loss_vanilla(old, log_prob, A, mask, loss_agg_mode, clip_low, clip_high, clip_c,
+         rollout_is_weights=w, config=RolloutCorrectionConfig(loss_mode=..., ...)) (decoupled mode, pi_prox = pi_old).
+
+Inputs (float64, SEEDS draws per case): B = 16 responses of 1 to 24 tokens (no empty row), p_old uniform in
+(0.01, 0.99), log p_theta = log p_old + N(0, 0.3^2) kept below log 0.9999 (DPPO's binary KL needs p < 1), garbage at
+the padding, advantages constant per response (GRPO) or per token where the objective allows it, optional IS weights
+exp(N(0, 0.2^2)) capped at 2. No rejection mask: verl's response mask is the kept mask, whose denominators differ from
+ours by design once tokens are rejected (docs/corrections.md §7.5, §11 item 5).
+Randomness: clip_cov draws its tokens with torch.randperm over the same candidates in the same (row-major) order in
+verl and rc_core, so torch.manual_seed(case seed) before each call makes the draw identical; kl_cov takes the top-k
+covariance tokens (deterministic). Both are also run with a fraction of 0.2 so that many tokens are selected.
+
+Usage:  python -m benchmarks.parity_objectives                   (both peers; environments created on first use)
+        python -m benchmarks.parity_objectives --peers verl
+        python -m benchmarks.parity_objectives --json out.json   (the raw numbers as well)
+        python -m benchmarks.parity_objectives --worker verl     (inside a peer's environment: what the above runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+BENCH = os.path.join(ROOT, ".bench")
+VERL_PIN = "verl==0.9.1"
+# What `import verl.trainer.ppo.core_algos` needs, no more (verl's own ranges: tensordict >=0.8,<=0.10, !=0.9.0;
+# transformers >=5.5.3,<5.11, != 5.6.0 -- 5.9.0 is its CPU extra's pin).
+VERL_IMPORT_DEPS = (
+    "numpy==2.4.6",
+    "omegaconf==2.4.0",
+    "packaging==25.0",
+    "ray==2.60.0",
+    "tensordict==0.10.0",
+    "transformers==5.9.0",
+    "codetiming==1.4.0",
+    "orjson==3.13.0",
+)
+TRL_PINS = ("trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0")
+PEERS = ("verl", "trl")
+SEEDS = 5
+B, T = 16, 24
+
+
+# ---- the peers' environments -------------------------------------------------------------------------------------
+def torch_pin() -> str:
+    import torch
+
+    return f"torch=={torch.__version__}"
+
+
+def _env_and_steps(peer: str) -> tuple[str, list[list[str]]]:
+    """The peer's environment folder and its pip install steps."""
+    if peer == "verl":
+        steps = [[torch_pin(), *VERL_IMPORT_DEPS], ["--no-deps", VERL_PIN]]
+    else:
+        steps = [[torch_pin(), *TRL_PINS]]
+    return os.path.join(BENCH, f"{peer}-env"), steps
+
+
+def peer_ready(peer: str) -> str | None:
+    """The peer's environment's python if it exists with exactly these pins (its stamp file), else None."""
+    env, steps = _env_and_steps(peer)
+    stamp = os.path.join(env, "installed.txt")
+    pins = " ".join(" ".join(s) for s in steps)
+    if os.path.exists(stamp) and open(stamp).read().strip() == pins:
+        return os.path.join(env, "bin", "python")
+    return None
+
+
+def peer_python(peer: str) -> str:
+    """The peer's environment's python, created on first use (a stamp file holds the pins it was built with)."""
+    python = peer_ready(peer)
+    if python:
+        return python
+    env, steps = _env_and_steps(peer)
+    python = os.path.join(env, "bin", "python")
+    pins = " ".join(" ".join(s) for s in steps)
+    print(f"[{peer}] creating {env}: {pins} (minutes, once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", env], check=True)
+    for step in steps:
+        subprocess.run([python, "-m", "pip", "install", "-q", *step], check=True)
+    with open(os.path.join(env, "installed.txt"), "w") as f:
+        f.write(pins + "\n")
+    return python
+
+
+def run_worker(peer: str, python: str, out: str) -> dict:
+    """Run this module's worker for `peer` in the peer's environment; its result (rows, versions)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [python, "-m", "benchmarks.parity_objectives", "--worker", peer, "--out", out]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    with open(out) as f:
+        return json.load(f)
+
+
+# ---- inputs ------------------------------------------------------------------------------------------------------
+def make_inputs(seed: int, token_advantages: bool, is_weights: bool):
+    """(old_log_prob, log_prob, advantages, mask, weights or None), float64 (B, T); see the module docstring."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    old = torch.log(torch.rand((B, T), generator=g, dtype=torch.float64) * 0.98 + 0.01)
+    new = torch.clamp(old + 0.3 * torch.randn((B, T), generator=g, dtype=torch.float64), max=math.log(0.9999))
+    garbage = -5.0 * torch.rand((B, T), generator=g, dtype=torch.float64)
+    old, new = torch.where(mask, old, garbage), torch.where(mask, new, garbage)
+    shape = (B, T) if token_advantages else (B, 1)
+    adv = torch.randn(shape, generator=g, dtype=torch.float64).expand(B, T).clone()
+    weights = None
+    if is_weights:
+        weights = torch.clamp(torch.exp(0.2 * torch.randn((B, T), generator=g, dtype=torch.float64)), max=2.0) * mask
+    return old, new, adv, mask, weights
+
+
+def rc_loss(old, new, adv, mask, weights, agg, clips, settings, seed, rollout=None):
+    """rc_core's loss, gradient w.r.t. log_prob and metrics (decoupled mode, pi_prox = old)."""
+    import torch
+
+    import rc_core
+
+    config = rc_core.RolloutCorrectionConfig(**settings)
+    log_prob = new.clone().requires_grad_()
+    torch.manual_seed(seed)
+    loss, metrics = rc_core.compute_policy_loss_vanilla(
+        old,
+        log_prob,
+        adv,
+        mask.to(torch.float64),
+        agg,
+        *clips,
+        rollout_is_weights=weights,
+        rollout_log_prob=rollout,
+        config=config,
+    )
+    loss.backward()
+    return float(loss.detach()), log_prob.grad, metrics
+
+
+def compare(ours, theirs, metric_pairs, mask):
+    """Largest |difference| of the loss, of the gradient (valid positions; padding must be 0 in both) and of each
+    metric pair (ours name, theirs name)."""
+    (loss_a, grad_a, met_a), (loss_b, grad_b, met_b) = ours, theirs
+    grad_b = grad_b if grad_b is not None else grad_a * 0
+    out = {"loss": abs(loss_a - loss_b), "grad": float((grad_a - grad_b).abs().max()), "scale": abs(loss_b)}
+    out["grad_padding"] = float(grad_a[~mask].abs().max().item() if (~mask).any() else 0.0)
+    out["grad_padding"] = max(out["grad_padding"], float(grad_b[~mask].abs().max()) if (~mask).any() else 0.0)
+    for ours_name, theirs_name in metric_pairs:
+        out[f"metric {ours_name}"] = abs(float(met_a[ours_name]) - float(met_b[theirs_name]))
+    return out
+
+
+# ---- verl --------------------------------------------------------------------------------------------------------
+# (label, verl loss mode, our loss mode, loss_agg_mode, advantages per token?, settings, note)
+_FRACTION = {"clip_cov_ratio": 0.03, "kl_cov_ratio": 0.2}
+VERL_CASES = (
+    ("vanilla", "vanilla", "vanilla", "token-mean", True, {}, ""),
+    ("vanilla", "vanilla", "vanilla", "seq-mean-token-sum", True, {}, ""),
+    ("gspo_token", "gspo", "gspo_token", "seq-mean-token-mean", True, {}, "verl's gspo"),
+    ("gspo", "gspo", "gspo", "seq-mean-token-mean", False, {}, "verl's gspo, GRPO advantages"),
+    ("cispo", "cispo", "cispo", "token-mean", True, {}, ""),
+    ("sapo", "sapo", "sapo", "seq-mean-token-mean", True, {}, ""),
+    ("geo_mean", "geo_mean", "geo_mean", "token-mean", False, {}, "sequence advantages (verl's condition)"),
+    ("dppo_tv", "dppo_tv", "dppo_tv", "token-mean", True, {}, ""),
+    ("dppo_kl", "dppo_kl", "dppo_kl", "token-mean", True, {}, ""),
+    ("clip_cov", "clip_cov", "clip_cov", "token-mean", True, {}, "default fraction 0.0002: 1 token of 7-14 drawn"),
+    ("clip_cov", "clip_cov", "clip_cov", "token-mean", True, _FRACTION, "fraction 0.03: 5-6 tokens of 7-14 drawn"),
+    ("kl_cov", "kl_cov", "kl_cov", "token-mean", True, {}, "default fraction 0.0002: one token"),
+    ("kl_cov", "kl_cov", "kl_cov", "token-mean", True, _FRACTION, "fraction 0.2"),
+)
+CLIPS = (0.2, 0.28, 3.0)  # clip_ratio_low, clip_ratio_high (DAPO's clip-higher), clip_ratio_c
+# The metrics both report, by name; verl's constant-0.0 placeholders (e.g. gspo's pg_clipfrac_lower) have no
+# counterpart here and are not compared. kl_cov's actor/ppo_kl is <|log r|> in verl and <-log r> here (§7.7).
+VERL_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
+def verl_worker() -> list[dict]:
+    import torch
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    import rc_core
+
+    rows = []
+    for label, theirs, ours, agg, token_adv, settings, note in VERL_CASES:
+        for with_weights in (False, True):
+            worst = defaultdict(float)
+            for seed in range(SEEDS):
+                old, new, adv, mask, weights = make_inputs(seed, token_adv, with_weights)
+                params = {k: settings.get(k, getattr(rc_core.RolloutCorrectionConfig, k)) for k in PARAMS}
+                config = ActorConfig(
+                    strategy="fsdp",
+                    rollout_n=1,
+                    ppo_micro_batch_size_per_gpu=1,
+                    clip_ratio=CLIPS[0],
+                    clip_ratio_low=CLIPS[0],
+                    clip_ratio_high=CLIPS[1],
+                    clip_ratio_c=CLIPS[2],
+                    tau_pos=params["tau_pos"],
+                    tau_neg=params["tau_neg"],
+                    loss_agg_mode=agg,
+                    policy_loss=PolicyLossConfig(
+                        loss_mode=theirs, **{k: v for k, v in params.items() if not k.startswith("tau")}
+                    ),
+                )
+                log_prob = new.clone().requires_grad_()
+                torch.manual_seed(seed)
+                loss, metrics = core_algos.get_policy_loss_fn(theirs)(
+                    old, log_prob, adv, mask, agg, config=config, rollout_is_weights=weights
+                )
+                loss.backward()
+                ours_out = rc_loss(old, new, adv, mask, weights, agg, CLIPS, {"loss_mode": ours, **params}, seed)
+                pairs = [(m, m) for m in VERL_METRICS if m in metrics and m in ours_out[2]]
+                if ours == "kl_cov":
+                    pairs = [p for p in pairs if p[0] != "actor/ppo_kl"]
+                diff = compare(ours_out, (float(loss.detach()), log_prob.grad, metrics), pairs, mask)
+                if theirs == "clip_cov":  # control: another draw on verl's side must show, or the draw is untested
+                    torch.manual_seed(seed + 1000)
+                    other = core_algos.get_policy_loss_fn(theirs)(
+                        old, new.clone().requires_grad_(), adv, mask, agg, config=config, rollout_is_weights=weights
+                    )[0]
+                    diff["control: another seed for verl"] = abs(float(other.detach()) - ours_out[0])
+                for k, v in diff.items():
+                    worst[k] = max(worst[k], v)
+            if ours == "gspo" and with_weights:  # docs/corrections.md §7.7: the row's mean weight, by design
+                note = "token IS weights reach our sequence form through their row mean: same loss, another gradient"
+            rows.append(
+                {
+                    "peer": "verl",
+                    "objective": label,
+                    "peer_name": f"core_algos loss_mode={theirs}",
+                    "agg": agg,
+                    "is_weights": with_weights,
+                    "note": note,
+                    **worst,
+                }
+            )
+    return rows
+
+
+PARAMS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg")
+
+
+# ---- TRL ---------------------------------------------------------------------------------------------------------
+def trl_trainer(loss_type: str, level: str, eps_low: float, eps_high: float, **args):
+    """A GRPOTrainer without __init__: what _compute_loss reads, for one process, no accumulation, no vLLM."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    t = object.__new__(GRPOTrainer)
+    t.loss_type, t.importance_sampling_level = loss_type, level
+    t.epsilon_low, t.epsilon_high = eps_low, eps_high
+    t.beta = args.pop("beta", 0.0)
+    t.off_policy_mask_threshold = args.pop("off_policy_mask_threshold", None)
+    t.top_entropy_quantile, t.use_vllm, t.vllm_importance_sampling_correction = 1.0, False, False
+    t.aux_loss_enabled, t._entropy_bonus_enabled = False, False
+    t.current_gradient_accumulation_steps = 1
+    t.model = types.SimpleNamespace(training=True)
+    t.accelerator = types.SimpleNamespace(
+        num_processes=1,
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction="sum": x,
+        sync_gradients=True,
+    )
+    defaults = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None, use_bias_correction_kl=False)
+    t.args = types.SimpleNamespace(**{**defaults, **args}, steps_per_generation=1)
+    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    return t
+
+
+def trl_loss(trainer, old, new, adv_rows, mask, rollout=None, ref=None):
+    """TRL's loss, gradient w.r.t. the per-token log-probs, and its logged metrics (last value of each)."""
+    import torch
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    log_prob = new.clone().requires_grad_()
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (log_prob, torch.zeros_like(log_prob), None)
+    m = mask.to(torch.float64)
+    inputs = {
+        "prompt_ids": torch.zeros((B, 1), dtype=torch.long),
+        "prompt_mask": torch.ones((B, 1), dtype=torch.long),
+        "completion_ids": torch.zeros((B, T), dtype=torch.long),
+        "completion_mask": m,
+        "advantages": adv_rows,
+        "old_per_token_logps": old,
+        "num_items_in_batch": m.sum(),
+    }
+    if rollout is not None:
+        inputs["sampling_per_token_logps"] = rollout
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    loss.backward()
+    return float(loss.detach()), log_prob.grad, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def trl_worker() -> list[dict]:
+    import torch
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    import rc_core
+
+    no_dual = 1e9  # TRL's PPO clip has no dual clip; ours is switched off by an unreachable clip_ratio_c
+    rows = []
+
+    def record(label, trl_name, agg, note, diffs):
+        worst = defaultdict(float)
+        for d in diffs:
+            for k, v in d.items():
+                worst[k] = max(worst[k], v)
+        rows.append({"peer": "trl", "objective": label, "peer_name": trl_name, "agg": agg, "is_weights": False})
+        rows[-1].update(note=note, **worst)
+
+    def run(label, trl_name, agg, note, make_trainer, clips, settings, token_adv=False, extra=None):
+        diffs = []
+        for seed in range(SEEDS):
+            old, new, adv, mask, _ = make_inputs(seed, token_adv, False)
+            rollout = None
+            if extra == "opsm":
+                rollout = torch.where(mask, old + 0.1 * torch.randn_like(old), old)
+            adv_rows = adv if token_adv else adv[:, 0]
+            theirs = trl_loss(make_trainer(), old, new, adv_rows, mask, rollout=rollout)
+            if extra == "cispo":  # the lower clip 1 - 0.999 must not bind for the comparison to hold
+                assert float(torch.exp(new - old)[mask].min()) > 1.0 - clips[0]
+            ours = rc_loss(old, new, adv, mask, None, agg, clips, settings, seed, rollout=rollout)
+            pairs = [("actor/pg_clipfrac", "clip_ratio/region_mean")] if extra == "region" else []
+            if extra == "opsm":
+                keep_theirs = GRPOTrainer.get_off_policy_mask(adv[:, :1], new, rollout, mask.to(torch.float64), 0.05)
+                keep_ours, _ = rc_core.compute_opsm_mask(new, rollout, adv * mask, mask, 0.05)
+                dropped = int((keep_theirs[:, 0] == 0).sum())
+                assert dropped > 0, "no row dropped: the mask is not exercised"
+                ours[2]["opsm_rows"] = float((keep_ours.any(-1) | ~mask.any(-1)).sum())
+                theirs[2]["opsm_rows"] = float(keep_theirs.sum())
+                pairs = [("opsm_rows", "opsm_rows")]
+            diffs.append(compare(ours, theirs, pairs, mask))
+        record(label, trl_name, agg, note, diffs)
+
+    grpo = "loss_type='grpo'"
+    run(
+        "vanilla",
+        f"{grpo}, token IS",
+        "seq-mean-token-mean",
+        "no dual clip on either side",
+        lambda: trl_trainer("grpo", "token", 0.2, 0.28),
+        (0.2, 0.28, no_dual),
+        {},
+        token_adv=True,
+        extra="region",
+    )
+    for eps, note in (((0.2, 0.28), "clip 0.2 / 0.28"), ((3e-4, 4e-4), "GSPO paper's clip 3e-4 / 4e-4")):
+        run(
+            "gspo",
+            f"{grpo}, importance_sampling_level='sequence'",
+            "seq-mean-token-mean",
+            note,
+            lambda eps=eps: trl_trainer("grpo", "sequence", *eps),
+            (*eps, 3.0),
+            {"loss_mode": "gspo"},
+        )
+    run(
+        "cispo",
+        "loss_type='cispo', epsilon_high=5",
+        "token-mean",
+        "TRL caps the ratio at 5 from above only: ours with clip 0.999 / 4.0 (the lower bound 0.001 never binds)",
+        lambda: trl_trainer("cispo", "token", 0.2, 5.0),
+        (0.999, 4.0, 3.0),
+        {"loss_mode": "cispo"},
+        token_adv=True,
+        extra="cispo",
+    )
+    run(
+        "sapo",
+        "loss_type='sapo'",
+        "seq-mean-token-mean",
+        "temperatures 1.0 / 1.05",
+        lambda: trl_trainer("sapo", "token", 0.2, 0.28),
+        (0.2, 0.28, 3.0),
+        {"loss_mode": "sapo"},
+        token_adv=True,
+    )
+    run(
+        "OPSM (vanilla + mask)",
+        f"{grpo}, off_policy_mask_threshold=0.05",
+        "seq-mean-token-mean",
+        "mu = p_old x exp(N(0, 0.1^2)); also the kept rows of get_off_policy_mask",
+        lambda: trl_trainer("grpo", "token", 0.2, 0.28, off_policy_mask_threshold=0.05),
+        (0.2, 0.28, no_dual),
+        {"rollout_opsm_threshold": 0.05},
+        extra="opsm",
+    )
+    rows.append(trl_kl_row())
+    return rows
+
+
+def trl_kl_row() -> dict:
+    """The IS-corrected k3 penalty (use_bias_correction_kl): TRL's loss with beta minus without, against
+    beta * agg(rc_core.kl_penalty(..., old_log_prob=)) with TRL's aggregation; and TRL's "kl" metric (token mean)."""
+    import torch
+
+    import rc_core
+
+    beta, worst = 0.04, defaultdict(float)
+    for seed in range(SEEDS):
+        old, new, adv, mask, _ = make_inputs(seed, False, False)
+        ref = torch.where(mask, old + 0.2 * torch.randn_like(old), old)
+        with_kl = trl_loss(
+            trl_trainer("grpo", "token", 0.2, 0.28, beta=beta, use_bias_correction_kl=True),
+            old,
+            new,
+            adv[:, 0],
+            mask,
+            ref=ref,
+        )
+        without = trl_loss(trl_trainer("grpo", "token", 0.2, 0.28), old, new, adv[:, 0], mask)
+        log_prob = new.clone().requires_grad_()
+        kl = rc_core.kl_penalty(log_prob, ref, "low_var_kl", old_log_prob=old)
+        term = beta * rc_core.agg_loss(kl, mask, "seq-mean-token-mean")
+        term.backward()
+        ours = (float(term.detach()), log_prob.grad, {"kl": float(rc_core.masked_mean(kl.detach(), mask))})
+        theirs = (with_kl[0] - without[0], with_kl[1] - without[1], {"kl": with_kl[2]["kl"]})
+        for k, v in compare(ours, theirs, [("kl", "kl")], mask).items():
+            worst[k] = max(worst[k], v)
+    note = "beta 0.04, pi_ref = pi_old x exp(N(0, 0.2^2)); our term is the trainer's --kl-is-corrected penalty"
+    row = {"peer": "trl", "objective": "IS-corrected KL", "peer_name": "beta>0, use_bias_correction_kl=True"}
+    return {**row, "agg": "seq-mean-token-mean", "is_weights": False, "note": note, **worst}
+
+
+# ---- report ------------------------------------------------------------------------------------------------------
+def report(rows: list[dict], versions: dict) -> str:
+    lines = [f"peers: {', '.join(f'{k} {v}' for k, v in versions.items())}; float64, {SEEDS} seeds per row", ""]
+    head = "| objective | peer | peer's setting | loss agg | IS w | max abs dloss (scale) | max abs dgrad | metrics |"
+    lines += [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        metrics = ", ".join(f"{k.split(' ', 1)[1]} {v:.1e}" for k, v in r.items() if k.startswith("metric ")) or "-"
+        if "control: another seed for verl" in r:
+            metrics += f"; control, verl drawing with another seed: dloss {r['control: another seed for verl']:.1e}"
+        lines.append(
+            f"| {r['objective']} | {r['peer']} | {r['peer_name']}{' (' + r['note'] + ')' if r['note'] else ''} | "
+            f"{r['agg']} | {'yes' if r['is_weights'] else 'no'} | {r['loss']:.1e} ({r['scale']:.2g}) | "
+            f"{r['grad']:.1e} | {metrics} |"
+        )
+    padding = max(r["grad_padding"] for r in rows)
+    lines += ["", f"largest gradient at a padding position, either side: {padding:.1e}"]
+    return "\n".join(lines)
+
+
+def worker(peer: str) -> dict:
+    sys.path.insert(0, ROOT)  # rc_core from this repository
+    import torch
+
+    torch.set_num_threads(1)
+    if peer == "verl":
+        import verl
+
+        rows, version = verl_worker(), verl.__version__
+    else:
+        import trl
+
+        rows, version = trl_worker(), trl.__version__
+    return {"rows": rows, "versions": {peer: version, "torch": torch.__version__}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated: verl, trl")
+    p.add_argument("--json", default=None, help="also write the raw numbers here")
+    p.add_argument("--worker", choices=PEERS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        result = worker(args.worker)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
+    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    bad = [x for x in peers if x not in PEERS]
+    if bad:
+        p.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
+    rows, versions = [], {}
+    os.makedirs(BENCH, exist_ok=True)
+    for peer in peers:
+        result = run_worker(peer, peer_python(peer), os.path.join(BENCH, f"parity-{peer}.json"))
+        rows += result["rows"]
+        versions.update(result["versions"])
+    print(report(rows, versions))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "versions": versions}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

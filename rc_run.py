@@ -548,8 +548,9 @@ def claim_run_dir(run_dir: str, args, host: HostGroup, main: bool) -> tuple[RunL
     """Before any rank writes to the run folder: the main process checks it (check_run_dir: an existing run that
     must not be touched is refused before it gets a lock file), takes its lock (RunLock), checks it again now that no
     other process can change it (two fresh starts of one name cannot both pass), and on --resume checks the newest
-    checkpoint (check_resume: intact, same settings). Every rank learns the outcome: a refusal raises RunError on
-    each. Returns (the lock, held by the main process, None on the others; whether the folder must be emptied)."""
+    checkpoint (check_resume: complete and intact; its settings later, agree_settings). Every rank learns the
+    outcome: a refusal raises RunError on each. Returns (the lock, held by the main process, None on the others;
+    whether the folder must be emptied)."""
     lock, replace, error = None, False, None
     if main:
         try:
@@ -979,10 +980,11 @@ def _damaged(run_dir: str, ckpt: str, why: str) -> RunError:
 
 
 def check_resume(run_dir: str, args) -> str:
-    """The newest checkpoint can be continued exactly, checked before anything is loaded or written: it is complete
+    """The newest checkpoint can be continued, checked before anything is loaded or written: it is complete
     (trainer_state.json), every file matches its checksum (a damaged one is refused naming the file and how to
     resume from the previous checkpoint, never skipped silently), the settings that decide what a step computes are
-    the checkpoint's (check_settings), and --num-steps does not end before it. Returns its path."""
+    the checkpoint's (check_settings; those in RESOLVED_LATE once the start has resolved them, agree_settings), and
+    --num-steps does not end before it. Returns its path."""
     ckpt = step_folders(run_dir)[-1]
     state_file = os.path.join(ckpt, "trainer_state.json")
     try:
@@ -994,7 +996,7 @@ def check_resume(run_dir: str, args) -> str:
         raise _damaged(run_dir, ckpt, str(e)) from None
     if note:
         print(note, flush=True)
-    check_settings(run_dir, ckpt, state, args)
+    check_settings(run_dir, ckpt, state, args, skip=RESOLVED_LATE)
     if state["step"] + 1 > args.num_steps:
         raise RunError(
             f"--resume: the checkpoint {ckpt} is past --num-steps {args.num_steps} (it holds step {state['step']}): "
@@ -1007,10 +1009,15 @@ def _same(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
-def check_settings(run_dir: str, ckpt: str, state: dict, args) -> None:
-    """Refuse a resume whose settings (run_settings) differ from the checkpoint's: one line naming each setting that
-    differs and both values. A checkpoint written before checkpoints stored them is compared with the run's
-    config.yaml (which only a start or a successful resume writes)."""
+# Settings whose default (None) the start resolves only once the model's config is read (rc_config.check_moe):
+# compared by agree_settings, after that, instead of by check_resume.
+RESOLVED_LATE = frozenset({"routing_metrics"})
+
+
+def check_settings(run_dir: str, ckpt: str, state: dict, args, skip=frozenset()) -> None:
+    """Refuse a resume whose settings (run_settings, but those in `skip`) differ from the checkpoint's: one line
+    naming each setting that differs and both values. A checkpoint written before checkpoints stored them is compared
+    with the run's config.yaml (which only a start or a successful resume writes)."""
     saved, source = state.get("settings"), os.path.join(ckpt, "trainer_state.json")
     if saved is None:
         source = os.path.join(run_dir, "config.yaml")
@@ -1021,7 +1028,7 @@ def check_settings(run_dir: str, ckpt: str, state: dict, args) -> None:
         except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
             print(f"{ckpt} stores no settings and {source} is unreadable: settings not compared", flush=True)
             return
-    now = run_settings(args)
+    now = {k: v for k, v in run_settings(args).items() if k not in skip}
     differ = [(k, saved[k], now[k]) for k in sorted(saved) if k in now and not _same(saved[k], now[k])]
     if differ:
         said = "; ".join(f"--{k.replace('_', '-')} is {a!r} in the checkpoint, {b!r} now" for k, a, b in differ)
@@ -1030,6 +1037,22 @@ def check_settings(run_dir: str, ckpt: str, state: dict, args) -> None:
             f"settings must be the checkpoint's (docs/running.md, 'Checkpoints and resume'); drop the changed flags, "
             f"or start a new run"
         )
+
+
+def agree_settings(run_dir: str, args, host: HostGroup, main: bool) -> None:
+    """On --resume, once the start has resolved every setting (the last checks before the model is loaded;
+    RESOLVED_LATE): the main process compares them all with the newest checkpoint's (check_settings), and every rank
+    learns a refusal (RunError on each)."""
+    error = None
+    if main and args.resume:
+        try:
+            ckpt = checkpoint_dirs(run_dir)[-1]
+            check_settings(run_dir, ckpt, _read_json(os.path.join(ckpt, "trainer_state.json")), args)
+        except ValueError as e:
+            error = str(e)
+    errors = [e for e in host.gather(error) if e]
+    if errors:
+        raise RunError(errors[0])
 
 
 def _describe(e: BaseException) -> str:

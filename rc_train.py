@@ -877,6 +877,7 @@ if __name__ == "__main__":
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
         rc_config.check_token_budget(args, max(map(len, train_prompts)))  # needs the tokenized prompts
+        rc_run.agree_settings(run_dir, args, host, accelerator.is_main_process)  # --resume: the checkpoint's settings
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
     facts = dict(model_path=model_path, train_rows=len(train_rows), train_rows_skipped=n_skipped)  # in config.yaml

@@ -272,7 +272,7 @@ def test_a_resume_with_other_settings_is_refused(copy_of, flags, needles):
 def test_every_setting_is_compared_or_named_free():
     """The settings a resume may change are fields of Args (no stale name), and every other field is compared."""
     fields = set(rc_run._flat(__import__("dataclasses").asdict(rc_train.Args())))
-    assert rc_run.RESUME_MAY_CHANGE <= fields
+    assert rc_run.RESUME_MAY_CHANGE <= fields and rc_run.RESOLVED_LATE <= fields - rc_run.RESUME_MAY_CHANGE
     assert set(rc_run.run_settings(rc_train.Args())) == fields - rc_run.RESUME_MAY_CHANGE
     for name in ("seed", "num_prompts_per_step", "task", "model", "max_staleness", "learning_rate", "rc.preset"):
         assert name in rc_run.run_settings(rc_train.Args())

@@ -74,8 +74,18 @@ def load_yaml_defaults(cls, path: str, **extra):
     dataclass field (e.g. `rc:`). Values are handed over as YAML typed them (numbers as numbers); unknown keys fail."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path!r}")
-    with open(path) as f:
-        raw = yaml.load(f, Loader=_YamlLoader) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.load(f, Loader=_YamlLoader) or {}
+    except OSError as e:
+        raise ValueError(f"config {path!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config {path!r} is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:  # a syntax error: where it is, in the file's own line and column numbers
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ValueError(f"config {path!r}: YAML syntax error at {where}{what}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -437,6 +447,10 @@ def _check_optimisation(args) -> None:
 
     _need(args.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {args.eval_every}")
     _need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = never), got {args.checkpoint_every}")
+    _need(
+        args.keep_checkpoints >= 1,
+        f"--keep-checkpoints must be >= 1 (the checkpoint just written is always kept), got {args.keep_checkpoints}",
+    )
 
 
 def _check_loss(args) -> None:
@@ -683,6 +697,37 @@ def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
     if state is not None:
         return state.get("max_staleness", 0)
     return 0 if on_gpu or args.sync_every != 1 else 1
+
+
+def check_environment(environ=os.environ) -> None:
+    """The environment variables the trainer reads, checked at start like its flags (one line naming the variable and
+    its value): OMP_NUM_THREADS (torch's and the CPU engine's threads: a positive integer), RC_CACHE_DIR (the tiny
+    models' cache: a folder, or a path where one can be made; whether it can be written is checked when a model is
+    built there, tasks.cached_build, since a read-only cache that holds the model serves), RC_TRAIN_KILL_IN_CHECKPOINT
+    (the tests' hook: a step number)."""
+    threads = environ.get("OMP_NUM_THREADS")
+    if threads is not None and threads.strip():
+        _need(
+            threads.strip().isdigit() and int(threads) >= 1,
+            f"OMP_NUM_THREADS must be a positive integer (the threads of torch and of the CPU engine), got {threads!r}",
+        )
+    cache = environ.get("RC_CACHE_DIR")
+    if cache is not None:
+        _need(cache.strip() != "", "RC_CACHE_DIR is set but empty: unset it (~/.cache/rc_train) or name a folder")
+        existing = os.path.abspath(cache)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        _need(
+            os.path.isdir(existing),
+            f"RC_CACHE_DIR {cache!r} cannot be a folder: {existing!r} is a file (the tiny models are cached there)",
+        )
+    kill = environ.get("RC_TRAIN_KILL_IN_CHECKPOINT")
+    if kill is not None:
+        _need(
+            kill.strip().lstrip("-").isdigit(),
+            f"RC_TRAIN_KILL_IN_CHECKPOINT must be a step number (the tests' hook: SIGKILL inside that step's "
+            f"checkpoint), got {kill!r}",
+        )
 
 
 def torch_threads(max_staleness: int, environ=os.environ) -> int:

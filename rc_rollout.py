@@ -17,6 +17,10 @@ max(0, t - k), fixed by the schedule, never by timing:
     start:                 queue the batches of steps 0..k (sampled by the initial weights)
     after the update of t: load version t+1, then queue the batch of step t+1+k
 
+A batch is queued when a step takes it, or when a checkpoint keeps it: a checkpoint after the update of t holds the
+batches of steps t+1..t+k, also those past the run's last step (Rollouts.wanted), so that a run continued past its
+end (--resume with a larger --num-steps) trains on the very batches the uninterrupted run samples.
+
 The engine answers its requests in order, so the batch of step t+1+k is sampled by version t+1; and it loads
 weights only between two generations, never during one, so every token of a response comes from one version and
 the response's version is its batch's. Staleness = trainer version - sample version = min(t, k). A sample whose
@@ -825,14 +829,25 @@ class Rollouts:
         step..step+k are queued, except those a checkpoint saved (`in_flight`: step -> result, sampled earlier)."""
         if step > 0 or self.dial:
             self.load(step, count=False)
-        for t, result in sorted((in_flight or {}).items()):
+        in_flight = in_flight or {}
+        for t, result in sorted(in_flight.items()):
             self.engine.restore(t, Result(*result[:4]))  # a checkpoint of an older version holds plain tuples
-        for t in range(step + len(in_flight or {}), step + self.k + 1):
-            self.request(t)
+        for t in range(step, step + self.k + 1):
+            if t not in in_flight:
+                self.request(t)
+
+    def wanted(self, step: int) -> bool:
+        """The batch of `step` is sampled: a step of the run takes it, or a checkpoint keeps it (one after the update
+        of c keeps those of steps c+1..c+k: in_flight). Past the last step only the latter: without them a run
+        continued past its end would sample step N with version N instead of N-k (tests/test_run_record.py)."""
+        if step < self.args.num_steps:
+            return True
+        every, last = self.args.checkpoint_every, self.args.num_steps - 1
+        return bool(every) and any((c + 1) % every == 0 for c in range(max(0, step - self.k), last + 1))
 
     def request(self, step: int) -> None:
-        """Queue the batch of `step` (nothing past the last step)."""
-        if step < self.args.num_steps:
+        """Queue the batch of `step` (past the last step, only one a checkpoint keeps: wanted)."""
+        if self.wanted(step):
             prompts, first_index = self.prompts_of(step)
             self.engine.submit(
                 step, Request(prompts, self.args.num_samples_per_prompt, (self.args.seed, step, 0), first_index)
@@ -865,12 +880,10 @@ class Rollouts:
 
     def in_flight(self, step: int) -> dict:
         """For a checkpoint after the update of `step`: the batches of steps step+1..step+k, already queued and
-        sampled by versions <= step (waited for here; they stay queued for the steps that take them). The batch of
-        step+k+1 is not among them: the checkpoint's own weights sample it again on resume."""
-        return {
-            t: self.engine.result(t, keep=True)[0]
-            for t in range(step + 1, min(step + self.k, self.args.num_steps - 1) + 1)
-        }
+        sampled by versions <= step (waited for here; they stay queued for the steps that take them), those past the
+        last step included when a checkpoint keeps them (wanted). The batch of step+k+1 is not among them: the
+        checkpoint's own weights sample it again on resume."""
+        return {t: self.engine.result(t, keep=True)[0] for t in range(step + 1, step + self.k + 1) if self.wanted(t)}
 
     def close(self) -> None:
         self.engine.close()

@@ -298,6 +298,9 @@ class Args:
     """number of eval problems (None = whole split)"""
     checkpoint_every: int = 0
     """save model, optimizer, scheduler, RNG, batches in flight and step every N steps (0 = never)"""
+    keep_checkpoints: int = 2
+    """keep the newest N complete checkpoints (>= 1): after each save the older ones are deleted, never the one just
+    written; the second newest is the one to resume from if the newest is found damaged"""
     log_rank_checksums: bool = False
     """every rank appends {step, world_size, SHA-256 of its weights and of its sampled tokens}
     to ranks/rank{r}.jsonl (DDP check)"""
@@ -837,7 +840,9 @@ if __name__ == "__main__":
     t_start = time.time()
     run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
     run_dir = os.path.join(args.output_dir, run_name)
+    rc_run.report_faults()  # a full disk, an unreadable file, a damaged checkpoint: one line, not a traceback
     try:
+        rc_config.check_environment()  # OMP_NUM_THREADS, RC_CACHE_DIR, ... as the rest of the start reads them
         rc_config.launcher_settings(args)  # DeepSpeed refused; an Accelerate FSDP2 config turns --fsdp on
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(), log_with=args.log_with or None, project_dir=run_dir
@@ -847,12 +852,14 @@ if __name__ == "__main__":
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     args.max_staleness = rc_config.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)  # None: by device
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))  # vLLM and torch share the cores
+    host = rc_run.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
     try:
         task = rc_config.validate_args(args, world)  # every check before the engine starts; the task they built
         rc_config.check_distributed(accelerator, args)
         correction = rc_config.build_correction_config(args.rc)
-        replace_run = rc_run.check_run_dir(run_dir, args.resume, args.overwrite, world, args.max_staleness)
         args.reward_mode = args.reward_mode or task.reward_key  # --reward-mode's default: the task's reward key
+        # the run folder's lock (rank 0 holds it for the run's life), its checks and, on --resume, the checkpoint's
+        run_lock, replace_run = rc_run.claim_run_dir(run_dir, args, host, accelerator.is_main_process)
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
         tasks.check_scorer(task, train_rows[:1])
@@ -870,19 +877,11 @@ if __name__ == "__main__":
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
         eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
         rc_config.check_token_budget(args, max(map(len, train_prompts)))  # needs the tokenized prompts
+        rc_run.agree_settings(run_dir, args, host, accelerator.is_main_process)  # --resume: the checkpoint's settings
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
-    host = rc_run.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
-    rc_run.open_run_dir(
-        run_dir,
-        replace_run,
-        accelerator,
-        args,
-        correction,
-        model_path=model_path,
-        train_rows=len(train_rows),
-        train_rows_skipped=n_skipped,
-    )
+    facts = dict(model_path=model_path, train_rows=len(train_rows), train_rows_skipped=n_skipped)  # in config.yaml
+    rc_run.open_run_dir(run_dir, replace_run, accelerator, args, correction, **facts)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -907,12 +906,16 @@ if __name__ == "__main__":
         model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}
-    if args.resume:
-        ckpt, start_step, counters = rc_run.resume(run_dir, model, optimizer, scheduler, accelerator, counters)
-        in_flight = rc_run.load_in_flight(ckpt, rank)  # batches already sampled for the next k steps
+    if args.resume:  # everything loaded and checked first; the run folder is not touched until all of it has
+        try:
+            resumed = rc_run.load_resume(run_dir, model, optimizer, scheduler, accelerator, host, counters, args)
+        except rc_run.RunError as e:
+            sys.exit(f"rc_train.py: error: {e}")
+        start_step, counters, in_flight = resumed.start_step, resumed.counters, resumed.in_flight
     engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # vLLM here or in a worker
     if args.resume:  # an engine in this process reseeded the global RNGs when it started
-        rc_run.restore_rng(ckpt, rank)
+        rc_run.set_rng(resumed.rng)
+        rc_run.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)  # logs cut, config.yaml
     prompts_per_rank = rc_config.prompts_per_rank(args, world)
 
     def step_indices(step: int) -> list[int]:
@@ -958,17 +961,12 @@ if __name__ == "__main__":
     def save_checkpoint(step: int) -> None:
         """After the update of `step`: weights, optimizer, schedule, RNGs, counters and the batches in flight."""
         counts = {**counters, "sync_count": rollouts.sync_count}
-        rc_run.save_checkpoint(
-            run_dir,
-            step,
-            model,
-            optimizer,
-            scheduler,
-            accelerator,
-            counts,
-            rollouts.in_flight(step),
-            args.max_staleness,
-        )
+        try:
+            rc_run.save_checkpoint(
+                run_dir, step, model, optimizer, scheduler, accelerator, counts, rollouts.in_flight(step), args
+            )
+        except rc_run.RunError as e:  # a full disk: said in one line, the earlier checkpoints kept
+            sys.exit(f"rc_train.py: error: {e}")
 
     for step in bar:
         # ALGO LOGIC: rollout -- vLLM samples n responses per prompt, with their (processed) log-probs, seeded by

@@ -467,15 +467,23 @@ def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], N
                     return path
         except (OSError, ValueError, KeyError):
             pass
-        broken = f"{path}.corrupt{time.time_ns()}"
-        os.rename(path, broken)
-        log(f"cached model {path} failed its checksum: moved to {broken}, rebuilding")
     tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    info = build(tmp)
-    with open(os.path.join(tmp, "build.json"), "w") as f:
-        json.dump({**info, "sha256": _weights_digest(tmp)}, f, indent=1)
+    try:  # a cache that cannot be written (read-only, full, a file in the way): one line, before the engine starts
+        if os.path.isdir(path):
+            broken = f"{path}.corrupt{time.time_ns()}"
+            os.rename(path, broken)
+            log(f"cached model {path} failed its checksum: moved to {broken}, rebuilding")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        info = build(tmp)
+        with open(os.path.join(tmp, "build.json"), "w") as f:
+            json.dump({**info, "sha256": _weights_digest(tmp)}, f, indent=1)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(
+            f"the model cache {cache_root()!r} (RC_CACHE_DIR) cannot be written: {e.strerror} "
+            f"({e.filename or tmp}); set RC_CACHE_DIR to a writable folder"
+        ) from None
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished the same build first

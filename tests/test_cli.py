@@ -46,6 +46,7 @@ BAD = [
     (dict(train_dtype="float16"), "--train-dtype", "float16"),
     (dict(eval_every=-1), "--eval-every", "got -1"),
     (dict(checkpoint_every=-5), "--checkpoint-every", "got -5"),
+    (dict(keep_checkpoints=0), "--keep-checkpoints", "got 0"),
     (dict(warmup_steps=-1), "--warmup-steps", "got -1"),
     (dict(weight_decay=-0.1), "--weight-decay", "got -0.1"),
     (dict(weight_decay=NAN), "--weight-decay", "got nan"),

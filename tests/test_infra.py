@@ -718,6 +718,44 @@ def test_a_resumed_schedule_takes_the_saved_batches_first():
     assert rollouts.take(5)[1] == 3
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_run_continued_past_its_end_samples_what_the_uninterrupted_run_samples(k):
+    """A run of 3 steps with a checkpoint after each: the checkpoint at its end holds the batches of steps 3..2+k,
+    sampled by versions 3-k.., as the uninterrupted run samples them; resumed with --num-steps 7, every batch comes
+    from version max(0, t - k), like the 7 steps run at once. A run without checkpoints samples nothing past its
+    end."""
+    import dataclasses
+
+    import rc_rollout
+    import rc_train
+
+    def drive(rollouts, start, stop):
+        versions = []
+        for step in range(start, stop):
+            versions.append(rollouts.take(step)[1])
+            rollouts.sync(step)
+            rollouts.request(step + 1 + k)
+            saved = rollouts.in_flight(step)
+        return versions, saved
+
+    short = dataclasses.replace(rc_train.Args(), max_staleness=k, num_steps=3, checkpoint_every=1)
+    rollouts = rc_rollout.Rollouts(short, FifoEngine(), torch.nn.Linear(2, 2), lambda step: ([[step]], 0))
+    rollouts.begin(0)
+    first, saved = drive(rollouts, 0, 3)
+    assert {t: r.version for t, r in saved.items()} == {t: t - k for t in range(3, 3 + k)}
+    longer = dataclasses.replace(short, num_steps=7)
+    resumed = rc_rollout.Rollouts(longer, FifoEngine(), torch.nn.Linear(2, 2), lambda step: ([[step]], 0), 3)
+    resumed.begin(3, saved)
+    rest, _ = drive(resumed, 3, 7)
+    assert first + rest == [max(0, t - k) for t in range(7)]
+    plain = dataclasses.replace(short, checkpoint_every=0)
+    engine = FifoEngine()
+    rollouts = rc_rollout.Rollouts(plain, engine, torch.nn.Linear(2, 2), lambda step: ([[step]], 0))
+    rollouts.begin(0)
+    drive(rollouts, 0, 3)
+    assert max(op[1] for op in engine.ops if op[0] == "submit") == 2
+
+
 def test_torch_threads_follow_the_mode_unless_omp_num_threads_is_set(monkeypatch):
     """k = 0: rollout and update take turns, each gets every core; k >= 1: trainer and worker side by side, half each.
     OMP_NUM_THREADS, when set, wins (the tests and the lab set it to 1)."""

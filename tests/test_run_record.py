@@ -1,0 +1,524 @@
+"""A run's record survives every fault (issue 35): the run folder is owned by one process at a time (RunLock), a
+resume checks everything before it touches anything, a resume is exact or refused (the settings that decide what a
+step computes, the batches in flight past a run's end), a damaged checkpoint is refused naming the file, every fault
+of the machine's files is one line, and checkpoints are kept to the newest --keep-checkpoints.
+
+Unit tests call rc_run / rc_config / tasks directly (fast); the end-to-end ones run the real script on the one-token
+fixture with tiny budgets, from one finished two-step run with a checkpoint after each step (built once per module,
+copied by each test that damages or resumes it).
+"""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+import rc_config
+import rc_run
+import rc_train
+import tasks
+from tests.test_train import ENGINE_STARTED, QUICK, ROOT, _same_metrics, read_jsonl, run_train, train_env
+
+# Asynchronous k = 1 (the default on a CPU), two evaluations over four steps (one at the end of a two-step run too).
+FLAGS = [*QUICK, "--max-staleness", "1", "--eval-every", "2", "--checkpoint-every", "1"]
+RECORD = ("metrics.jsonl", "eval_samples.jsonl", "config.yaml", "engine.log")  # what a refused resume leaves alone
+
+
+def record(run_dir) -> dict:
+    return {name: (run_dir / name).read_bytes() for name in RECORD if (run_dir / name).exists()}
+
+
+def refused(proc, *needles):
+    """A refusal: exit code != 0, one line `rc_train.py: error: ...` holding every needle, no traceback."""
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rc_train.py: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished two-step run (k = 1) with a checkpoint after each step: runs/finished, read-only to the tests."""
+    root = tmp_path_factory.mktemp("finished")
+    run_train(root, *FLAGS, "--num-steps", "2", name="run")
+    return root / "run"
+
+
+@pytest.fixture
+def copy_of(finished, tmp_path):
+    """A copy of the finished run in this test's folder (its lock file left behind: a fresh owner)."""
+    shutil.copytree(finished, tmp_path / "run", ignore=shutil.ignore_patterns(".lock"))  # rc_run.LOCK_FILE
+    return tmp_path / "run"
+
+
+def newest(run_dir):
+    return max((run_dir / "checkpoints").glob("step_*[0-9]"))
+
+
+def rewrite_checksums(ckpt):
+    """Make checksums.json agree with the files again: a checkpoint whose damage its checksums cannot see."""
+    import hashlib
+
+    manifest = ckpt / "checksums.json"  # rc_run.CHECKSUMS (spelt out: these tests also run against older code)
+    if manifest.exists():
+        files = [p for p in ckpt.rglob("*") if p.is_file() and p.name not in (manifest.name, "trainer_state.json")]
+        sums = {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+        manifest.write_text(json.dumps({"sha256": sums}))
+
+
+# ---- 1. The run folder is owned: a lock for the life of a run ------------------------------------------------
+def test_a_second_resume_of_a_running_run_is_refused_naming_its_pid(copy_of, tmp_path):
+    """A resume runs; a second --resume of the same folder is refused with one line naming the first one's pid
+    before anything is written, and the first run's record is whole (every step once, its final evaluation)."""
+    cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "run"]
+    console = tmp_path / "first.out"
+    with open(console, "w") as out:
+        first = subprocess.Popen(
+            [*cmd, *FLAGS, "--num-steps", "10", "--resume"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=train_env(tmp_path),
+            cwd=ROOT,
+        )
+    lock = copy_of / ".lock"  # rc_run.LOCK_FILE
+    deadline = time.time() + 300  # the first holds the folder (today's main: it has loaded its checkpoint)
+    while time.time() < deadline and first.poll() is None:
+        if (
+            lock.exists() and lock.read_text().split()[:1] == [str(first.pid)]
+        ) or "resumed from" in console.read_text():
+            break
+        time.sleep(0.05)
+    _, second = run_train(tmp_path, *FLAGS, "--num-steps", "10", "--resume", name="run", check=False, timeout=300)
+    first.wait(timeout=600)
+    assert first.returncode == 0, console.read_text()[-3000:]
+    refused(second, f"in use by pid {first.pid}")
+    assert ENGINE_STARTED not in second.stdout + second.stderr
+    rows = read_jsonl(copy_of / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(-1, 10))  # every step once: the second wrote nothing
+    assert "eval/accuracy_strict" in rows[-1]  # the first run's final evaluation is there
+
+
+def test_the_lock_names_its_holder_and_never_outlives_it(tmp_path):
+    """Two fresh starts of one name: the second is refused (naming the pid) even though the folder holds nothing yet;
+    the lock goes with its holder, whatever kills it (SIGKILL here); a start refused before it wrote anything leaves
+    no folder behind."""
+    run_dir = tmp_path / "fresh"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import rc_run, time; rc_run.RunLock({str(run_dir)!r}); print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(rc_run.RunError, match=f"in use by pid {holder.pid}"):
+        rc_run.RunLock(str(run_dir))
+    _, proc = run_train(tmp_path, *QUICK, "--num-steps", "1", name="fresh", check=False, timeout=300)
+    refused(proc, f"in use by pid {holder.pid}")
+    assert os.listdir(run_dir) == [rc_run.LOCK_FILE]  # the refused start wrote nothing
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    lock = rc_run.RunLock(str(run_dir))  # the kernel released the dead holder's lock
+    assert (run_dir / rc_run.LOCK_FILE).read_text().split()[0] == str(os.getpid())
+    os.close(lock.fd)
+    probe = subprocess.run(  # a process whose start is refused before it writes anything removes the folder it made
+        [sys.executable, "-c", f"import rc_run; rc_run.RunLock({str(tmp_path / 'gone')!r}); raise SystemExit(3)"],
+        cwd=ROOT,
+    )
+    assert probe.returncode == 3 and not (tmp_path / "gone").exists()
+
+
+def test_two_processes_hold_and_refuse_together(tmp_path):
+    """Under two processes rank 0 holds the lock and every rank learns a refusal, with no hang and nothing written:
+    a folder another process holds, and a resume whose damage only rank 1 sees (its batches in flight), which rank 0
+    reports too. (The launcher stops the other rank once one exits, so a rank may not get to print its line.)"""
+    from tests.test_train import launch
+
+    launch(tmp_path, "torchrun", "dp", *FLAGS, "--num-steps", "2")
+    run_dir = tmp_path / "dp"
+    for damage in (None, "in_flight_rank1.pt"):
+        if damage is None:  # another process holds the folder
+            holder = subprocess.Popen(
+                [sys.executable, "-c", f"import rc_run, time; rc_run.RunLock({str(run_dir)!r}); print('held', "
+                 "flush=True); time.sleep(600)"],
+                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            )  # fmt: skip
+            assert holder.stdout.readline().strip() == "held"
+            needles = [f"in use by pid {holder.pid}"]
+        else:
+            ckpt = newest(run_dir)
+            (ckpt / damage).write_bytes(b"not a torch file")
+            rewrite_checksums(ckpt)
+            needles = [f"{damage} cannot be loaded"]
+        before = record(run_dir)
+        _, proc = launch(tmp_path, "torchrun", "dp", *FLAGS, "--num-steps", "4", "--resume", check=False)
+        if damage is None:
+            holder.kill()
+            holder.wait()
+        assert proc.returncode != 0  # not a hang: the launcher's timeout would raise
+        said = proc.stderr.split("rc_train.py: error: ")[1:]  # one per rank that got to say it (they may interleave)
+        assert said and all(n in part for n in needles for part in said), proc.stderr[-3000:]
+        assert ENGINE_STARTED not in proc.stdout + proc.stderr and record(run_dir) == before
+        assert not (run_dir / "ranks").exists()
+
+
+# ---- 2. A resume touches nothing until it has proven it can continue ----------------------------------------------
+def _nan_weights(ckpt):
+    """One weight of the checkpoint set to NaN, written back through torch distributed checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    flat = ckpt / "flat.pt"
+    dcp_to_torch_save(str(ckpt / "state"), str(flat))
+    state = torch.load(flat, weights_only=False)
+    name = next(k for k, v in state["model"].items() if ".layers." in k and v.is_floating_point())  # not tied
+    state["model"][name].view(-1)[0] = float("nan")
+    torch.save(state, flat)
+    shutil.rmtree(ckpt / "state")
+    torch_save_to_dcp(str(flat), str(ckpt / "state"))
+    flat.unlink()
+    return f"the weight {name} is not finite"
+
+
+@pytest.mark.parametrize("damage", ["in_flight_rank0.pt", "rng_rank0.pt", "nan weights"])
+def test_a_resume_that_fails_late_touches_nothing(copy_of, damage):
+    """Damage the checksums cannot see (they were rewritten to agree): a checkpoint file that does not load, or a
+    non-finite weight. The resume is refused in one line naming it, before the engine starts, and metrics.jsonl,
+    eval_samples.jsonl and config.yaml are byte for byte as they were (today's main cut the logs and rewrote
+    config.yaml first)."""
+    ckpt = newest(copy_of)
+    if damage == "nan weights":
+        needle = _nan_weights(ckpt)
+    else:
+        (ckpt / damage).write_bytes(b"not a torch file")
+        needle = damage
+    rewrite_checksums(ckpt)
+    before = record(copy_of)
+    _, proc = run_train(copy_of.parent, *FLAGS, "--num-steps", "4", "--resume", name="run", check=False, timeout=300)
+    refused(proc, needle)
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr
+    assert record(copy_of) == before
+
+
+def test_a_torn_or_newline_less_last_line_is_repaired_and_said():
+    """truncate_metrics: a last line cut mid-write is dropped, a complete one without its newline gets it back, and
+    the console is told of each (today: the torn line silently, the newline never: the next record joined it)."""
+    import tempfile
+
+    said = []
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "metrics.jsonl")
+        with open(path, "w") as f:
+            f.write('{"step": 0, "a": 1}\n{"step": 1, "a": 2}')  # complete, no newline
+        rc_run.truncate_metrics(path, 5, said.append)
+        assert open(path).read() == '{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n'
+        assert len(said) == 1 and "line 2" in said[0] and "newline" in said[0]
+        with open(path, "a") as f:
+            f.write('{"step": 2, "a"')  # torn by a kill
+        rc_run.truncate_metrics(path, 5, said.append)
+        assert open(path).read() == '{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n'
+        assert len(said) == 2 and "line 3 is torn" in said[1]
+
+
+def test_a_last_line_without_its_newline_is_repaired_on_resume(copy_of):
+    """The last line of metrics.jsonl is complete but lost its newline: the resume adds it and says so, so the next
+    record starts a line of its own (today's main appended to it: two steps on one unparseable line, exit 0)."""
+    metrics = copy_of / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes().rstrip(b"\n"))
+    _, out = run_train(copy_of.parent, *FLAGS, "--num-steps", "3", "--resume", name="run")
+    assert "line 3 (step 1) had no newline at its end: added" in out.stdout
+    assert [r["step"] for r in read_jsonl(metrics)] == [-1, 0, 1, 2]
+
+
+# ---- 3. A resume is exact or refused ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--seed", "2"], ["--seed is 1 in the checkpoint, 2 now"]),
+        (["--num-prompts-per-step", "4"], ["--num-prompts-per-step is 8 in the checkpoint, 4 now"]),
+        (
+            ["--num-samples-per-prompt", "4", "--rc.preset", "decoupled_token_is"],
+            ["--num-samples-per-prompt is 8 in the checkpoint, 4 now", "--rc.preset is 'bypass_ppo_clip'"],
+        ),
+        (["--task", "minigsm"], ["--task is 'add' in the checkpoint, 'minigsm' now"]),
+    ],
+)
+def test_a_resume_with_other_settings_is_refused(copy_of, flags, needles):
+    """Settings that change what a resumed step computes must be the checkpoint's: one line names each and both
+    values, before the engine starts; nothing is touched (today's main trained the saved batch against other
+    problems, or rewrote config.yaml to describe another task)."""
+    before = record(copy_of)
+    _, proc = run_train(
+        copy_of.parent, *FLAGS, "--num-steps", "4", *flags, "--resume", name="run", check=False, timeout=300
+    )
+    refused(proc, *needles)
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr
+    assert record(copy_of) == before
+
+
+def test_every_setting_is_compared_or_named_free():
+    """The settings a resume may change are fields of Args (no stale name), and every other field is compared."""
+    fields = set(rc_run._flat(__import__("dataclasses").asdict(rc_train.Args())))
+    assert rc_run.RESUME_MAY_CHANGE <= fields and rc_run.RESOLVED_LATE <= fields - rc_run.RESUME_MAY_CHANGE
+    assert set(rc_run.run_settings(rc_train.Args())) == fields - rc_run.RESUME_MAY_CHANGE
+    for name in ("seed", "num_prompts_per_step", "task", "model", "max_staleness", "learning_rate", "rc.preset"):
+        assert name in rc_run.run_settings(rc_train.Args())
+
+
+def test_a_run_continued_past_its_end_equals_the_uninterrupted_run(copy_of, tmp_path):
+    """k = 1: two steps with a checkpoint at the end, then --resume --num-steps 4, equal four uninterrupted steps bit
+    for bit (today's main: the resumed step 2 was sampled by version 2 instead of 1). Two checkpoints are kept
+    (--keep-checkpoints' default)."""
+    reference, _ = run_train(tmp_path, *FLAGS, "--num-steps", "4", name="reference")
+    rows, out = run_train(tmp_path, *FLAGS, "--num-steps", "4", "--resume", name="run")
+    assert "step_000001 at step 2" in out.stdout
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["rollout/policy_version"] for r in rows] == [0, 0, 1, 2]
+    for a, b in zip(rows, reference):
+        assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+    assert sorted(p.name for p in (copy_of / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_a_checkpoint_without_the_batches_past_the_end_is_refused(copy_of):
+    """A checkpoint at a run's end written before checkpoints kept the batches past the end cannot be continued
+    exactly: refused, naming the missing step and its version."""
+    ckpt = newest(copy_of)
+    torch.save({}, ckpt / "in_flight_rank0.pt")
+    rewrite_checksums(ckpt)
+    before = record(copy_of)
+    _, proc = run_train(copy_of.parent, *FLAGS, "--num-steps", "4", "--resume", name="run", check=False, timeout=300)
+    refused(proc, "no batch in flight for step 2", "version 1")
+    assert record(copy_of) == before
+
+
+# ---- 4. A damaged checkpoint is refused, naming the file and the way back --------------------------------------
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(copy_of, tmp_path):
+    """One flipped byte in the tensor data of the newest checkpoint: refused before loading, naming the file, and
+    saying how to resume from the one before (today's main loaded it silently). Following that advice resumes from
+    step_000000."""
+    ckpt = newest(copy_of)
+    data = max((ckpt / "state").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    before = record(copy_of)
+    _, proc = run_train(tmp_path, *FLAGS, "--num-steps", "3", "--resume", name="run", check=False, timeout=300)
+    line = refused(proc, str(data), "does not match its checksum", "step_000000", f"mv {ckpt} {ckpt}.damaged")
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr and record(copy_of) == before
+    os.rename(ckpt, f"{ckpt}.damaged")  # the advice
+    rows, out = run_train(tmp_path, *FLAGS, "--num-steps", "3", "--resume", name="run")
+    assert "step_000000 at step 1" in out.stdout, line
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+def test_a_checkpoint_without_trainer_state_is_refused_and_never_breaks_a_save(tmp_path):
+    """A step_N folder that lost trainer_state.json is the newest checkpoint, damaged: refused naming it (today: the
+    previous one loaded silently, then every save failed on 'Directory not empty: step_N.tmp -> step_N'). A save
+    over such a folder replaces it."""
+    model, optimizer, scheduler = _tiny()
+    args = _args(keep_checkpoints=5)
+    for step in (0, 1):
+        rc_run.save_checkpoint(str(tmp_path), step, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, args)
+    (tmp_path / "checkpoints" / "step_000001" / "trainer_state.json").unlink()
+    with pytest.raises(rc_run.RunError, match="step_000001 is damaged: it has no trainer_state.json") as info:
+        rc_run.check_resume(str(tmp_path), _args(resume=True, run_name="x"))
+    assert "step_000000" in str(info.value)
+    rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, args)
+    assert (tmp_path / "checkpoints" / "step_000001" / "trainer_state.json").is_file()
+    assert rc_run.check_resume(str(tmp_path), _args(resume=True, run_name="x")).endswith("step_000001")
+
+
+# ---- 5. Every fault a line ----------------------------------------------------------------------------------------
+def _tiny():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+ACCELERATOR = types.SimpleNamespace(
+    is_main_process=True, process_index=0, num_processes=1, wait_for_everyone=lambda: None
+)
+COUNTERS = {"old_log_prob_passes": 0, "sync_count": 0}
+
+
+def _args(**changes):
+    import dataclasses
+
+    return dataclasses.replace(rc_train.Args(), max_staleness=0, **changes)
+
+
+@pytest.mark.parametrize("where", ["state", "in_flight_rank0.pt", "torch's zip writer"])
+def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeypatch, where):
+    """ENOSPC inside torch distributed checkpoint's writer or in torch.save, or the RuntimeError torch's zip writer
+    raises instead on a full file system (seen on a full tmpfs): a RunError saying 'no space left on device' and the
+    file, the unfinished .tmp folder removed, the checkpoint before it untouched."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    model, optimizer, scheduler = _tiny()
+    rc_run.save_checkpoint(str(tmp_path), 0, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
+    kept = rc_run.checksum_files(str(tmp_path / "checkpoints" / "step_000000"))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def zip_writer(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    if where == "torch's zip writer":
+        monkeypatch.setattr(dcp_fs, "_write_item", zip_writer)
+        with pytest.raises(BaseException, match="unexpected pos"):  # a disk with room: a fault of the program
+            rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
+        monkeypatch.setattr(rc_run, "disk_full", lambda path: True)
+        where = "state"
+    elif where == "state":
+        monkeypatch.setattr(dcp_fs, "_write_item", full)
+    else:
+        save = torch.save
+        monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: full() if "in_flight" in str(f) else save(obj, f))
+    with pytest.raises(rc_run.RunError) as info:
+        rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
+    line = str(info.value)
+    assert "\n" not in line and "no space left on device while writing" in line
+    assert os.path.join("step_000001.tmp", where) in line
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000000"]
+    assert rc_run.checksum_files(str(tmp_path / "checkpoints" / "step_000000")) == kept
+    assert rc_run.fault_line(info.value) == line  # what rc_train.py prints
+
+
+def test_a_full_disk_during_a_real_run_is_one_line(tmp_path):
+    """The real script, ENOSPC injected into the first checkpoint's batches-in-flight file: one line on stderr naming
+    it, exit code 1, no traceback."""
+    wrapper = tmp_path / "full_disk.py"
+    wrapper.write_text(
+        "import errno, os, runpy, sys, torch\n"
+        "save = torch.save\n"
+        "def full(obj, f, *a, **k):\n"
+        "    if 'in_flight' in str(f):\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+        "    return save(obj, f, *a, **k)\n"
+        "torch.save = full\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "sys.argv = ['rc_train.py', *sys.argv[1:]]\n"
+        f"runpy.run_path({os.path.join(ROOT, 'rc_train.py')!r}, run_name='__main__')\n"
+    )
+    flags = [*QUICK, "--num-steps", "2", "--checkpoint-every", "1", "--output-dir", str(tmp_path), "--run-name", "r"]
+    proc = subprocess.run(
+        [sys.executable, str(wrapper), *flags],
+        capture_output=True,
+        text=True,
+        env=train_env(tmp_path),
+        cwd=ROOT,
+        timeout=600,
+    )
+    refused(proc, "no space left on device while writing", "step_000000.tmp/in_flight_rank0.pt")
+    assert not (tmp_path / "r" / "checkpoints" / "step_000000.tmp").exists()
+
+
+@pytest.mark.parametrize(
+    "env, config, needles",
+    [
+        ({"OMP_NUM_THREADS": "abc"}, None, ["OMP_NUM_THREADS", "'abc'"]),
+        ({"RC_CACHE_DIR": "FILE/cache"}, None, ["RC_CACHE_DIR", "is a file"]),
+        ({"RC_CACHE_DIR": ""}, None, ["RC_CACHE_DIR is set but empty"]),
+        ({"RC_TRAIN_KILL_IN_CHECKPOINT": "three"}, None, ["RC_TRAIN_KILL_IN_CHECKPOINT", "'three'"]),
+        ({}, "num_steps: 3\n  bad: [\n", ["YAML syntax error at line 2, column 6"]),
+        ({}, "num_steps: [3\n", ["YAML syntax error at line 2, column 1"]),
+        ({}, b"num_steps: 3\n\xff\xfe\n", ["is not UTF-8 text"]),
+    ],
+)
+def test_bad_environment_and_yaml_are_one_line(tmp_path, env, config, needles):
+    """Bad environment values and YAML syntax errors: one line naming the variable and value, or the file, line and
+    column (today: tracebacks), before any run folder exists."""
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    env = {k: v.replace("FILE", str(tmp_path / "FILE")) for k, v in env.items()}
+    flags = [*QUICK, "--num-steps", "1"]
+    if config is not None:
+        path = tmp_path / "bad.yaml"
+        path.write_bytes(config if isinstance(config, bytes) else config.encode())
+        flags = ["--config", str(path)]
+        needles = [*needles, str(path)]
+    cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "r", *flags]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**train_env(tmp_path), **env}, cwd=ROOT, timeout=300
+    )
+    refused(proc, *needles)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """A model build into a cache that refuses writes (read-only, full): a ValueError naming RC_CACHE_DIR (the CLI
+    prints it as one line), nothing half-built left."""
+    monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def build(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(path, "model.safetensors"))
+
+    with pytest.raises(ValueError, match="RC_CACHE_DIR.*cannot be written: Read-only file system") as info:
+        tasks.cached_build("m", build, lambda _: None)
+    assert "\n" not in str(info.value)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_unreadable_files_are_named(tmp_path, monkeypatch):
+    """A file the OS will not let us read, anywhere in the run: fault_line names it (rc_train.py's excepthook prints
+    that line instead of a traceback); inside a resume, a RunError names it."""
+    assert rc_run.fault_line(PermissionError(errno.EACCES, "Permission denied", "/data/train.jsonl")) == (
+        "permission denied: /data/train.jsonl"
+    )
+    assert rc_run.fault_line(ValueError("a bug")) is None  # a fault of the program keeps its traceback
+    path = tmp_path / "trainer_state.json"
+    path.write_text("{}")
+    real_open = open
+
+    def unreadable(f, *a, **k):
+        if str(f) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(f))
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr("builtins.open", unreadable)
+    with pytest.raises(rc_run.RunError, match=f"permission denied while reading {path}"):
+        rc_run._read_json(str(path))
+
+
+# ---- 6. Checkpoint retention -------------------------------------------------------------------------------------
+def test_checkpoints_are_kept_to_the_newest_n(tmp_path):
+    """--keep-checkpoints N: after each save the complete checkpoints older than the one just written are deleted
+    beyond the newest N; the one just written never is (not even among newer folders), incomplete folders are left
+    alone, and N < 1 is refused naming the value."""
+    model, optimizer, scheduler = _tiny()
+    for step in range(5):
+        rc_run.save_checkpoint(
+            str(tmp_path), step, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args(keep_checkpoints=2)
+        )
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000003", "step_000004"]
+    (tmp_path / "checkpoints" / "step_000002.tmp").mkdir()  # a save cut off by a kill
+    rc_run.save_checkpoint(
+        str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args(keep_checkpoints=1)
+    )
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "step_000001",
+        "step_000002.tmp",
+        "step_000003",
+        "step_000004",
+    ]
+    rc_run.save_checkpoint(
+        str(tmp_path), 5, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args(keep_checkpoints=1)
+    )
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002.tmp", "step_000005"]
+    with pytest.raises(ValueError, match=r"--keep-checkpoints must be >= 1 .*got 0"):
+        rc_config.validate_args(_args(keep_checkpoints=0), world_size=1)

@@ -514,14 +514,10 @@ def make_tokenizer(texts, vocab_size: int, alphabet: list[str] | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def make_qwen2(vocab_size: int, eos: int, hidden: int, layers: int, intermediate: int, seed: int):
-    """A Qwen2-architecture causal LM with head_dim 64 (vLLM's CPU attention rejects head_dim 16)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
+def _tiny_shape(eos: int, hidden: int, layers: int) -> dict:
+    """The config fields both tiny models share: head_dim 64 (vLLM's CPU attention rejects head_dim 16), one KV head,
+    tied embeddings, the tokenizer's end token as bos, eos and pad."""
+    return dict(
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
         num_key_value_heads=1,
@@ -532,6 +528,18 @@ def make_qwen2(vocab_size: int, eos: int, hidden: int, layers: int, intermediate
         eos_token_id=eos,
         pad_token_id=eos,
     )
+
+
+def make_qwen2(vocab_size: int, eos: int, hidden: int, layers: int, intermediate: int, seed: int):
+    """A Qwen2-architecture causal LM with head_dim 64 (vLLM's CPU attention rejects head_dim 16)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        **_tiny_shape(eos, hidden, layers),
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -541,7 +549,7 @@ def make_qwen3_moe(vocab_size: int, eos: int, hidden: int, layers: int, seed: in
     of intermediate size 128 (a multiple of 32, as vLLM's CPU grouped GEMM wants), top-2 renormalised
     (norm_topk_prob), head_dim 64 and tied embeddings like make_qwen2. The router weights start with standard
     deviation `router_scale` (the rest with transformers' 0.02): the router's sharpness, the dial of how often a
-    bf16 engine routes a token elsewhere (../shared/notes/moe-routing-cpu.md measured 0.02 against 0.3)."""
+    bf16 engine routes a token elsewhere (docs/moe.md; measured here at 0.02 against 0.3)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -554,15 +562,7 @@ def make_qwen3_moe(vocab_size: int, eos: int, hidden: int, layers: int, seed: in
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
+        **_tiny_shape(eos, hidden, layers),
     )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)

@@ -8,8 +8,9 @@
 
 `--dial mismatch` sweeps several dials at once: each level is `none` or FIELD=VALUE[+FIELD=VALUE] of rc_train.py
 (`--levels none,rollout_dtype=bfloat16,rollout_weight_quant=int4`); a preset entry may add correction fields
-(`naive+rollout_token_veto_threshold=1e-4`). Runs trained with --dump-log-ratio-every also get the length lab:
-length.md/.csv, length_law.png (chi2_seq against (1 + chi2_token)^T - 1, ESS of token vs sequence weights) and
+(`naive+rollout_token_veto_threshold=1e-4`) or other Args fields (`bypass_ppo_clip+kl_coef=0.05`). Runs trained with
+--dump-log-ratio-every also get the length lab: length.md/.csv, length_law.png (chi2_seq against (1 + chi2_token)^T -
+1, ESS of token vs sequence weights) and
 length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-length bin.
 
 Each run is `rc_train.py --output-dir OUT --run-name PRESET__DIAL=LEVEL__sSEED --rc.preset PRESET --seed SEED
@@ -79,45 +80,61 @@ def run_name(preset: str, dial: str, level: str, seed: int) -> str:
     return f"{preset}__{level if dial == MISMATCH else dial + '=' + level}__s{seed}"
 
 
-def _field_flags(text: str, prefix: str, what: str, known: set | None) -> list[str]:
-    """`FIELD=VALUE[+FIELD=VALUE...]` -> ['--PREFIXfield-name', 'VALUE', ...] (rc_train.py flags)."""
+def _field_flags(text: str, what: str, spaces: list[tuple[str, set | None, set]]) -> list[str]:
+    """`FIELD=VALUE[+FIELD=VALUE...]` -> rc_train.py flags. Each FIELD is looked up in `spaces`, a list of (flag
+    prefix, known field names or None = anything, boolean field names), first match wins: `--PREFIXfield-name VALUE`,
+    or for a boolean field tyro's `--PREFIXfield-name` / `--PREFIXno-field-name` (VALUE true/false)."""
     flags = []
     for part in text.split("+"):
         field, sep, value = part.partition("=")
         if not sep or not field.isidentifier() or not value:
             raise LabError(f"{what}: {part!r} in {text!r} is not FIELD=VALUE")
-        if known is not None and field not in known:
-            raise LabError(f"{what}: {field!r} in {text!r} is not an rc_train.py {prefix or 'Args '}field")
-        flags += ["--" + prefix + field.replace("_", "-"), value]
+        space = next(((p, b) for p, known, b in spaces if known is None or field in known), None)
+        if space is None:
+            raise LabError(f"{what}: {field!r} in {text!r} is not an rc_train.py field")
+        prefix, bools = space
+        name = field.replace("_", "-")
+        if field in bools:
+            if value.lower() not in ("true", "false"):
+                raise LabError(f"{what}: {field!r} is a switch: true or false, got {value!r}")
+            flags.append("--" + prefix + ("" if value.lower() == "true" else "no-") + name)
+        else:
+            flags += ["--" + prefix + name, value]
     return flags
 
 
-def _trainer_fields() -> tuple[set, set] | tuple[None, None]:
-    """(Args fields, CorrectionArgs fields) of the real trainer, or (None, None) when RC_LAB_TRAIN points elsewhere."""
+def _trainer_fields() -> tuple[set, set, set] | tuple[None, None, set]:
+    """(Args fields, CorrectionArgs fields, their boolean fields) of the real trainer, or (None, None, set()) when
+    RC_LAB_TRAIN points elsewhere."""
     if os.path.abspath(RC_TRAIN) != os.path.join(ROOT, "rc_train.py"):
-        return None, None
+        return None, None, set()
     import dataclasses
 
     import rc_train
 
-    return {f.name for f in dataclasses.fields(rc_train.Args)}, {
-        f.name for f in dataclasses.fields(rc_train.CorrectionArgs)
-    }
+    args, rc = dataclasses.fields(rc_train.Args), dataclasses.fields(rc_train.CorrectionArgs)
+    bools = {f.name for f in (*args, *rc) if f.type in (bool, "bool")}
+    return {f.name for f in args}, {f.name for f in rc}, bools
 
 
-def preset_flags(preset: str, rc_fields: set | None = None) -> list[str]:
-    """A preset entry `NAME` or `NAME+FIELD=VALUE...` (correction fields on top of the preset, e.g.
-    `naive+rollout_token_veto_threshold=1e-4`) -> its rc_train.py flags."""
+def preset_flags(preset: str, rc_fields: set | None = None, fields: set | None = None, bools=frozenset()) -> list[str]:
+    """A preset entry `NAME` or `NAME+FIELD=VALUE...` -> its rc_train.py flags. A FIELD is a correction field on top
+    of the preset (`naive+rollout_token_veto_threshold=1e-4` -> --rc.rollout-token-veto-threshold) or, when it is
+    not one, an Args field (`bypass_ppo_clip+kl_coef=0.05+kl_is_corrected=true` -> --kl-coef 0.05
+    --kl-is-corrected): one row of the table may be an objective, a mask or a loss term."""
     name, _, rest = preset.partition("+")
-    return ["--rc.preset", name] + (_field_flags(rest, "rc.", "--presets", rc_fields) if rest else [])
+    if not rest:
+        return ["--rc.preset", name]
+    spaces = [("rc.", rc_fields, bools)] if rc_fields is None else [("rc.", rc_fields, bools), ("", fields, bools)]
+    return ["--rc.preset", name] + _field_flags(rest, "--presets", spaces)
 
 
-def level_flags(dial: str, level: str, fields: set | None = None) -> list[str]:
+def level_flags(dial: str, level: str, fields: set | None = None, bools=frozenset()) -> list[str]:
     """The rc_train.py flags of one dial level: `--DIAL LEVEL`, or for the mismatch pseudo-dial the level's own
     FIELD=VALUE pairs (`none`: no flag, the zero-mismatch level)."""
     if dial != MISMATCH:
         return ["--" + dial.replace("_", "-"), level]
-    return [] if level == "none" else _field_flags(level, "", "--levels", fields)
+    return [] if level == "none" else _field_flags(level, "--levels", [("", fields, bools)])
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -138,7 +155,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
     bad = [p for p in presets if p.partition("+")[0] not in rc_core.PRESET_NAMES]
     if bad:
         raise LabError(f"unknown preset(s) {', '.join(bad)}; known: {', '.join(rc_core.PRESET_NAMES)}")
-    fields, rc_fields = _trainer_fields()
+    fields, rc_fields, bools = _trainer_fields()
     dial_flag = "--" + args.dial.replace("_", "-")
     if (
         not args.dial.isidentifier()
@@ -150,9 +167,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
             f"sweep sets itself) or `{MISMATCH}`, got {args.dial!r}"
         )
     levels = _split(args.levels, "levels")
-    level_flags_of = {lv: level_flags(args.dial, lv, fields) for lv in levels}
-    preset_flags_of = {p: preset_flags(p, rc_fields) for p in presets}
-    swept = {f for fl in [*level_flags_of.values(), *preset_flags_of.values()] for f in fl[::2]}
+    level_flags_of = {lv: level_flags(args.dial, lv, fields, bools) for lv in levels}
+    preset_flags_of = {p: preset_flags(p, rc_fields, fields, bools) for p in presets}
+    swept = {f for fl in [*level_flags_of.values(), *preset_flags_of.values()] for f in fl if f.startswith("--")}
     clash = sorted(f for f in swept if f in RESERVED and f != "--rc.preset")
     if clash:
         raise LabError(f"--levels/--presets set {', '.join(clash)}, which the sweep sets itself")

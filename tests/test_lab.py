@@ -572,6 +572,9 @@ def test_cli_sweep_subprocess(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The mismatch pseudo-dial, preset fields, the length lab
 # ---------------------------------------------------------------------------------------------
+ARGS_FIELDS, RC_FIELDS, BOOL_FIELDS = rc_lab._trainer_fields()
+
+
 def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, capsys):
     args = rc_lab._parser().parse_args(
         [
@@ -614,6 +617,24 @@ def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, c
         "5",
     ]
     assert "--rollout-dtype" not in cmds["naive__none__s3"]
+    # a preset entry may set Args fields too (objective, mask or loss term in one row); booleans are tyro switches
+    flags = rc_lab.preset_flags(
+        "bypass_ppo_clip+loss_mode=cispo+kl_coef=0.05+kl_is_corrected=true", RC_FIELDS, ARGS_FIELDS, BOOL_FIELDS
+    )
+    assert flags == [
+        "--rc.preset",
+        "bypass_ppo_clip",
+        "--rc.loss-mode",
+        "cispo",
+        "--kl-coef",
+        "0.05",
+        "--kl-is-corrected",
+    ]
+    assert rc_lab.preset_flags("naive+eval_before=False", RC_FIELDS, ARGS_FIELDS, BOOL_FIELDS)[2:] == [
+        "--no-eval-before"
+    ]
+    with pytest.raises(rc_lab.LabError, match="is a switch"):
+        rc_lab.preset_flags("naive+kl_is_corrected=1", RC_FIELDS, ARGS_FIELDS, BOOL_FIELDS)
     # a sweep of the bound itself, or an extra flag that sets it, is not pinned
     args.dial, args.levels = "max_staleness", "0,4"
     assert rc_lab.build_spec(args, [])["runs"][1]["cmd"][-4:] == ["--max-staleness", "4", "--num-steps", "40"]
@@ -628,6 +649,7 @@ def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, c
         (["--levels", "none,seed=4"], "--seed"),
         (["--levels", "none,rollout_dtype"], "is not FIELD=VALUE"),
         (["--presets", "naive+veto=1"], "'veto'"),
+        (["--presets", "naive+seed=4"], "--seed"),
     ):
         argv = [
             "sweep",

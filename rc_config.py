@@ -351,10 +351,35 @@ def _check_rollout(args, world_size: int) -> None:
         f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}",
     )
     _need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    _check_replay(args, world_size)
     _need(
         args.train_dtype != "float16",
         f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
         f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32",
+    )
+
+
+def _check_replay(args, world_size: int) -> None:
+    """--replay-window and --replay-fraction give each step at least one fresh and one replayed whole group."""
+    W, f = args.replay_window, args.replay_fraction
+    _need(W >= 0, f"--replay-window must be >= 0 (steps whose fresh groups are kept; 0 = no buffer), got {W}")
+    _need(
+        0.0 <= f < 1.0,
+        f"--replay-fraction must be in [0, 1) (the share of a step's groups replayed; 1 would sample nothing), got {f}",
+    )
+    if f == 0:
+        return
+    _need(W >= 1, f"--replay-fraction {f} needs --replay-window >= 1 (the steps it replays from), got {W}")
+    per_rank, replayed = prompts_per_rank(args, world_size), replay_groups(args, world_size)
+    _need(
+        replayed >= 1,
+        f"--replay-fraction {f} replays round({f} x {per_rank} prompt groups per rank) = 0 whole groups (a group is "
+        f"replayed whole, for its GRPO baseline): raise it or --num-prompts-per-step",
+    )
+    _need(
+        replayed < per_rank,
+        f"--replay-fraction {f} replays all {per_rank} prompt groups per rank (round({f} x {per_rank})), leaving no "
+        f"fresh group: lower it or raise --num-prompts-per-step",
     )
 
 
@@ -574,6 +599,11 @@ def uses_rollout_worker(args) -> bool:
 def prompts_per_rank(args, world: int) -> int:
     """Each rank's share of --num-prompts-per-step (validate_args: a multiple of the world size)."""
     return args.num_prompts_per_step // world
+
+
+def replay_groups(args, world: int) -> int:
+    """The whole prompt groups each rank replays per step once the buffer holds enough: round(f x its prompts)."""
+    return math.floor(args.replay_fraction * prompts_per_rank(args, world) + 0.5) if args.replay_fraction else 0
 
 
 def rollout_batch_size(args, world: int) -> int:

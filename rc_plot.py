@@ -211,7 +211,8 @@ class Panel:
     record, is 1.0: the check fired).
     min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
     few equal points do not produce a meaningless +-0.05 axis around them.
-    moe: drawn from an MoE run's routing metrics only (docs/moe.md): a dense run leaves it "not logged".
+    needs: the feature a run must use for the panel to have data, or "" for every run: "moe" (the routing
+    metrics of an MoE run, docs/moe.md), "replay" (--replay-window, docs/async.md §8); other runs leave it "not logged".
     """
 
     title: str
@@ -223,7 +224,7 @@ class Panel:
     health: tuple[str, ...] = ()
     kind: str = "lines"
     min_span: tuple[float, float] | None = None
-    moe: bool = False
+    needs: str = ""
 
 
 PANELS: tuple[Panel, ...] = (
@@ -306,6 +307,19 @@ PANELS: tuple[Panel, ...] = (
         ),
     ),
     Panel("Grad norm", "grad norm", (Series("actor/grad_norm", "grad norm"),)),
+    Panel(
+        "Staleness (versions behind the trainer)",
+        "versions",
+        (Series("rollout/staleness_mean", "mean"), Series("rollout/staleness_max", "max", "--")),
+        min_span=(0.0, 1.0),
+    ),
+    Panel(
+        "Replay buffer",
+        "share of the batch",
+        (Series("rollout/replayed_fraction", "replayed"),),
+        min_span=(0.0, 1.0),
+        needs="replay",
+    ),
     Panel("Response length", "tokens (mean)", (Series("response_length/mean", "mean length"),)),
     Panel(
         "Health checks fired",
@@ -322,7 +336,7 @@ PANELS: tuple[Panel, ...] = (
             Series("rollout_corr/routing_flip_token_fraction", "tokens whose position flipped", "--"),
         ),
         min_span=(0.0, 1.0),
-        moe=True,
+        needs="moe",
     ),
 )
 NCOLS = 4

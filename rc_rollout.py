@@ -1,10 +1,11 @@
-"""The rollout engine: everything that talks to vLLM, and the staleness schedule of which version samples which batch.
+"""The rollout engine: everything that talks to vLLM, and the schedule of which versions sampled a step's batch.
 
 What belongs here starts, feeds, asks or stops an engine: its scheduler limits, device placement, logs and GPU memory
 (sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, an MoE engine's
 expert prepack after a load and its routing capture (MoEEngine, docs/moe.md), the lab's engine-side mismatch dials
 (weights the engine receives, planted tokens), the engine in the trainer's process and the rollout worker process, and
-the staleness schedule. rc_train.py starts its engine (make_engine), asks `Rollouts` for
+the staleness schedule and the replay buffer (ReplayBuffer: whole groups of earlier steps, each with its own version,
+docs/async.md §8). rc_train.py starts its engine (make_engine), asks `Rollouts` for
 the batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead
 (request) and asks it for greedy evaluations (evaluate). What crosses a process boundary is a named tuple: a
 `Request` in, a `Result` of `Response`s out.
@@ -789,10 +790,13 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
 # ---------------------------------------------------------------------------------------------
 def staleness_bound(args) -> int | None:
     """The most versions a trained sample may lag the trainer: --max-staleness k; with --sync-every m > 1 (k = 0) the
-    engine is synced every m steps, so m - 1; never synced (--sync-every 0): no bound (None)."""
+    engine is synced every m steps, so m - 1; never synced (--sync-every 0): no bound (None). Replay (ReplayBuffer)
+    trains on the fresh groups of up to W steps back: W more."""
     if args.sync_every == 1:
-        return args.max_staleness
-    return args.sync_every - 1 if args.sync_every else None
+        bound = args.max_staleness
+    else:
+        bound = args.sync_every - 1 if args.sync_every else None
+    return None if bound is None else bound + (args.replay_window if args.replay_fraction > 0 else 0)
 
 
 def stale_rows(versions: torch.Tensor, trainer_version: int, bound: int | None) -> torch.Tensor:
@@ -800,6 +804,64 @@ def stale_rows(versions: torch.Tensor, trainer_version: int, bound: int | None) 
     if bound is None:
         return torch.zeros_like(versions, dtype=torch.bool)
     return trainer_version - versions > bound
+
+
+class ReplayBuffer:
+    """The replay buffer (--replay-window W, --replay-fraction f; docs/async.md §8): the fresh prompt groups of the
+    last W steps, each kept whole with its prompt, its Responses (the engine's log-probs: its own mu) and the version
+    that sampled it. The batch of step t holds `per_rank` groups per rank: `replayed(t)` of them drawn from the buffer,
+    the rest sampled fresh. replayed(t) = min(round(f x per_rank), groups held), a function of t alone, so the engine's
+    requests (queued k steps ahead) and a resumed run know it. The draw is seeded by (seed, step, rank), uniform
+    over the held groups, without replacement; then the step's fresh groups are added and those of step t + 1 - W
+    evicted. Groups are replayed whole, so GRPO's group baseline is the group's own (rewards are scored again from the
+    kept text, deterministic); the corrections see each sample's own mu and version. f = 0: nothing is drawn and no
+    generator is used, the run is bit for bit the one without a buffer."""
+
+    def __init__(self, args, per_rank: int, replayed: int, rank: int, entries=()):
+        self.window, self.per_rank, self.count = args.replay_window, per_rank, replayed
+        self.seed, self.rank = args.seed, rank
+        self.entries = [
+            (s, v, list(rows), [[Response(*r) for r in g] for g in groups]) for s, v, rows, groups in entries
+        ]
+        self._fresh = []  # fresh groups of steps 0, 1, ... (the schedule, extended on demand)
+
+    def replayed(self, step: int) -> int:
+        """Groups this rank replays at `step`: round(f x per_rank), fewer while the buffer holds fewer groups."""
+        while len(self._fresh) <= step:
+            t = len(self._fresh)
+            held = sum(self._fresh[max(0, t - self.window) : t]) if self.count else 0
+            self._fresh.append(self.per_rank - min(self.count, held))
+        return self.per_rank - self._fresh[step]
+
+    def fresh(self, step: int) -> int:
+        """Groups this rank samples fresh at `step` (the first of its prompts of the step; the rest are replayed)."""
+        return self.per_rank - self.replayed(step)
+
+    def draw(self, step: int) -> list[tuple[int, int, list]]:
+        """The groups replayed at `step`, as (train row, version, responses), in buffer order."""
+        pool = [(row, v, group) for _, v, rows, groups in self.entries for row, group in zip(rows, groups)]
+        count = self.replayed(step)
+        assert len(pool) >= count, (step, len(pool), count)  # the schedule and the buffer agree (tests/test_replay.py)
+        if not count:
+            return []
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 8191 + self.rank)
+        return [pool[i] for i in sorted(torch.randperm(len(pool), generator=generator)[:count].tolist())]
+
+    def add(self, step: int, version: int, rows: list[int], groups: list) -> int:
+        """Keep the fresh groups of `step`; evict the steps the next one may not draw from. Returns the samples
+        evicted."""
+        if self.window:
+            self.entries.append((step, version, list(rows), [list(g) for g in groups]))
+        old = [e for e in self.entries if e[0] <= step - self.window]
+        self.entries = [e for e in self.entries if e[0] > step - self.window]
+        return sum(len(g) for e in old for g in e[3])
+
+    def samples(self) -> int:
+        return sum(len(g) for e in self.entries for g in e[3])
+
+    def state(self) -> list:
+        """Plain tuples for a checkpoint (ReplayBuffer(..., entries=state) rebuilds it)."""
+        return [(s, v, rows, [[tuple(r) for r in g] for g in groups]) for s, v, rows, groups in self.entries]
 
 
 class Rollouts:

@@ -224,23 +224,38 @@ def reduce_metrics(acc: MetricSum, host: HostGroup) -> dict:
     return out
 
 
-def batch_metrics(args, rewards: list, corrects: list, mask, n_nonfinite: int, version: int, step: int, stale):
-    """reward/*, response_length/* and rollout/* of this rank's rollout batch: means and a std over its responses,
-    the longest response, counts of non-finite tokens and dropped samples. Every response of the batch was sampled by
-    policy version `version`: its staleness is step - version."""
-    lengths, staleness = mask.sum(-1), torch.full((len(mask),), step - version)
+def batch_metrics(
+    args, rewards: list, corrects: list, mask, n_nonfinite: int, versions, step: int, stale, n_fresh: int
+):
+    """reward/*, response_length/* and rollout/* of this rank's batch: means and a std over its responses, the longest
+    response, counts of non-finite tokens and dropped samples. `versions`: each row's policy version (staleness =
+    step - version). With replay (rc_rollout.ReplayBuffer) rows 0..n_fresh-1 are this step's fresh samples: reward/*
+    and response_length/* describe what the engine sampled for this step (rollout/policy_version is their version),
+    rollout/staleness_* every trained sample, replayed ones included."""
+    n = n_fresh
+    lengths, staleness = mask[:n].sum(-1), step - versions
     return {
-        "reward/mean": float(np.mean(rewards)),
-        "reward/std": float(np.std(rewards)),
-        "reward/correct": float(np.mean(corrects)),
+        "reward/mean": float(np.mean(rewards[:n])),
+        "reward/std": float(np.std(rewards[:n])),
+        "reward/correct": float(np.mean(corrects[:n])),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((lengths >= args.max_response_length).float().mean()),
         "rollout/nonfinite_logprob_tokens": float(n_nonfinite),
-        "rollout/policy_version": float(version),
+        "rollout/policy_version": float(versions[0]),
         "rollout/staleness_mean": float(staleness.float().mean()),
         "rollout/staleness_max": float(staleness.max()),
         "rollout/dropped_samples": float(stale.sum()),
+    }
+
+
+def replay_metrics(replayed: int, rows: int, held: int, evicted: int) -> dict:
+    """rollout/replay_* of this rank's step (--replay-window > 0): the share of its batch drawn from the buffer, the
+    samples the buffer holds after this step's fresh ones joined, and those evicted for falling out of the window."""
+    return {
+        "rollout/replayed_fraction": replayed / rows,
+        "rollout/replay_buffer_samples": float(held),
+        "rollout/replay_evicted_samples": float(evicted),
     }
 
 
@@ -829,10 +844,13 @@ def checksum_files(folder: str) -> dict:
         return dict(zip(files, pool.map(lambda rel: file_sha256(os.path.join(folder, rel)), files)))
 
 
-def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict, args):
+def save_checkpoint(
+    run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict, args, replay=()
+):
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
-    under FSDP2; replicated DDP tensors are written once), every rank's RNG state and the batches it has in flight
-    (--max-staleness k: those of the next k steps, sampled by older versions), the scheduler, checksums.json (the
+    under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the batches it has in flight
+    (--max-staleness k: those of the next k steps, sampled by older versions) and its replay buffer (--replay-window:
+    rc_rollout.ReplayBuffer.state), the scheduler, checksums.json (the
     SHA-256 of every file above) and trainer_state.json (the step, the counters, the schedule and the settings that
     decide what a step computes: run_settings). All of it goes into step_N.tmp, trainer_state.json last, then one
     rename: a process killed during a save leaves a .tmp folder that --resume never loads. Then the older complete
@@ -858,6 +876,9 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, accelerator, cou
         torch.save(rng, current)
         current = os.path.join(tmp, f"in_flight_rank{rank}.pt")
         torch.save(in_flight, current)
+        if args.replay_window:
+            current = os.path.join(tmp, f"replay_rank{rank}.pt")
+            torch.save(replay, current)
         accelerator.wait_for_everyone()
         if main:
             current = os.path.join(tmp, "scheduler.pt")
@@ -1087,6 +1108,7 @@ class Resumed:
     counters: dict
     in_flight: dict
     rng: dict
+    replay: list
 
 
 def load_resume(run_dir: str, model, optimizer, scheduler, accelerator, host: HostGroup, counters: dict, args):
@@ -1117,6 +1139,7 @@ def load_resume(run_dir: str, model, optimizer, scheduler, accelerator, host: Ho
         file = os.path.join(ckpt, "scheduler.pt")
         _loaded(file, lambda: scheduler.load_state_dict(torch.load(file, weights_only=False)))
         in_flight, rng = load_in_flight(ckpt, rank), load_rng(ckpt, rank)
+        replay = load_replay(ckpt, rank) if args.replay_window else []
         start = state["step"] + 1
         missing = [t for t in range(start, min(start + args.max_staleness, args.num_steps)) if t not in in_flight]
         if missing:
@@ -1130,7 +1153,7 @@ def load_resume(run_dir: str, model, optimizer, scheduler, accelerator, host: Ho
         lacking = [k for k in counters if k not in state]
         if lacking:
             raise RunError(f"{os.path.join(ckpt, 'trainer_state.json')} lacks {lacking[0]}")
-        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng)
+        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng, replay)
     except RunError as e:
         error = str(e)
     errors = [e for e in host.gather(error) if e]
@@ -1153,6 +1176,21 @@ def load_in_flight(path: str, rank: int) -> dict:
     if not ok:
         raise RunError(f"{file} cannot be loaded (not the batches in flight a checkpoint writes)")
     return batches
+
+
+def load_replay(path: str, rank: int) -> list:
+    """This rank's replay buffer when the checkpoint was written (rc_rollout.ReplayBuffer.state): [(step, version,
+    train rows, groups of response tuples)], checked."""
+    file = os.path.join(path, f"replay_rank{rank}.pt")
+    if not os.path.isfile(file):
+        raise RunError(f"{path} holds no replay buffer ({os.path.basename(file)}) for this --replay-window run")
+    entries = _loaded(file, lambda: torch.load(file, weights_only=False))
+    ok = isinstance(entries, list) and all(
+        isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], int) and len(e[2]) == len(e[3]) for e in entries
+    )
+    if not ok:
+        raise RunError(f"{file} cannot be loaded (not the replay buffer a checkpoint writes)")
+    return entries
 
 
 def load_rng(path: str, rank: int) -> dict:

@@ -189,6 +189,12 @@ class Args:
     mismatch for the correction); 0 on GPUs (CPU-only worker) or with --sync-every != 1; the checkpoint's on --resume"""
     rollout_worker: bool = False
     """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
+    replay_window: int = 0
+    """replay buffer: keep the fresh groups of the last W steps (sampled by versions up to W + k behind the trainer,
+    each with its own rollout log-probs and version), evict older ones (rc_rollout.ReplayBuffer, docs/async.md §8)"""
+    replay_fraction: float = 0.0
+    """share of each step's prompt groups drawn (seeded, uniformly, whole groups) from the replay buffer instead of
+    sampled fresh: the batch's behaviour policy becomes a mixture of versions. 0 = no replay; needs --replay-window"""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU: share of GPU memory for the colocated engine (weights + KV cache)"""
     vllm_kv_cache_gb: float = 1.0
@@ -917,11 +923,14 @@ if __name__ == "__main__":
         rc_run.set_rng(resumed.rng)
         rc_run.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)  # logs cut, config.yaml
     prompts_per_rank = rc_config.prompts_per_rank(args, world)
+    replay_count = rc_config.replay_groups(args, world)  # whole groups replayed per step (--replay-fraction)
+    replay = rc_rollout.ReplayBuffer(args, prompts_per_rank, replay_count, rank, resumed.replay if args.resume else ())
 
     def step_indices(step: int) -> list[int]:
-        """This rank's share of the step's prompts (the stream depends on seed and step only)."""
+        """This rank's fresh prompts of the step (the stream depends on seed and step only; with replay the last
+        replay.replayed(step) of its share are not sampled: replayed groups take their place)."""
         P, first = args.num_prompts_per_step, rank * prompts_per_rank
-        return prompt_indices(len(train_prompts), args.seed, step * P, P)[first : first + prompts_per_rank]
+        return prompt_indices(len(train_prompts), args.seed, step * P, P)[first : first + replay.fresh(step)]
 
     rollouts = rc_rollout.Rollouts(
         args,
@@ -962,8 +971,9 @@ if __name__ == "__main__":
         """After the update of `step`: weights, optimizer, schedule, RNGs, counters and the batches in flight."""
         counts = {**counters, "sync_count": rollouts.sync_count}
         try:
+            in_flight = rollouts.in_flight(step)
             rc_run.save_checkpoint(
-                run_dir, step, model, optimizer, scheduler, accelerator, counts, rollouts.in_flight(step), args
+                run_dir, step, model, optimizer, scheduler, accelerator, counts, in_flight, args, replay.state()
             )
         except rc_run.RunError as e:  # a full disk: said in one line, the earlier checkpoints kept
             sys.exit(f"rc_train.py: error: {e}")
@@ -975,16 +985,22 @@ if __name__ == "__main__":
         timer = rc_run.StepTimer({"timing/old_log_prob_s": 0.0})  # timing/step_s counts the wait for the batch too
         groups, version, rollout_seconds = rollouts.take(step)
         timer.seconds.update(rollout_seconds)  # timing/rollout_s, rollout_wait_s, engine_idle_s: the engine's clocks
+        # --replay-fraction: whole groups of the last W steps' rollouts, each with its own mu and version, join the
+        # fresh ones (rc_rollout.ReplayBuffer); then this step's fresh groups are kept and the oldest evicted
+        fresh = [(i, version, group) for i, group in zip(step_indices(step), groups)]
+        replayed = replay.draw(step)
+        evicted = replay.add(step, version, step_indices(step), groups)
         # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
         with timer("timing/reward_s"):
-            samples = [(i, g, resp) for g, (i, group) in enumerate(zip(step_indices(step), groups)) for resp in group]
-            rows, group_ids, responses = zip(*samples)  # each an rc_rollout.Response: token_ids, log_probs, text
-            scores = [task.score(resp.text, train_rows[i]) for i, _, resp in samples]
+            samples = [(i, g, v, resp) for g, (i, v, group) in enumerate(fresh + replayed) for resp in group]
+            rows, group_ids, versions, responses = zip(*samples)  # rc_rollout.Response: token_ids, log_probs, text
+            scores = [task.score(resp.text, train_rows[i]) for i, _, _, resp in samples]
             rewards, corrects = [reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
             batch = make_batch([train_prompts[i] for i in rows], responses, pad_id, group_ids)
             mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
             n_nonfinite = drop_nonfinite(mask, rollout_lp)
-            stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, bound)  # beyond the bound
+            versions = torch.tensor(versions)  # each sample's own policy version
+            stale = rc_rollout.stale_rows(versions, step, bound)  # beyond the bound
             mask[stale] = 0.0  # never trained on
             advantages = rc_core.compute_advantage(  # --adv-estimator: GRPO by default
                 args.adv_estimator,
@@ -1043,7 +1059,12 @@ if __name__ == "__main__":
         # rank's batch) by its tokens, batch statistics by sequences (rc_run.reduce_metrics). Loss terms are partial
         # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
         step_metrics.add({**batch_correction, **perf}, weight=float(mask.sum()))
-        rollout_metrics = rc_run.batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
+        n_fresh = sum(len(group) for group in groups)  # rows 0..n_fresh-1: sampled for this step
+        rollout_metrics = rc_run.batch_metrics(
+            args, rewards, corrects, mask, n_nonfinite, versions, step, stale, n_fresh
+        )
+        if args.replay_window:  # the buffer: the replayed share of the batch, what it holds and what left it
+            rollout_metrics.update(rc_run.replay_metrics(len(mask) - n_fresh, len(mask), replay.samples(), evicted))
         counts = {"actor/old_log_prob_passes": counters["old_log_prob_passes"], "actor/sync_count": rollouts.sync_count}
         step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)

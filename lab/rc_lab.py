@@ -727,6 +727,8 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
         return []
     if sweep["dial"] == STALENESS_DIAL:
         return staleness_verdicts(rows, sweep)
+    if sweep["dial"] in REPLAY_DIALS:
+        return staleness_verdicts(rows, sweep, at_level="this level", reference="f = 0", pick=REPLAY_PICK)
     lines = ["Verdicts (the rule above, applied):"]
     for level in sweep["levels"][1:]:
         at = [r for r in rows if r["level"] == level]
@@ -748,9 +750,13 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
     return lines
 
 
-def staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:
-    """The staleness rule (STALENESS_RULE) applied at each k >= the second level: naive below its k = 0 row? which
-    corrected presets are clearly above naive at the same k (repair), which are not below their own k = 0 (hold)?"""
+def staleness_verdicts(
+    rows: list[dict], sweep: dict, at_level="this k", reference="k = 0", pick: str | None = None
+) -> list[str]:
+    """The staleness rule (STALENESS_RULE; REPLAY_RULE for a replay sweep) applied at each level after the first:
+    naive below its first-level row? which corrected presets are clearly above naive at the same level (repair), which
+    are not below their own first-level row (hold)? With `pick` (a preset the design documents recommend for the
+    case), whether it repairs and holds and no corrected preset is clearly above it."""
     lines = ["Verdicts (the rule above, applied):"]
     for level in sweep["levels"][1:]:
         at = [r for r in rows if r["level"] == level]
@@ -766,9 +772,19 @@ def staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:
         )
         lines.append(
             f"- `{level_title(sweep, level)}`: naive Δ {_fmt(naive['delta_eval_acc'], '{:+.3f}')} "
-            f"({'below' if broke else 'not below'}); above naive at this k (repair): {', '.join(repair) or 'none'}; "
-            f"not below their own k = 0 (hold): {', '.join(held) or 'none'} → **{verdict}**"
+            f"({'below' if broke else 'not below'}); above naive at {at_level} (repair): "
+            f"{', '.join(repair) or 'none'}; not below their own {reference} (hold): {', '.join(held) or 'none'} → "
+            f"**{verdict}**"
         )
+        chosen = next((r for r in corrected if r["preset"] == pick), None)
+        if chosen is not None:
+            better = [r["preset"] for r in corrected if clearly_below(chosen, r)]
+            holds = chosen["preset"] in repair and chosen["preset"] in held and not better
+            lines.append(
+                f"  - the documents' pick `{pick}`: {'repairs' if pick in repair else 'does not repair'}, "
+                f"{'holds' if pick in held else 'does not hold'}; clearly above it: {', '.join(better) or 'none'} → "
+                f"**{'the recommendation holds' if holds else 'the recommendation does not hold'}**"
+            )
     return lines
 
 
@@ -822,6 +838,8 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
     )
     if sweep["dial"] == STALENESS_DIAL:
         rule = rule.rsplit(" A level reproduces", 1)[0] + " " + STALENESS_RULE
+    elif sweep["dial"] in REPLAY_DIALS:
+        rule = rule.rsplit(" A level reproduces", 1)[0] + " " + REPLAY_RULE
     lines = [
         f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps",
         "",
@@ -961,6 +979,19 @@ STALENESS_RULE = (  # the reading rule of a --max-staleness sweep, fixed before 
     "is above naive's at the same k by more than the same margin, max(2 × pooled std, 0.05); it *holds* when it is not "
     '`below` its own k = 0 row. A level reproduces "staleness breaks naive, correction repairs it" when the naive '
     "row is `below` and at least two corrected presets repair."
+)
+
+
+REPLAY_DIALS = ("replay_fraction", "replay_window")  # sweeps of a replay buffer (docs/async.md §8)
+REPLAY_PICK = "decoupled_seq_is_rs"  # the documents' pick for replay buffers (math document §5.2, "severe")
+REPLAY_RULE = (  # the reading rule of a replay sweep, fixed before lab/replay ran
+    "Replay trains every preset on samples up to W + k versions old, a mixture of behaviour policies, so a "
+    "correction can remove their bias but not their lag: each level is also read across presets. A corrected preset "
+    "*repairs* at a level when its mean eval acc is above naive's at the same level by more than the same margin, "
+    'max(2 × pooled std, 0.05); it *holds* when it is not `below` its own f = 0 row. A level reproduces "a mixture '
+    'of versions breaks naive, correction repairs it" when the naive row is `below` and at least two corrected '
+    f"presets repair. The documents' recommendation for this case, `{REPLAY_PICK}`, holds at a level when it repairs, "
+    "holds, and no corrected preset is above it by the same margin."
 )
 
 

@@ -950,3 +950,27 @@ def test_two_cell_staleness_sweep_with_the_real_trainer(tmp_path):
     dest = tmp_path / "committed"
     assert rc_lab.main(["export", str(out), str(dest)]) == 0
     assert (dest / "summary.md").read_text() == md and (dest / "staleness.png").exists()
+
+
+def test_replay_verdicts_read_the_documents_pick():
+    """A replay sweep reads each level across presets (REPLAY_RULE) and says whether the documents' pick holds."""
+
+    def row(preset, level, acc, std=0.01):
+        return {"preset": preset, "level": level, "eval_acc": acc, "eval_acc_std": std, "n_eval": 3, "flag": ""}
+
+    sweep = {"dial": "replay_fraction", "levels": ["0", "0.75"], "presets": ["naive", rc_lab.REPLAY_PICK, "x", "y"]}
+    rows = [row(p, "0", 0.85) for p in sweep["presets"]]
+    at = [
+        row("naive", "0.75", 0.6),
+        row(rc_lab.REPLAY_PICK, "0.75", 0.8),
+        row("x", "0.75", 0.82),
+        row("y", "0.75", 0.7),
+    ]
+    at[0].update(flag="below", delta_eval_acc=-0.25)
+    at[3]["flag"] = "below"  # repairs (above naive) but does not hold
+    lines = rc_lab.verdicts(rows + at, sweep)
+    assert "repair): decoupled_seq_is_rs, x, y;" in lines[1] and "(hold): decoupled_seq_is_rs, x →" in lines[1]
+    assert "**reproduced**" in lines[1]
+    assert lines[2].endswith("clearly above it: none → **the recommendation holds**")
+    at[2]["eval_acc"] = 0.95  # another preset clearly better than the pick
+    assert rc_lab.verdicts(rows + at, sweep)[2].endswith("clearly above it: x → **the recommendation does not hold**")

@@ -89,7 +89,7 @@ def test_default_run_learns_multi_token_answers(tmp_path):
     # data and the mismatch is real, well above fp32 rounding (k3 ~1e-13 when the engine holds the trainer's weights).
     assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * (SHORT_STEPS - 1)
     for panel in rc_plot.PANELS:
-        assert panel.moe or any(s.key in r for s in panel.series for r in everything), panel.title
+        assert panel.needs or any(s.key in r for s in panel.series for r in everything), panel.title
     assert min(r["rollout_corr/k3_kl"] for r in rows[1:]) > 1e-6
     assert max(r["rollout_corr/rollout_rs_masked_fraction"] for r in rows) > 0  # the k3 gate acts
     assert all(r["actor/tv_update"] > 0 for r in rows)

@@ -1,22 +1,34 @@
 """A race, side by side in one run: this trainer against Hugging Face TRL's GRPOTrainer (not a test).
 
-All three train the miniature GSM8K (the embedded default task and its warm-started base model) from the same
-weights on the same prompts in the same order, one after the other on this machine, for each seed:
+Like with like (issue 33): every arm trains the miniature GSM8K (the embedded default task and its warm-started base
+model) from the same weights on the same prompts in the same order, one after the other on this machine, per seed:
 
-  ours           python rc_train.py (the default job; --max-staleness 1 by default: the asynchronous rollout,
-                 docs/async.md, with the trainer's own thread choice, one thread per process)
-  trl_vllm       GRPOTrainer, use_vllm=True, vllm_mode="colocate" (vLLM in the trainer's process)
-  trl_generate   GRPOTrainer, use_vllm=False (transformers `generate`)
+  ours_sync          python rc_train.py --max-staleness 0 --rc.preset decoupled_seq_mis (--sync-preset): the
+                     synchronous loop, against TRL's synchronous one with TRL's loss (SYNC_PRESET says why)
+  ours_async_PRESET  python rc_train.py --max-staleness 1 --rc.preset PRESET (docs/async.md), one arm per preset of
+                     --async-presets; default: the presets lab/staleness/summary.md (read from its twin summary.csv)
+                     shows holding, i.e. not `below` their own k = 0 row, at its smallest k > 0. The lab has levels
+                     0, 2 and 8, no k = 1: its k = 2 holders (3 seeds, 30 steps of 12 prompts) are the evidence
+                     available for k = 1: bypass_ppo_clip, decoupled_token_is, decoupled_seq_mis, bypass_pg_is
+  trl_vllm           GRPOTrainer, use_vllm=True, vllm_mode="colocate" (vLLM in the trainer's process)
+  trl_generate       GRPOTrainer, use_vllm=False (transformers `generate`)
 
-Each at its best thread setting on 2 cores (measured: docs/results.md "The race against TRL"): ours the trainer's own
-default, TRL OMP_NUM_THREADS=2 (--ours-threads / --trl-threads to change them).
+Same samples per step: SHAPE is the one source of the numbers. Ours gets each on its command line (OURS_FLAGS), TRL
+in trl_config: 32 prompts x 16 samples per rollout step for both (TRL: generation_batch_size 512 of num_generations
+16), the prompts of step t being rows 32t .. 32t+31 of the seed's order (ours: rc_train.prompt_indices, a stream
+that depends only on seed and position; TRL: the same rows in that order, no shuffle). tests/test_bench_trl.py parses
+ours' command line with rc_train's own Args and checks TRL's batch against the same SHAPE.
 
-Matched: base model, prompt order (ours: rc_train.prompt_indices; TRL: the same rows in that order, no
-shuffle), 32 prompts x 16 samples per rollout, 64 response tokens, temperature 1, 4 optimizer steps of 128
-responses per rollout in micro-batches of 32, AdamW at a constant 1e-4 (no weight decay, grad-norm clip 1),
-clip 0.2 both sides, token-mean over each optimizer step's tokens (TRL's "dapo" = our "token-mean"),
-group-std advantages, no KL, fp32. Everything else is each trainer's default (TRL recomputes pi_old and applies
-its sequence-mask IS with vLLM; ours uses pi_old := pi_rollout, docs/corrections.md §7.3).
+Matched: base model, prompt order, 32 prompts x 16 samples per rollout, 64 response tokens, temperature 1, 4
+optimizer steps of 128 responses per rollout in micro-batches of 32, AdamW at a constant 1e-4 (no weight decay,
+grad-norm clip 1), clip 0.2 both sides, token-mean over each optimizer step's tokens (TRL's "dapo" = our
+"token-mean"), group-std advantages, no KL, fp32. Everything else is each trainer's default (TRL recomputes pi_old
+and applies its sequence-mask IS with vLLM; its vLLM samples in bf16, ours in fp32).
+
+Each at its best thread setting on 2 cores (measured: docs/results.md "The race against TRL"): every ours arm the
+trainer's own default (rc_config.torch_threads: every core at k = 0, half each for trainer and rollout worker at
+k = 1), TRL OMP_NUM_THREADS=2 (--ours-threads / --trl-threads to change them). Run it on an otherwise idle machine:
+TRL's two OpenMP threads stall when a third process takes a core (a warning is printed when the load says so).
 
 Measured for each: seconds per rollout step, training seconds to reach each --targets strict greedy accuracy on
 the 200 test problems (wall time from the first step, evaluation time subtracted: ours from timing/step_s -
@@ -30,17 +42,21 @@ project's requirements-cpu.txt) and never a dependency of the trainer. TRL's col
 (`model.load_weights` on the engine's model) crashes on vLLM's CPU build, which pre-packs linear weights;
 the worker replaces it with vLLM's `reload_weights` over the full state dict (docs/running.md "The CPU engine").
 
-Usage:  python -m benchmarks.bench_trl                  (3 seeds x 50 rollout steps, each trainer)
-        python -m benchmarks.bench_trl --quick --seeds 1 --variants ours,trl_vllm    (a quick look: 20 steps, one seed)
+Usage:  python -m benchmarks.bench_trl                  (5 seeds x 50 rollout steps, every arm: the race)
+        python -m benchmarks.bench_trl --quick --seeds 1 --variants ours_sync,trl_generate   (a quick look: 20 steps)
         python -m benchmarks.bench_trl --from-results runs/bench_trl/results.json   (the report again, no runs)
-The report gives every ratio ours/TRL (against the faster TRL variant) per seed and target, and their medians
-(`inf` where ours never reached the target, `0` where no TRL variant did). The last line is exactly
-`ours/TRL time-to-accuracy: <median ratio at the first target>` (0.5 by default). Goal: <= 0.3 at each target.
+The report gives, for each ours arm x each TRL variant x each target, the ratio ours/TRL of training seconds per
+seed and its median over the seeds (`inf` where ours never reached the target, `0` where that TRL variant did not),
+and whether the median meets its goal: <= 0.5 for ours_sync, <= 0.4 for an asynchronous arm. It ends with one line
+per ours arm x TRL variant, exactly `ours/TRL time-to-accuracy ARM/VARIANT: T=MEDIAN ...` (each target, in --targets
+order, with its median ratio to 3 decimals). A results.json of the race before these arms (one `ours` arm) is read
+as the arm it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -50,8 +66,18 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRL_PIN = "trl==1.16.0"
-VARIANTS = ("ours", "trl_vllm", "trl_generate")
-# The default job's shape (rc_train.Args defaults); TRL gets the same numbers.
+TRL_VARIANTS = ("trl_vllm", "trl_generate")
+VARIANTS = ("ours_sync", "ours_async", *TRL_VARIANTS)  # ours_async: one arm per --async-presets preset
+# TRL's synchronous loss (num_iterations 1, 4 optimizer steps per generation) recomputes pi_old once per rollout batch,
+# clips against it and, with vLLM, multiplies in the sequence ratio pi_old/mu masked to 0 above a cap ("sequence_mask").
+# decoupled_seq_mis is that loss here: decoupled (its own pi_old pass), one-sided sequence MIS. Its cap is 2, TRL's 3;
+# at k = 0 ours' fp32 engine makes the ratio 1 to rounding (lab/staleness: RS masked 0 at k = 0), so no cap fires.
+SYNC_PRESET = "decoupled_seq_mis"
+ASYNC_K = 1  # --max-staleness of the asynchronous arms (the default job's)
+GOAL_SYNC, GOAL_ASYNC = 0.5, 0.4  # the medians ours/TRL asked for (issue 33), at every target
+LAB_STALENESS = os.path.join(ROOT, "lab", "staleness", "summary.csv")
+# The default job's shape (rc_train.Args defaults); both trainers get these numbers: ours as OURS_FLAGS, TRL in
+# trl_config.
 SHAPE = dict(
     prompts_per_step=32,
     samples_per_prompt=16,
@@ -63,6 +89,17 @@ SHAPE = dict(
     micro_batch_size=32,
     eval_limit=200,
 )
+OURS_FLAGS = dict(
+    prompts_per_step="--num-prompts-per-step",
+    samples_per_prompt="--num-samples-per-prompt",
+    max_response_length="--max-response-length",
+    max_model_len="--max-model-len",
+    learning_rate="--learning-rate",
+    clip="--clip-ratio",
+    num_minibatches="--num-minibatches",
+    micro_batch_size="--micro-batch-size",
+    eval_limit="--eval-limit",
+)
 
 
 def parse_args(argv=None):
@@ -72,24 +109,23 @@ def parse_args(argv=None):
     p.add_argument(
         "--targets",
         default="0.5,0.8,0.9",
-        help="strict greedy eval accuracies to reach (default 0.5,0.8,0.9; the last line is the first)",
+        help="strict greedy eval accuracies to reach (default 0.5,0.8,0.9)",
     )
     p.add_argument("--eval-every", type=int, default=2, help="evaluate every N rollout steps (default 2)")
     p.add_argument(
-        "--seeds", help="comma list of run seeds (default 1,2,3; with --from-results: the seeds to report, default all)"
+        "--seeds",
+        help="comma list of run seeds (default 1,2,3,4,5; with --from-results: the seeds to report, default all)",
     )
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS} (default all)")
     p.add_argument(
-        "--max-staleness",
-        type=int,
-        default=1,
-        help="ours: rc_train.py --max-staleness (default 1, the asynchronous rollout; 0 = synchronous)",
+        "--sync-preset",
+        default=SYNC_PRESET,
+        help=f"ours_sync: rc_train.py --rc.preset (default {SYNC_PRESET}, TRL's loss: SYNC_PRESET)",
     )
     p.add_argument(
-        "--preset",
-        default="bypass_ppo_clip",
-        help="ours: rc_train.py --rc.preset (default bypass_ppo_clip, as in the README's figures: PPO-clip against the "
-        "engine's log-probs, like TRL's loss with its vLLM IS correction; no pi_old pass)",
+        "--async-presets",
+        help="comma list, one ours_async arm each (default: the presets lab/staleness/summary.csv shows holding at "
+        "its smallest k > 0)",
     )
     p.add_argument(
         "--ours-threads",
@@ -104,7 +140,7 @@ def parse_args(argv=None):
         help="TRL's virtual environment (created on first use)",
     )
     p.add_argument("--from-results", help="print the report of an earlier results.json (no runs)")
-    p.add_argument("--worker", choices=("trl_vllm", "trl_generate"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=TRL_VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -114,28 +150,66 @@ def parse_args(argv=None):
     try:
         args.targets = [float(t) for t in args.targets.split(",")]
         if args.seeds is None and not args.from_results:
-            args.seeds = "1,2,3"
+            args.seeds = "1,2,3,4,5"
         args.seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None  # None: every seed saved
     except ValueError as e:
         p.error(f"--targets takes numbers and --seeds integers, comma-separated: {e}")
     args.variants = args.variants.split(",")
     bad = [v for v in args.variants if v not in VARIANTS]
-    if bad or "ours" not in args.variants or len(args.variants) < 2:
-        p.error(f"--variants: need ours and a TRL variant from {VARIANTS}, got {args.variants}")
+    trl = [v for v in args.variants if v in TRL_VARIANTS]
+    if bad or not trl or len(trl) == len(args.variants):
+        p.error(f"--variants: need an ours arm and a TRL variant from {VARIANTS}, got {args.variants}")
     bad = [t for t in args.targets if not 0 < t <= 1]
-    if args.steps < 1 or args.eval_every < 1 or bad or args.max_staleness < 0:
+    if args.steps < 1 or args.eval_every < 1 or bad:
         p.error(
-            f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}), "
-            f"--max-staleness >= 0 (got {args.max_staleness}) and 0 < each target <= 1 (got {bad or 'ok'})"
+            f"need --steps >= 1 (got {args.steps}), --eval-every >= 1 (got {args.eval_every}) "
+            f"and 0 < each target <= 1 (got {bad or 'ok'})"
         )
-    import rc_core
-
-    if args.preset not in rc_core.PRESET_NAMES:
-        p.error(f"--preset must be one of rc_core.PRESET_NAMES, got {args.preset!r}")
+    check_presets(p, args)
     for name in ("ours_threads", "trl_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
+
+
+def check_presets(p, args) -> None:
+    """--async-presets as a list (the lab's holders by default, read only when an async arm runs); every preset a
+    name of rc_core.PRESET_NAMES, refused by name before any run."""
+    import rc_core
+
+    if args.async_presets:
+        args.async_presets = args.async_presets.split(",")
+    elif "ours_async" in args.variants and not args.from_results:
+        args.async_presets = lab_holders()
+    for flag, names in (("--sync-preset", [args.sync_preset]), ("--async-presets", args.async_presets or [])):
+        bad = [n for n in names if n not in rc_core.PRESET_NAMES]
+        if bad:
+            p.error(f"{flag} must name presets of rc_core.PRESET_NAMES, got {bad}")
+
+
+def lab_holders(path: str = LAB_STALENESS) -> list[str]:
+    """The corrected presets the staleness lab shows holding (not `below` their own k = 0 row, its reading rule) at its
+    smallest k > 0: the evidence there is for the asynchronous arms' k = 1."""
+    from lab.rc_lab import is_naive
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    k = min(int(r["level"]) for r in rows if int(r["level"]) > 0)
+    return [r["preset"] for r in rows if int(r["level"]) == k and r["flag"] == "" and not is_naive(r["preset"])]
+
+
+def ours_arms(args) -> dict[str, dict]:
+    """The ours arms asked for, in run order: name -> rc_train.py's --max-staleness and --rc.preset."""
+    arms = {}
+    if "ours_sync" in args.variants:
+        arms[arm_name(0, args.sync_preset)] = {"max_staleness": 0, "preset": args.sync_preset}
+    if "ours_async" in args.variants:
+        arms.update({arm_name(ASYNC_K, p): {"max_staleness": ASYNC_K, "preset": p} for p in args.async_presets})
+    return arms
+
+
+def arm_name(max_staleness: int, preset: str) -> str:
+    return "ours_sync" if max_staleness == 0 else f"ours_async_{preset}"
 
 
 # ---- The shared specification: model, prompts in order, eval set --------------------------------------------
@@ -165,10 +239,11 @@ def write_spec(args, seed: int, out: str) -> str:
     return path
 
 
-# ---- Ours: the real script, default job, fewer steps ------------------------------------------------------------
-def run_ours(args, seed: int, out: str) -> dict:
-    run = os.path.join(out, "ours")
-    cmd = [
+# ---- Ours: the real script, one run per arm ----------------------------------------------------------------------
+def ours_command(args, name: str, arm: dict, seed: int, out: str) -> list[str]:
+    """rc_train.py's command line for one arm: SHAPE spelled out (OURS_FLAGS), so that its batch is TRL's."""
+    shape = [x for key, flag in OURS_FLAGS.items() for x in (flag, str(SHAPE[key]))]
+    return [
         sys.executable,
         os.path.join(ROOT, "rc_train.py"),
         "--seed",
@@ -177,24 +252,29 @@ def run_ours(args, seed: int, out: str) -> dict:
         str(args.steps),
         "--eval-every",
         str(args.eval_every),
+        *shape,
         "--max-staleness",
-        str(args.max_staleness),
+        str(arm["max_staleness"]),
         "--rc.preset",
-        args.preset,
+        arm["preset"],
         "--output-dir",
         out,
         "--run-name",
-        "ours",
+        name,
         "--overwrite",
         "--no-save-final",
     ]
+
+
+def run_ours(args, name: str, arm: dict, seed: int, out: str) -> dict:
+    cmd = ours_command(args, name, arm, seed, out)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if args.ours_threads:
         env["OMP_NUM_THREADS"] = str(args.ours_threads)
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     wall = time.time() - t0
-    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
     evals, train_s = [], 0.0
     for r in rows:
         if r["step"] >= 0:  # the eval's clock starts after the engine has finished the batches queued before it
@@ -202,6 +282,7 @@ def run_ours(args, seed: int, out: str) -> dict:
         if "eval/accuracy_strict" in r:
             evals.append({"step": r["step"] + 1, "train_s": train_s, "accuracy": r["eval/accuracy_strict"]})
     return {
+        **arm,
         "evals": evals,
         "train_s": train_s,
         "wall_s": wall,
@@ -429,51 +510,101 @@ def time_to(evals: list[dict], target: float) -> float | None:
     return next((e["train_s"] for e in evals if e["accuracy"] >= target), None)
 
 
-def ratio(results: dict, target: float) -> float:
-    """Ours' training seconds to `target` over the faster TRL variant's: inf if ours never reached it, 0 if no
-    TRL variant did (and ours did)."""
-    ours = time_to(results["ours"]["evals"], target)
-    trl = [t for t in (time_to(r["evals"], target) for v, r in results.items() if v != "ours") if t is not None]
-    if ours is None:
+def ratio(ours: dict, trl: dict, target: float) -> float:
+    """Ours' training seconds to `target` over this TRL variant's: inf if ours never reached it, 0 if the TRL variant
+    did not (and ours did)."""
+    mine, theirs = time_to(ours["evals"], target), time_to(trl["evals"], target)
+    if mine is None:
         return float("inf")
-    return ours / min(trl) if trl else 0.0
+    return mine / theirs if theirs is not None else 0.0
+
+
+def goal(result: dict) -> float:
+    return GOAL_SYNC if result["max_staleness"] == 0 else GOAL_ASYNC
+
+
+def seed_table(args, seed: int, results: dict) -> list[str]:
+    head = " | ".join(f"s to {t} (step)" for t in args.targets)
+    lines = [
+        f"seed {seed}:",
+        "",
+        f"| trainer | threads | s / rollout step | {head} | final strict accuracy | start-up + eval s |",
+        "|---|---|---|" + "---|" * len(args.targets) + "---|---|",
+    ]
+    for name, r in results.items():
+        cells = []
+        for t in args.targets:
+            reach = time_to(r["evals"], t)
+            step = next((e["step"] for e in r["evals"] if e["accuracy"] >= t), None)
+            cells.append("never" if reach is None else f"{reach:.1f} ({step})")
+        final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
+        lines.append(
+            f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
+            f"{final:.3f} | {r['wall_s'] - r['train_s']:.0f} |"
+        )
+    return lines + [""]
 
 
 def report(args, runs: dict) -> list[str]:
-    """runs: seed -> variant -> result. A table per seed, every ratio per seed and target, their medians; the last
-    line is the median at the first target."""
-    head = " | ".join(f"s to {t} (step)" for t in args.targets)
+    """runs: seed -> arm -> result. A table per seed; for each ours arm x TRL variant x target the ratio per seed and
+    the median, against its goal; last, one machine-readable line per ours arm x TRL variant (module docstring)."""
+    names = list(dict.fromkeys(n for results in runs.values() for n in results))
+    ours = [n for n in names if n.startswith("ours")]
+    first = {n: next(r[n] for r in runs.values() if n in r) for n in ours}
     lines = [
-        f"miniature GSM8K, {args.steps} rollout steps of 32 x 16, greedy strict accuracy on 200 test problems "
-        f"every {args.eval_every} steps; ours --max-staleness {args.max_staleness}",
+        f"miniature GSM8K, {args.steps} rollout steps of {SHAPE['prompts_per_step']} prompts x "
+        f"{SHAPE['samples_per_prompt']} samples for every arm, greedy strict accuracy on {SHAPE['eval_limit']} test "
+        f"problems every {args.eval_every} steps",
+        "ours arms (rc_train.py): "
+        + "; ".join(f"{n} --max-staleness {a['max_staleness']} --rc.preset {a['preset']}" for n, a in first.items()),
+        f"goals: median ours/TRL <= {GOAL_SYNC} synchronous, <= {GOAL_ASYNC} asynchronous, at each target",
         "",
     ]
     for seed, results in runs.items():
-        lines += [
-            f"seed {seed}:",
-            "",
-            f"| trainer | threads | s / rollout step | {head} | final strict accuracy | start-up + eval s |",
-            "|---|---|---|" + "---|" * len(args.targets) + "---|---|",
-        ]
-        for name, r in results.items():
-            cells = []
-            for t in args.targets:
-                reach = time_to(r["evals"], t)
-                step = next((e["step"] for e in r["evals"] if e["accuracy"] >= t), None)
-                cells.append("never" if reach is None else f"{reach:.1f} ({step})")
-            final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
-            lines.append(
-                f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
-                f"{final:.3f} | {r['wall_s'] - r['train_s']:.0f} |"
-            )
-        lines.append("")
-    medians = {}
+        lines += seed_table(args, seed, results)
+    last = []
+    for arm in ours:
+        for variant in (n for n in names if n in TRL_VARIANTS):
+            both = [r for r in runs.values() if arm in r and variant in r]
+            if both:
+                pair, line = pair_lines(args, arm, variant, both, goal(first[arm]))
+                lines += pair + [""]
+                last.append(line)
+    return lines + last
+
+
+def pair_lines(args, arm: str, variant: str, both: list[dict], bound: float) -> tuple[list[str], str]:
+    """One ours arm against one TRL variant over the seeds that ran both: a line per target (ratio per seed, median,
+    goal met or not) and the machine-readable line of their medians."""
+    lines, medians = [], []
     for t in args.targets:
-        per_seed = [ratio(results, t) for results in runs.values()]
-        medians[t] = statistics.median(per_seed)
-        lines.append(f"ours/TRL at {t}: per seed {', '.join(f'{x:.3f}' for x in per_seed)}; median {medians[t]:.3f}")
-    lines += ["", f"ours/TRL time-to-accuracy: {medians[args.targets[0]]:.3f}"]
-    return lines
+        per_seed = [ratio(r[arm], r[variant], t) for r in both]
+        medians.append(statistics.median(per_seed))
+        lines.append(
+            f"{arm}/{variant} at {t}: per seed {', '.join(f'{x:.3f}' for x in per_seed)}; median {medians[-1]:.3f} "
+            f"(goal <= {bound}: {'met' if medians[-1] <= bound else 'not met'})"
+        )
+    last = f"ours/TRL time-to-accuracy {arm}/{variant}: " + " ".join(
+        f"{t}={m:.3f}" for t, m in zip(args.targets, medians)
+    )
+    return lines, last
+
+
+def saved_runs(path: str) -> tuple[dict, dict]:
+    """(args, runs) of a results.json; a single `ours` arm (the race before issue 33's arms) gets its arm's name and
+    settings from its args (bypass_ppo_clip where they name no preset: the default job's before --preset)."""
+    with open(path) as f:
+        saved = json.load(f)
+    saved_args = saved["args"]
+    runs = {}
+    for seed, results in saved["runs"].items():
+        if "ours" in results:
+            if "max_staleness" not in saved_args:
+                sys.exit(f"bench_trl: {path} is in a layout this version cannot read (no max_staleness for `ours`)")
+            arm = {"max_staleness": saved_args["max_staleness"], "preset": saved_args.get("preset", "bypass_ppo_clip")}
+            results = {arm_name(**arm): {**results["ours"], **arm}, **{n: r for n, r in results.items() if n != "ours"}}
+        runs[int(seed)] = results
+    return saved_args, runs
 
 
 def main(argv=None) -> None:
@@ -481,11 +612,9 @@ def main(argv=None) -> None:
     if args.worker:
         return trl_worker(args)
     if args.from_results:
-        with open(args.from_results) as f:
-            saved = json.load(f)
-        for k in ("steps", "eval_every", "max_staleness"):  # the runs' own; --targets may be chosen anew
-            setattr(args, k, saved["args"][k])
-        runs = {int(seed): results for seed, results in saved["runs"].items()}
+        saved, runs = saved_runs(args.from_results)
+        for k in ("steps", "eval_every"):  # the runs' own; --targets may be chosen anew
+            setattr(args, k, saved[k])
         missing = sorted(set(args.seeds or runs) - set(runs))
         if missing:
             sys.exit(f"bench_trl: --seeds {missing} not in {args.from_results} (it holds seeds {sorted(runs)})")
@@ -493,28 +622,42 @@ def main(argv=None) -> None:
         print("\n".join(report(args, runs)))
         return
     os.makedirs(args.out, exist_ok=True)
+    warn_if_busy()  # before TRL's environment is built: its install loads the machine too
     python = trl_python(args.trl_env)  # fail early, before any run
+    arms = ours_arms(args)
+    trl = [v for v in args.variants if v in TRL_VARIANTS]
     runs = {}
     for seed in args.seeds:
         out = os.path.join(args.out, f"seed{seed}")
         os.makedirs(out, exist_ok=True)
         spec_path = write_spec(args, seed, out)
         runs[seed] = {}
-        for variant in args.variants:
-            print(f"[bench_trl] seed {seed}, {variant} ...", flush=True)
-            r = run_ours(args, seed, out) if variant == "ours" else run_trl(args, variant, spec_path, python, out)
-            runs[seed][variant] = r
+        for name in [*arms, *trl]:
+            print(f"[bench_trl] seed {seed}, {name} ...", flush=True)
+            r = (
+                run_ours(args, name, arms[name], seed, out)
+                if name in arms
+                else run_trl(args, name, spec_path, python, out)
+            )
+            runs[seed][name] = r
             print(
-                f"[bench_trl] seed {seed}, {variant}: {r['train_s']:.1f} s training, "
+                f"[bench_trl] seed {seed}, {name}: {r['train_s']:.1f} s training, "
                 f"evals {[round(e['accuracy'], 3) for e in r['evals']]}",
                 flush=True,
             )
         with open(os.path.join(args.out, "results.json"), "w") as f:  # after every seed: a stopped race keeps it
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
+            json.dump({"args": {**vars(args), "arms": arms}, "runs": runs}, f, indent=1)
     lines = report(args, runs)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def warn_if_busy() -> None:
+    """The race wants an otherwise idle machine (module docstring); say so when the load average says otherwise."""
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"[bench_trl] warning: 1-minute load average {load:.2f}; other jobs will slow TRL's threads", flush=True)
 
 
 if __name__ == "__main__":

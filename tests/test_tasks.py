@@ -449,3 +449,11 @@ def test_readme_task_recipe_trains(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(config["model_path"])
     texts = [tasks.prompt_text(task, r) for split in ("train", "test") for r in task.problems(split)[0]]
     tasks.check_coverage(tokenizer, texts)
+
+
+def test_a_base_build_keeps_to_omp_num_threads():
+    """Every core only when OMP_NUM_THREADS is unset: beside a busy process two OpenMP threads spin-wait (a build step
+    took 10x longer, tasks.build_threads)."""
+    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}) == 1
+    assert tasks.build_threads({"OMP_NUM_THREADS": " 3 "}) == 3
+    assert tasks.build_threads({}) == tasks.build_threads({"OMP_NUM_THREADS": "0"}) == (os.cpu_count() or 1)

@@ -1,9 +1,12 @@
 """End-to-end tests of rc_train.py: the real script, real vLLM (CPU build), tiny budgets (CleanRL habit).
 
-Each test starts `python rc_train.py ...` in a subprocess and reads the run's metrics.jsonl.
+Each test starts `python rc_train.py ...` in a subprocess and reads the run's metrics.jsonl; the presets beyond one
+per code path run the script's own step in this process on batches its engine samples (section 5).
 Engine start-up (~15 s) dominates; steps take well under a second with the tiny local model.
 """
 
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -267,27 +270,42 @@ def test_reward_rises(tmp_path, preset):
     assert first < 0.1 and last > 0.5 and last > first + 0.4, (first, last)
 
 
-# ---- 5. Every preset runs end to end on the miniature GSM8K (multi-token responses) ----------------------
-@pytest.mark.parametrize("preset", rc_core.PRESET_NAMES)
-def test_every_preset_runs(tmp_path, preset):
-    # bf16 rollout against the fp32 trainer: a real mismatch, so sequence- and token-level statistics differ.
-    rows, _ = run_train(
-        tmp_path,
-        "--num-prompts-per-step",
-        "4",
-        "--num-samples-per-prompt",
-        "4",
-        "--num-steps",
-        "2",
-        "--eval-limit",
-        "4",
-        "--no-eval-before",
-        "--no-save-final",
-        "--rollout-dtype",
-        "bfloat16",
-        "--rc.preset",
-        preset,
-    )
+# ---- 5. Every preset trains on the miniature GSM8K (multi-token responses) --------------------------------
+# Legacy aliases that build exactly another preset's config: a run of one is a run of the other (checked below).
+PRESET_TWINS = {"naive": "disabled", "pg_is": "bypass_pg_is", "bypass_pg_rs": "bypass_pg_geo_rs"}
+DISTINCT_PRESETS = [p for p in rc_core.PRESET_NAMES if p not in PRESET_TWINS]
+# End-to-end runs of the script, one per code path of the trainer: decoupled token IS, decoupled sequence IS with
+# rejection, geometric rejection, bypass PPO-clip, bypass REINFORCE with sequence IS, the newer masks (OPSM, outlier).
+# Every distinct preset runs the trainer's own step on a real batch in test_every_preset_trains_on_a_real_batch.
+PRESET_RUNS = [
+    "decoupled_token_is",
+    "decoupled_seq_is_rs",
+    "decoupled_geo_rs",
+    "bypass_ppo_clip",
+    "bypass_pg_is",
+    "decoupled_opsm",
+    "decoupled_outlier_rs",
+]
+# bf16 rollout against the fp32 trainer: a real mismatch, so sequence- and token-level statistics differ.
+PRESET_FLAGS = [
+    "--num-prompts-per-step",
+    "4",
+    "--num-samples-per-prompt",
+    "4",
+    "--num-steps",
+    "2",
+    "--eval-limit",
+    "4",
+    "--no-eval-before",
+    "--no-save-final",
+    "--rollout-dtype",
+    "bfloat16",
+]
+
+
+def check_preset_metrics(preset, rows):
+    """What every training step of `preset` must log: finite metrics, the rejection and IS metrics iff the preset
+    has them, multi-token responses whose sequence statistics are not the token ones."""
     assert len(rows) == 2
     config = rc_core.RolloutCorrectionConfig.from_name(preset)
     for r in rows:
@@ -300,6 +318,137 @@ def test_every_preset_runs(tmp_path, preset):
             assert r["rollout_corr/chi2_seq"] != pytest.approx(r["rollout_corr/chi2_token"], rel=1e-3), r
         if config.rollout_is is not None:
             assert r["rollout_corr/rollout_is_seq_max"] >= r["rollout_corr/rollout_is_seq_min"]
+
+
+@pytest.fixture(scope="module")
+def preset_batches(tmp_path_factory):
+    """The two training steps' inputs of a run with PRESET_FLAGS, made by the trainer's own functions as its main loop
+    makes them: the tiny base in fp32 (the trainer's model, and its Args), and the rollout batches of steps 0 and 1,
+    both sampled by version 0 (k = 1, a CPU's default) by the bf16 engine in a rollout worker process, scored, with
+    their GRPO advantages and rollout metrics."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rc_config
+    import rc_rollout
+    import rc_run
+    import rc_train
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rc_cache"))  # run_train's cache
+        patch.setattr(sys, "argv", ["rc_train.py", *PRESET_FLAGS])
+        args = rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults)
+        args.max_staleness = rc_config.resolve_max_staleness(args, False, "")
+        task = rc_config.validate_args(args, 1)
+        args.reward_mode = args.reward_mode or task.reward_key
+        model_path = tasks.base_model_path(task, args.mini, args.seed, None)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_rows, _ = task.problems("train", args.train_limit)
+    prompts = rc_train.encode_prompts(args, task, tokenizer, train_rows)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").float()
+    accelerator = Accelerator(cpu=True)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def indices(step):
+        return rc_train.prompt_indices(
+            len(prompts), args.seed, step * args.num_prompts_per_step, args.num_prompts_per_step
+        )
+
+    engine = rc_rollout.make_engine(args, model_path, str(tmp_path_factory.mktemp("engine")), prompts, accelerator)
+    rollouts = rc_rollout.Rollouts(args, engine, model, lambda step: ([prompts[i] for i in indices(step)], 0))
+    steps = []
+    try:
+        rollouts.begin(0)
+        for step in range(args.num_steps):
+            groups, version, _ = rollouts.take(step)
+            samples = [(i, g, resp) for g, (i, group) in enumerate(zip(indices(step), groups)) for resp in group]
+            rows, group_ids, responses = zip(*samples)
+            scores = [task.score(resp.text, train_rows[i]) for i, _, resp in samples]
+            rewards, corrects = [rc_train.reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
+            batch = rc_train.make_batch([prompts[i] for i in rows], responses, pad_id, group_ids)
+            mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
+            n_nonfinite = rc_train.drop_nonfinite(mask, rollout_lp)
+            stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, rc_rollout.staleness_bound(args))
+            advantages = rc_core.compute_advantage(
+                args.adv_estimator,
+                torch.tensor(rewards),
+                batch["group"],
+                response_mask=mask,
+                norm_adv_by_std=args.norm_adv_by_std,
+            )
+            tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
+            logged = rc_run.batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
+            steps.append((batch, tensors, logged))
+    finally:
+        rollouts.close()
+    return args, accelerator, model, steps
+
+
+def train_preset(preset_batches, preset):
+    """The metrics rows of the two steps of a run of `preset` on preset_batches: rc_train.py's step after the rollout,
+    call for call (the decoupled correction, update_policy, the metrics reduced and health-checked as logged)."""
+    import rc_config
+    import rc_run
+    import rc_train
+
+    args, accelerator, model, steps = preset_batches
+    args = dataclasses.replace(args, rc=dataclasses.replace(args.rc, preset=preset))
+    correction = rc_config.build_correction_config(args.rc)
+    model = copy.deepcopy(model)  # every preset starts from the base
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    learner = rc_train.Learner(accelerator, rc_run.HostGroup(1), model, optimizer, scheduler)
+    health, rows = rc_run.HealthWatch(), []
+    for step, (batch, tensors, logged) in enumerate(steps):
+        batch, tensors = dict(batch), dict(tensors)  # the correction adds its own tensors
+        batch_correction = {}
+        if not correction.bypass_mode:
+            unwrapped = accelerator.unwrap_model(model)
+            batch_correction, _ = rc_train.decoupled_correction(args, correction, unwrapped, batch, tensors)
+        step_metrics, actor, _ = rc_train.update_policy(
+            args=args,
+            correction=correction,
+            learner=learner,
+            batch=batch,
+            tensors=tensors,
+            generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31),  # the trainer's minibatch order
+            batch_correction=batch_correction,
+        )
+        mask = tensors["response_mask"]
+        step_metrics.add(batch_correction, weight=float(mask.sum()))
+        step_metrics.add({**logged, **actor}, weight=float(len(mask)))
+        metrics = rc_run.reduce_metrics(step_metrics, learner.host)
+        rows.append({**metrics, **health.check(step, metrics)})
+    return rows
+
+
+def test_preset_twins_build_the_same_config_and_the_rest_differ():
+    import rc_config
+    import rc_train
+
+    def built(preset):  # as rc_train.py builds --rc.preset PRESET
+        return rc_config.build_correction_config(rc_train.CorrectionArgs(preset=preset))
+
+    assert all(built(alias) == built(target) for alias, target in PRESET_TWINS.items())
+    same = [(a, b) for i, a in enumerate(DISTINCT_PRESETS) for b in DISTINCT_PRESETS[:i] if built(a) == built(b)]
+    assert same == []  # a new twin belongs in PRESET_TWINS
+    assert set(PRESET_RUNS) <= set(DISTINCT_PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESET_RUNS)
+def test_preset_runs_end_to_end(tmp_path, preset_batches, preset):
+    rows, _ = run_train(tmp_path, *PRESET_FLAGS, "--rc.preset", preset)
+    check_preset_metrics(preset, rows)
+    # The in-process steps of test_every_preset_trains_on_a_real_batch are the script's: same batches, same metrics
+    # (measured bit for bit on one thread; the tolerance allows another thread count's rounding)
+    for logged, replayed in zip(rows, train_preset(preset_batches, preset), strict=True):
+        assert replayed == pytest.approx({k: logged.get(k) for k in replayed}, rel=1e-3, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("preset", DISTINCT_PRESETS)
+def test_every_preset_trains_on_a_real_batch(preset_batches, preset):
+    check_preset_metrics(preset, train_preset(preset_batches, preset))
 
 
 # ---- 6. Bad configuration: a clear message, before any engine starts, nothing written --------------------

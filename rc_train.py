@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 # vLLM's engine core runs inside the process that holds the engine (this one, or the rollout worker), so that weights
 # can be pushed into it in place (rc_rollout.load_weights).
@@ -418,6 +418,40 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
         group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long),
         **({} if routing is None else {"rollout_routing": routing}),
     )
+
+
+class TrainData(NamedTuple):
+    """The run's problems as the step reads them: the task's train rows, their encoded prompts, the pad token id."""
+
+    task: tasks.Task
+    rows: list
+    prompts: list
+    pad_id: int
+
+
+def scored_batch(args: Args, data: TrainData, samples: list, step: int, bound, n_fresh: int):
+    """ALGO LOGIC: reward and GRPO advantage of a step's samples [(train row, group, policy version, Response)]: the
+    padded batch (make_batch), the update's tensors (response mask, a row dropped when its engine log-probs are not
+    finite or it lags beyond `bound`; advantages; rollout log-probs) and the step's reward/*, response_length/* and
+    rollout/* metrics (rows 0..n_fresh-1 sampled for this step, the rest replayed: rc_run.batch_metrics)."""
+    rows, group_ids, versions, responses = zip(*samples)  # rc_rollout.Response: token_ids, log_probs, text
+    scores = [data.task.score(resp.text, data.rows[i]) for i, _, _, resp in samples]
+    rewards, corrects = [reward(args, data.task, s) for s in scores], [s[args.reward_mode] for s in scores]
+    batch = make_batch([data.prompts[i] for i in rows], responses, data.pad_id, group_ids)
+    mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
+    n_nonfinite = drop_nonfinite(mask, rollout_lp)
+    versions = torch.tensor(versions)  # each sample's own policy version
+    stale = rc_rollout.stale_rows(versions, step, bound)  # beyond the bound: never trained on
+    mask[stale] = 0.0
+    advantages = rc_core.compute_advantage(  # --adv-estimator: GRPO by default
+        args.adv_estimator,
+        torch.tensor(rewards),
+        batch["group"],
+        response_mask=mask,
+        norm_adv_by_std=args.norm_adv_by_std,
+    )
+    metrics = rc_run.batch_metrics(args, rewards, corrects, mask, n_nonfinite, versions, step, stale, n_fresh)
+    return batch, dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp), metrics
 
 
 def sequence_log_probs(
@@ -965,6 +999,7 @@ if __name__ == "__main__":
     bar = rc_run.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
     health = rc_run.HealthWatch(bar.write if accelerator.is_main_process else None)  # the usage guide's alarms
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    data = TrainData(task, train_rows, train_prompts, pad_id)  # what scored_batch reads of a step's samples
     learner = Learner(accelerator, host, model, optimizer, scheduler)  # what every update works on
 
     def save_checkpoint(step: int) -> None:
@@ -990,26 +1025,11 @@ if __name__ == "__main__":
         fresh = [(i, version, group) for i, group in zip(step_indices(step), groups)]
         replayed = replay.draw(step)
         evicted = replay.add(step, version, step_indices(step), groups)
-        # ALGO LOGIC: reward and GRPO advantage (a group = the n responses of one prompt)
-        with timer("timing/reward_s"):
+        with timer("timing/reward_s"):  # ALGO LOGIC: reward and GRPO advantage (a group = one prompt's n responses)
             samples = [(i, g, v, resp) for g, (i, v, group) in enumerate(fresh + replayed) for resp in group]
-            rows, group_ids, versions, responses = zip(*samples)  # rc_rollout.Response: token_ids, log_probs, text
-            scores = [task.score(resp.text, train_rows[i]) for i, _, _, resp in samples]
-            rewards, corrects = [reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
-            batch = make_batch([train_prompts[i] for i in rows], responses, pad_id, group_ids)
-            mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
-            n_nonfinite = drop_nonfinite(mask, rollout_lp)
-            versions = torch.tensor(versions)  # each sample's own policy version
-            stale = rc_rollout.stale_rows(versions, step, bound)  # beyond the bound
-            mask[stale] = 0.0  # never trained on
-            advantages = rc_core.compute_advantage(  # --adv-estimator: GRPO by default
-                args.adv_estimator,
-                torch.tensor(rewards),
-                batch["group"],
-                response_mask=mask,
-                norm_adv_by_std=args.norm_adv_by_std,
-            )
-        tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
+            n_fresh = sum(map(len, groups))  # rows 0..n_fresh-1: sampled for this step; the rest replayed
+            batch, tensors, rollout_metrics = scored_batch(args, data, samples, step, bound, n_fresh)
+        mask = tensors["response_mask"]
         plan_routing(args, correction, unwrapped, batch)  # MoE: which passes replay or record a routing (rc_moe)
         dump = rc_run.LogRatioDump(run_dir, step, args.dump_log_ratio_every, accelerator.is_main_process)
 
@@ -1059,12 +1079,10 @@ if __name__ == "__main__":
         # rank's batch) by its tokens, batch statistics by sequences (rc_run.reduce_metrics). Loss terms are partial
         # sums over global denominators on each rank, so x world turns their rank mean into the global loss.
         step_metrics.add({**batch_correction, **perf}, weight=float(mask.sum()))
-        n_fresh = sum(len(group) for group in groups)  # rows 0..n_fresh-1: sampled for this step
-        rollout_metrics = rc_run.batch_metrics(
-            args, rewards, corrects, mask, n_nonfinite, versions, step, stale, n_fresh
-        )
         if args.replay_window:  # the buffer: the replayed share of the batch, what it holds and what left it
-            rollout_metrics.update(rc_run.replay_metrics(len(mask) - n_fresh, len(mask), replay.samples(), evicted))
+            rollout_metrics.update(
+                rc_run.replay_metrics(len(samples) - n_fresh, len(samples), replay.samples(), evicted)
+            )
         counts = {"actor/old_log_prob_passes": counters["old_log_prob_passes"], "actor/sync_count": rollouts.sync_count}
         step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
@@ -1073,7 +1091,7 @@ if __name__ == "__main__":
         log.log(step, metrics)
         bar.set_postfix(**rc_run.progress(metrics, evals[-1] if evals else None, task.accuracy_key))
         if args.log_rank_checksums:  # data-parallel sanity: same weights on every rank, different samples
-            response_ids = [r.token_ids for r in responses]
+            response_ids = [resp.token_ids for *_, resp in samples]
             rc_run.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_run.full_weights(unwrapped))
 
         # TRY NOT TO MODIFY: checkpoint

@@ -331,7 +331,6 @@ def preset_batches(tmp_path_factory):
 
     import rc_config
     import rc_rollout
-    import rc_run
     import rc_train
 
     with pytest.MonkeyPatch.context() as patch:
@@ -348,6 +347,7 @@ def preset_batches(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").float()
     accelerator = Accelerator(cpu=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    data = rc_train.TrainData(task, train_rows, prompts, pad_id)
 
     def indices(step):
         return rc_train.prompt_indices(
@@ -361,23 +361,9 @@ def preset_batches(tmp_path_factory):
         rollouts.begin(0)
         for step in range(args.num_steps):
             groups, version, _ = rollouts.take(step)
-            samples = [(i, g, resp) for g, (i, group) in enumerate(zip(indices(step), groups)) for resp in group]
-            rows, group_ids, responses = zip(*samples)
-            scores = [task.score(resp.text, train_rows[i]) for i, _, resp in samples]
-            rewards, corrects = [rc_train.reward(args, task, s) for s in scores], [s[args.reward_mode] for s in scores]
-            batch = rc_train.make_batch([prompts[i] for i in rows], responses, pad_id, group_ids)
-            mask, rollout_lp = batch["response_mask"], batch["rollout_log_prob"]
-            n_nonfinite = rc_train.drop_nonfinite(mask, rollout_lp)
-            stale = rc_rollout.stale_rows(torch.full((len(mask),), version), step, rc_rollout.staleness_bound(args))
-            advantages = rc_core.compute_advantage(
-                args.adv_estimator,
-                torch.tensor(rewards),
-                batch["group"],
-                response_mask=mask,
-                norm_adv_by_std=args.norm_adv_by_std,
-            )
-            tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_lp)
-            logged = rc_run.batch_metrics(args, rewards, corrects, mask, n_nonfinite, version, step, stale)
+            samples = [(i, g, version, r) for g, (i, group) in enumerate(zip(indices(step), groups)) for r in group]
+            bound = rc_rollout.staleness_bound(args)
+            batch, tensors, logged = rc_train.scored_batch(args, data, samples, step, bound, len(samples))
             steps.append((batch, tensors, logged))
     finally:
         rollouts.close()

@@ -621,12 +621,35 @@ def warm_start_corpus(task: Task, mini: MiniGSMArgs) -> tuple[list[str], list[st
     return [prompt_text(task, row) for row in train], solutions
 
 
-def build_threads(environ=os.environ) -> int:
-    """Threads of a base-model build: OMP_NUM_THREADS when it is set (rc_config.check_environment checked it), else
-    every core. Not every core regardless: beside one busy process two OpenMP threads spin-wait for each other, and a
-    step of the minigsm build went from 0.45 s (alone, 2 threads) to 4.3 s (py-spy: 75 % of samples in libgomp)."""
+def busy_cores(seconds: float = 0.3) -> float | None:
+    """Cores the machine's other processes keep busy, sampled from /proc/stat over `seconds` (None where there is no
+    /proc/stat, e.g. macOS)."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    try:
+        all0, idle0 = sample()
+        time.sleep(seconds)
+        all1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (1.0 - (idle1 - idle0) / max(1, all1 - all0)) * (os.cpu_count() or 1)
+
+
+def build_threads(environ=os.environ, busy=busy_cores) -> int:
+    """Threads of a base-model build: every core on an idle machine; on a busy one OMP_NUM_THREADS when it is set
+    (rc_config.check_environment checked it). Beside one busy process two OpenMP threads spin-wait for each other: a
+    step of the minigsm build went from 0.45 s (alone, 2 threads) to 4.3 s (py-spy: 75 % of samples in libgomp), and
+    0.75 s at one thread. The test suite sets OMP_NUM_THREADS=1 for the trainer but builds when nothing else runs."""
+    cores = os.cpu_count() or 1
     value = environ.get("OMP_NUM_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else (os.cpu_count() or 1)
+    if not (value.isdigit() and int(value) > 0):
+        return cores
+    others = busy()
+    return cores if others is not None and others < 0.5 else int(value)
 
 
 def build_warm_base(

@@ -10,6 +10,7 @@ import re
 import pytest
 
 import rc_config
+import rc_plot
 import rc_rollout
 import rc_run
 import rc_train
@@ -147,6 +148,8 @@ def test_a_replayed_batch_mixes_versions(replayed):
     assert [r["rollout/dropped_samples"] for r in rows] == [0, 0, 0, 0]  # the bound allows the window
     assert [r["rollout/replay_evicted_samples"] for r in rows] == [0, 0, 64, 32]
     assert all("rollout_corr/k3_kl" in r for r in rows)
+    replay_panels = [p for p in rc_plot.PANELS if p.needs == "replay"]  # the dashboard draws them from this run
+    assert replay_panels and all(s.key in rows[-1] for p in replay_panels for s in p.series)
 
 
 def test_a_continued_run_with_a_buffer_equals_the_uninterrupted_one(replayed, tmp_path):

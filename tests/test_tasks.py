@@ -451,9 +451,13 @@ def test_readme_task_recipe_trains(tmp_path):
     tasks.check_coverage(tokenizer, texts)
 
 
-def test_a_base_build_keeps_to_omp_num_threads():
-    """Every core only when OMP_NUM_THREADS is unset: beside a busy process two OpenMP threads spin-wait (a build step
-    took 10x longer, tasks.build_threads)."""
-    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}) == 1
-    assert tasks.build_threads({"OMP_NUM_THREADS": " 3 "}) == 3
-    assert tasks.build_threads({}) == tasks.build_threads({"OMP_NUM_THREADS": "0"}) == (os.cpu_count() or 1)
+def test_a_base_build_takes_every_idle_core_and_keeps_to_omp_num_threads_beside_others():
+    """Every core on an idle machine or without OMP_NUM_THREADS; its value when other processes are busy (two OpenMP
+    threads beside a busy process made a build step 10x slower, tasks.build_threads)."""
+    cores = os.cpu_count() or 1
+    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}, busy=lambda: 1.0) == 1
+    assert tasks.build_threads({"OMP_NUM_THREADS": " 3 "}, busy=lambda: 0.9) == 3
+    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}, busy=lambda: 0.1) == cores
+    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}, busy=lambda: None) == 1  # no /proc/stat: the setting
+    assert tasks.build_threads({}, busy=lambda: 2.0) == tasks.build_threads({"OMP_NUM_THREADS": "0"}) == cores
+    assert 0.0 <= tasks.busy_cores(0.05) <= cores + 0.01

@@ -831,7 +831,17 @@ def test_lab_holds_fewer_than_100_files():
 
 def test_committed_sweeps_hold_no_machine_path():
     """sweep.json, the configs in the runs file and every text file of lab/ name no absolute path."""
-    assert COMMITTED == ["collapse", "length", "length_long", "noise_sweep", "staleness", "staleness_mu", "veto"]
+    assert COMMITTED == [
+        "catalogue",
+        "collapse",
+        "length",
+        "length_long",
+        "noise_sweep",
+        "replay",
+        "staleness",
+        "staleness_mu",
+        "veto",
+    ]
     for name in COMMITTED:
         spec = json.loads((LAB / name / "sweep.json").read_text())
         strings = [spec["trainer"], *(s for run in spec["runs"] for s in run["cmd"]), *spec["extra"]]

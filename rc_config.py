@@ -603,7 +603,7 @@ def prompts_per_rank(args, world: int) -> int:
 
 def replay_groups(args, world: int) -> int:
     """The whole prompt groups each rank replays per step once the buffer holds enough: round(f x its prompts)."""
-    return math.floor(args.replay_fraction * prompts_per_rank(args, world) + 0.5) if args.replay_fraction else 0
+    return math.floor(args.replay_fraction * prompts_per_rank(args, world) + 0.5)
 
 
 def rollout_batch_size(args, world: int) -> int:

@@ -232,7 +232,7 @@ def batch_metrics(
     step - version). With replay (rc_rollout.ReplayBuffer) rows 0..n_fresh-1 are this step's fresh samples: reward/*
     and response_length/* describe what the engine sampled for this step (rollout/policy_version is their version),
     rollout/staleness_* every trained sample, replayed ones included."""
-    n = n_fresh
+    n = n_fresh  # the fresh rows
     lengths, staleness = mask[:n].sum(-1), step - versions
     return {
         "reward/mean": float(np.mean(rewards[:n])),

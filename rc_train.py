@@ -1022,9 +1022,10 @@ if __name__ == "__main__":
         timer.seconds.update(rollout_seconds)  # timing/rollout_s, rollout_wait_s, engine_idle_s: the engine's clocks
         # --replay-fraction: whole groups of the last W steps' rollouts, each with its own mu and version, join the
         # fresh ones (rc_rollout.ReplayBuffer); then this step's fresh groups are kept and the oldest evicted
-        fresh = [(i, version, group) for i, group in zip(step_indices(step), groups)]
+        indices = step_indices(step)  # the fresh groups' train rows (a seeded permutation of the rows: once a step)
+        fresh = [(i, version, group) for i, group in zip(indices, groups)]
         replayed = replay.draw(step)
-        evicted = replay.add(step, version, step_indices(step), groups)
+        evicted = replay.add(step, version, indices, groups)
         with timer("timing/reward_s"):  # ALGO LOGIC: reward and GRPO advantage (a group = one prompt's n responses)
             samples = [(i, g, v, resp) for g, (i, v, group) in enumerate(fresh + replayed) for resp in group]
             n_fresh = sum(map(len, groups))  # rows 0..n_fresh-1: sampled for this step; the rest replayed

@@ -356,13 +356,12 @@ def preset_batches(tmp_path_factory):
 
     engine = rc_rollout.make_engine(args, model_path, str(tmp_path_factory.mktemp("engine")), prompts, accelerator)
     rollouts = rc_rollout.Rollouts(args, engine, model, lambda step: ([prompts[i] for i in indices(step)], 0))
-    steps = []
+    steps, bound = [], rc_rollout.staleness_bound(args)
     try:
         rollouts.begin(0)
         for step in range(args.num_steps):
             groups, version, _ = rollouts.take(step)
             samples = [(i, g, version, r) for g, (i, group) in enumerate(zip(indices(step), groups)) for r in group]
-            bound = rc_rollout.staleness_bound(args)
             batch, tensors, logged = rc_train.scored_batch(args, data, samples, step, bound, len(samples))
             steps.append((batch, tensors, logged))
     finally:

@@ -382,6 +382,10 @@ EXPORT_KEYS = (
     "rollout/staleness_mean",
     "rollout/dropped_samples",
     "rollout_corr/training_ppl",
+    "rollout_corr/routing_agreement",
+    "rollout_corr/routing_flip_token_fraction",
+    "rollout_corr/unreplayed_k3_kl",
+    "rollout_corr/unreplayed_tv_mismatch",
 )
 
 
@@ -578,6 +582,26 @@ def _fraction(records: list[dict], key: str) -> float:
     return float(np.mean([v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]))
 
 
+def _level_fields(level: str) -> dict[str, str]:
+    """FIELD -> VALUE of a `mismatch` level (`none`: nothing set)."""
+    return {} if level == "none" else dict(part.partition("=")[::2] for part in level.split("+"))
+
+
+def reference_level(sweep: dict, level: str) -> str:
+    """The level a row is compared with: the first level; in a sweep whose levels set `moe_router_scale` (the MoE
+    lab), the first level of the same router scale, so that a bf16 engine is read against the fp32 engine of the
+    same model."""
+    if sweep["dial"] != MISMATCH:
+        return sweep["levels"][0]
+    scale = _level_fields(level).get("moe_router_scale")
+    return next(lv for lv in sweep["levels"] if _level_fields(lv).get("moe_router_scale") == scale)
+
+
+def compared_levels(sweep: dict) -> list[str]:
+    """The levels that are not their own reference, in sweep order: the ones the verdicts read."""
+    return [lv for lv in sweep["levels"] if reference_level(sweep, lv) != lv]
+
+
 def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
     """One row per (preset, level) in sweep order with the summary statistics over seeds (None = missing)."""
     rows = []
@@ -586,6 +610,9 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
     )
     has_staleness = any(
         r["records"] and any("rollout/staleness_mean" in x for x in r["records"]) for r in sweep["runs"]
+    )
+    has_routing = any(
+        r["records"] and any("rollout_corr/routing_agreement" in x for x in r["records"]) for r in sweep["runs"]
     )
     for preset in sweep["presets"]:
         for level in sweep["levels"]:
@@ -636,6 +663,17 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                     dropped=_mean_std([_series_stat(x, "rollout/dropped_samples", np.sum) for x in recs])[0],
                     ppl_rise=_mean_std([ppl_rise(x) for x in recs])[0],
                 )
+            if has_routing:  # MoE runs (docs/moe.md): the trainer's own routing against the engine's, unreplayed
+                rows[-1].update(
+                    {
+                        name: _mean_std([_series_stat(x, key, np.mean) for x in recs])[0]
+                        for name, key in (
+                            ("routing_agreement", "rollout_corr/routing_agreement"),
+                            ("flip_fraction", "rollout_corr/routing_flip_token_fraction"),
+                            ("alpha1_unreplayed", "rollout_corr/unreplayed_tv_mismatch"),
+                        )
+                    }
+                )
             if has_veto:
                 rows[-1]["veto_fraction"] = (
                     float(np.mean([_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs]))
@@ -650,8 +688,9 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                 p = planted_prob(sweep["dial"], level)
                 if p is not None:
                     rows[-1]["expected_veto"] = _mean_std([expected_planted_rows(x, p) for x in recs])[0]
-    for row in rows:  # compare with the same preset at the first (zero-mismatch) level
-        ref = next(r for r in rows if r["preset"] == row["preset"] and r["level"] == sweep["levels"][0])
+    for row in rows:  # compare with the same preset at its reference (zero-mismatch) level
+        level = reference_level(sweep, row["level"])
+        ref = next(r for r in rows if r["preset"] == row["preset"] and r["level"] == level)
         row["delta_eval_acc"], row["flag"] = None, DASH
         if row is ref:
             row["delta_eval_acc"], row["flag"] = (0.0, "ref") if ref["eval_acc"] is not None else (None, "ref")
@@ -706,6 +745,9 @@ COLUMNS = (  # (row key, csv header, markdown header, format)
     ("dropped", "dropped_samples", "dropped", "{:.0f}"),
     ("alpha0", "alpha0_mean", "α₀", "{:.2e}"),
     ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
+    ("routing_agreement", "routing_agreement_mean", "routing agreement", "{:.4f}"),
+    ("flip_fraction", "routing_flip_token_fraction", "flipped tokens", "{:.4f}"),
+    ("alpha1_unreplayed", "alpha1_unreplayed_mean", "α₁ unreplayed", "{:.2e}"),
     ("delta_eval_acc", "delta_eval_acc_vs_level0", "Δ vs level 0", "{:+.3f}"),
     ("flag", "flag", "flag", "{}"),
 )
@@ -729,8 +771,10 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
         return staleness_verdicts(rows, sweep)
     if sweep["dial"] in REPLAY_DIALS:
         return staleness_verdicts(rows, sweep, at_level="this level", reference="f = 0", pick=REPLAY_PICK)
+    if is_moe(rows):
+        return staleness_verdicts(rows, sweep, at_level="this level", reference="`ref`") + replay_costs(rows, sweep)
     lines = ["Verdicts (the rule above, applied):"]
-    for level in sweep["levels"][1:]:
+    for level in compared_levels(sweep):
         at = [r for r in rows if r["level"] == level]
         naive = [r for r in at if is_naive(r["preset"])]
         held = [r["preset"] for r in at if not is_naive(r["preset"]) and r["flag"] == ""]
@@ -758,7 +802,7 @@ def staleness_verdicts(
     are not below their own first-level row (hold)? With `pick` (a preset the design documents recommend for the
     case), whether it repairs and holds and no corrected preset is clearly above it."""
     lines = ["Verdicts (the rule above, applied):"]
-    for level in sweep["levels"][1:]:
+    for level in compared_levels(sweep):
         at = [r for r in rows if r["level"] == level]
         naive = next(r for r in at if is_naive(r["preset"]))
         corrected = [r for r in at if not is_naive(r["preset"])]
@@ -822,24 +866,37 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
     """Write out/summary.csv (floats to CSV_DIGITS significant digits, csv_cell) and out/summary.md (rounded,
     mean ± std); return both paths."""
     cols = [c for c in COLUMNS if c[0] in rows[0]] if rows else list(COLUMNS)
+    if len({reference_level(sweep, lv) for lv in sweep["levels"]}) > 1:  # several reference levels (MOE_RULE)
+        cols = [
+            ("delta_eval_acc", "delta_eval_acc_vs_ref", "Δ vs ref", c[3]) if c[0] == "delta_eval_acc" else c
+            for c in cols
+        ]
     csv_path, md_path = os.path.join(out, "summary.csv"), os.path.join(out, "summary.md")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([c[1] for c in cols])
         w.writerows([[csv_cell(r.get(k)) for k, *_ in cols] for r in rows])
     md_cols = [c for c in cols if c[2] is not None]
-    rule = (
-        f"**Reading rule (fixed before the runs).** Δ vs level 0: eval acc minus that of the same preset at the "
-        f"first level (`{level_title(sweep, sweep['levels'][0])}`, `ref`). A row is marked `below` when its mean "
-        "eval acc is more than max(2 × pooled std, 0.05) below the reference row's; pooled std = "
-        "sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2). A level reproduces "
-        '"mismatch breaks naive, correction repairs it" when the naive row is `below` and at least two corrected '
-        "presets are not."
+    below = (
+        "A row is marked `below` when its mean eval acc is more than max(2 × pooled std, 0.05) below the reference "
+        "row's; pooled std = sqrt(((n₁−1)s₁² + (n₂−1)s₂²) / (n₁+n₂−2)) over the two rows' seeds (0 when n₁+n₂ ≤ 2)."
+    )
+    first = (
+        f"Δ vs level 0: eval acc minus that of the same preset at the first level "
+        f"(`{level_title(sweep, sweep['levels'][0])}`, `ref`). {below}"
     )
     if sweep["dial"] == STALENESS_DIAL:
-        rule = rule.rsplit(" A level reproduces", 1)[0] + " " + STALENESS_RULE
+        rule = f"{first} {STALENESS_RULE}"
     elif sweep["dial"] in REPLAY_DIALS:
-        rule = rule.rsplit(" A level reproduces", 1)[0] + " " + REPLAY_RULE
+        rule = f"{first} {REPLAY_RULE}"
+    elif is_moe(rows):
+        rule = f"Δ vs ref: eval acc minus that of the same preset at its `ref` level. {below} {MOE_RULE}"
+    else:
+        rule = (
+            f'{first} A level reproduces "mismatch breaks naive, correction repairs it" when the naive row is `below` '
+            "and at least two corrected presets are not."
+        )
+    rule = "**Reading rule (fixed before the runs).** " + rule
     lines = [
         f"# Mismatch lab: dial `{sweep['dial']}`, {len(sweep['seeds'])} seed(s), {sweep['steps']} steps",
         "",
@@ -993,6 +1050,46 @@ REPLAY_RULE = (  # the reading rule of a replay sweep, fixed before lab/replay r
     f"presets repair. The documents' recommendation for this case, `{REPLAY_PICK}`, holds at a level when it repairs, "
     "holds, and no corrected preset is above it by the same margin."
 )
+
+
+REPLAY_ROUTING = "+routing_replay=r3"  # a preset entry adding rollout routing replay (R3) to a preset (docs/moe.md)
+MOE_RULE = (  # the reading rule of an MoE sweep (levels of rollout_dtype, moe_router_scale), fixed before lab/moe ran
+    "An MoE sweep reads each level against the level of the same router scale with a float32 engine (`ref`): there "
+    "the engine routes as the trainer does, so Δ is what the engine's routing and precision mismatch costs. A "
+    "corrected preset *repairs* at a level when its mean eval acc is above naive's at the same level by more than the "
+    "same margin, max(2 × pooled std, 0.05); it *holds* when it is not `below` its own `ref` row. A level reproduces "
+    '"routing mismatch breaks naive, correction repairs it" when the naive row is `below` and at least two corrected '
+    f"presets repair. Replay's cost: an R3 arm (`P{REPLAY_ROUTING}`) is read against `P` at the same level; replay "
+    "*costs* when the R3 arm is below `P` by the margin and *pays* when it is above. Eval acc is always greedy "
+    "decoding on the engine, which never replays: the model as the engine serves it."
+)
+
+
+def is_moe(rows: list[dict]) -> bool:
+    """A sweep of MoE runs (its rows carry the routing columns)."""
+    return any(r.get("routing_agreement") is not None for r in rows)
+
+
+def _delta(row: dict, other: dict) -> float | None:
+    """row's mean eval acc minus other's (None when either is missing)."""
+    return None if None in (row["eval_acc"], other["eval_acc"]) else row["eval_acc"] - other["eval_acc"]
+
+
+def replay_costs(rows: list[dict], sweep: dict) -> list[str]:
+    """MOE_RULE's last part: each R3 arm against its unreplayed twin, at every compared level."""
+    lines = []
+    for level in compared_levels(sweep):
+        at = {r["preset"]: r for r in rows if r["level"] == level}
+        cells = []
+        for preset, r3 in at.items():
+            twin = at.get(preset.removesuffix(REPLAY_ROUTING)) if preset.endswith(REPLAY_ROUTING) else None
+            if twin is not None:
+                verdict = "costs" if clearly_below(r3, twin) else "pays" if clearly_below(twin, r3) else "neither"
+                delta = _fmt(_delta(r3, twin), "{:+.3f}")
+                cells.append(f"`{preset}` against `{twin['preset']}` Δ {delta} → **{verdict}**")
+        if cells:
+            lines.append(f"- replay at `{level_title(sweep, level)}`: " + "; ".join(cells))
+    return lines
 
 
 def _column(rows: list[dict], key: str) -> np.ndarray:

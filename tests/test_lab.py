@@ -984,3 +984,67 @@ def test_replay_verdicts_read_the_documents_pick():
     assert lines[2].endswith("clearly above it: none → **the recommendation holds**")
     at[2]["eval_acc"] = 0.95  # another preset clearly better than the pick
     assert rc_lab.verdicts(rows + at, sweep)[2].endswith("clearly above it: x → **the recommendation does not hold**")
+
+
+def test_moe_sweep_reads_each_router_scale_against_its_fp32_engine(tmp_path):
+    """An MoE sweep (MOE_RULE): each level is compared with the float32-engine level of the same router scale, the
+    routing columns are summarised, and each R3 arm is read against its unreplayed twin."""
+    levels = [
+        "rollout_dtype=float32",
+        "rollout_dtype=bfloat16",
+        "rollout_dtype=float32+moe_router_scale=0.3",
+        "rollout_dtype=bfloat16+moe_router_scale=0.3",
+    ]
+    presets = ["naive", "naive" + rc_lab.REPLAY_ROUTING, "decoupled_token_is"]
+    acc = {  # (preset, level index) -> eval acc of seeds 1, 2, 3
+        ("naive", 0): (0.80, 0.81, 0.82),
+        ("naive", 1): (0.79, 0.80, 0.81),
+        ("naive", 2): (0.70, 0.71, 0.72),
+        ("naive", 3): (0.50, 0.51, 0.52),  # below its own fp32 row (0.71), though above level 0's...
+        ("naive+routing_replay=r3", 3): (0.30, 0.31, 0.32),  # replay costs against naive at the same level
+        ("decoupled_token_is", 3): (0.69, 0.70, 0.71),  # repairs and holds
+    }
+    runs = []
+    for p in presets:
+        for i, lv in enumerate(levels):
+            for seed in (1, 2, 3):
+                name = rc_lab.run_name(p, rc_lab.MISMATCH, lv, seed)
+                records = [
+                    {
+                        "step": s,
+                        "reward/mean": 0.5,
+                        "rollout_corr/routing_agreement": 1.0 if "float32" in lv else 0.99 - 0.01 * s,
+                        "rollout_corr/routing_flip_token_fraction": 0.0 if "float32" in lv else 0.02,
+                        "rollout_corr/unreplayed_tv_mismatch": 1e-3 * (i + 1),
+                        **({"eval/accuracy_strict": acc.get((p, i), (0.77, 0.77, 0.77))[seed - 1]} if s == 1 else {}),
+                    }
+                    for s in range(2)
+                ]
+                os.makedirs(tmp_path / name)
+                (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+                runs.append({"name": name, "preset": p, "level": lv, "seed": seed, "cmd": []})
+    spec = {"presets": presets, "dial": rc_lab.MISMATCH, "levels": levels, "seeds": [1, 2, 3], "steps": 2}
+    (tmp_path / "sweep.json").write_text(json.dumps({**spec, "extra": [], "jobs": 1, "runs": runs}))
+    sweep = rc_lab.load_sweep(str(tmp_path))
+    assert [rc_lab.reference_level(sweep, lv) for lv in levels] == [levels[0], levels[0], levels[2], levels[2]]
+    assert rc_lab.compared_levels(sweep) == [levels[1], levels[3]]
+    rows = rc_lab.summarise(sweep)
+    naive = row_of(rows, "naive", levels[3])
+    assert naive["delta_eval_acc"] == pytest.approx(-0.20) and naive["flag"] == "below"
+    assert row_of(rows, "naive", levels[2])["flag"] == "ref"  # the sharper router's own fp32 engine
+    assert naive["routing_agreement"] == pytest.approx(0.985) and naive["flip_fraction"] == pytest.approx(0.02)
+    assert naive["alpha1_unreplayed"] == pytest.approx(4e-3)
+    assert row_of(rows, "naive", levels[0])["routing_agreement"] == 1.0
+    lines = rc_lab.verdicts(rows, sweep)
+    assert lines[1].startswith(f"- `{levels[1]}`: naive Δ -0.010 (not below)") and "naive holds" in lines[1]
+    assert (
+        f"- `{levels[3]}`: naive Δ -0.200 (below); above naive at this level (repair): decoupled_token_is;"
+        in (lines[2])
+    )
+    assert "fewer than two presets repair" in lines[2]
+    assert lines[3] == (f"- replay at `{levels[1]}`: `naive+routing_replay=r3` against `naive` Δ -0.030 → **neither**")
+    assert lines[4].endswith("`naive+routing_replay=r3` against `naive` Δ -0.200 → **costs**")
+    _, md = rc_lab.write_summary(rows, sweep, str(tmp_path), 0.5)
+    text = open(md).read()
+    assert rc_lab.MOE_RULE in text and "| Δ vs ref |" in text and "| routing agreement | flipped tokens |" in text
+    assert "delta_eval_acc_vs_ref" in open(tmp_path / "summary.csv").read()

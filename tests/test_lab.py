@@ -836,6 +836,7 @@ def test_committed_sweeps_hold_no_machine_path():
         "collapse",
         "length",
         "length_long",
+        "moe",
         "noise_sweep",
         "replay",
         "staleness",

@@ -45,6 +45,7 @@ the worker replaces it with vLLM's `reload_weights` over the full state dict (do
 Usage:  python -m benchmarks.bench_trl                  (5 seeds x 50 rollout steps, every arm: the race)
         python -m benchmarks.bench_trl --quick --seeds 1 --variants ours_sync,trl_generate   (a quick look: 20 steps)
         python -m benchmarks.bench_trl --from-results runs/bench_trl/results.json   (the report again, no runs)
+        python -m benchmarks.bench_trl --seeds 1,2, later --seeds 3,4,5   (the race in two sittings, one results.json)
 The report gives, for each ours arm x each TRL variant x each target, the ratio ours/TRL of training seconds per
 seed and its median over the seeds (`inf` where ours never reached the target, `0` where that TRL variant did not),
 and whether the median meets its goal: <= 0.5 for ours_sync, <= 0.4 for an asynchronous arm. It ends with one line
@@ -607,6 +608,28 @@ def saved_runs(path: str) -> tuple[dict, dict]:
     return saved_args, runs
 
 
+RACE_SETTINGS = ("steps", "eval_every", "variants", "sync_preset", "ours_threads", "trl_threads")  # + the arms
+
+
+def continued_runs(args, arms: dict) -> dict:
+    """The seeds an earlier invocation already raced into args.out (its results.json), when it ran the same race: at
+    about an hour per seed the race may be split over several invocations (`--seeds 1,2`, later `--seeds 3,4,5`),
+    each adding its seeds to the one results.json and reporting all of them. A results.json of another race is
+    refused in one line naming the settings that differ, before anything runs or is overwritten."""
+    path = os.path.join(args.out, "results.json")
+    if not os.path.isfile(path):
+        return {}
+    saved, runs = saved_runs(path)
+    differ = [k for k in RACE_SETTINGS if saved.get(k) != getattr(args, k)]
+    differ += ["the ours arms"] if saved.get("arms") != arms else []
+    if differ:
+        sys.exit(
+            f"bench_trl: {path} holds a race with other {', '.join(differ)}; its seeds cannot be joined to this one: "
+            "pass another --out, or move it away"
+        )
+    return runs
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -622,12 +645,15 @@ def main(argv=None) -> None:
         print("\n".join(report(args, runs)))
         return
     os.makedirs(args.out, exist_ok=True)
+    arms = ours_arms(args)
+    runs = continued_runs(args, arms)  # before anything is built or run
     warn_if_busy()  # before TRL's environment is built: its install loads the machine too
     python = trl_python(args.trl_env)  # fail early, before any run
-    arms = ours_arms(args)
     trl = [v for v in args.variants if v in TRL_VARIANTS]
-    runs = {}
     for seed in args.seeds:
+        if seed in runs:
+            print(f"[bench_trl] seed {seed}: already in {args.out}/results.json, kept", flush=True)
+            continue
         out = os.path.join(args.out, f"seed{seed}")
         os.makedirs(out, exist_ok=True)
         spec_path = write_spec(args, seed, out)

@@ -194,3 +194,54 @@ def test_trl_config_matches_one_rollout_batch_to_num_minibatches_optimizer_steps
     assert config["max_steps"] == 3 * spec["num_minibatches"] and config["seed"] == 5
     assert config["epsilon"] == config["epsilon_high"] == spec["clip"] and config["beta"] == 0.0
     assert config["use_vllm"] and config["output_dir"] == "out"
+
+
+def _race_without_running(monkeypatch, ran):
+    """bench_trl.main with every expensive part replaced: TRL's environment, the base model, the runs."""
+    monkeypatch.setattr(bench_trl, "trl_python", lambda env: "python")
+    monkeypatch.setattr(bench_trl, "warn_if_busy", lambda: None)
+    monkeypatch.setattr(bench_trl, "write_spec", lambda args, seed, out: "spec.json")
+
+    def run_ours(args, name, arm, seed, out):
+        ran.append((seed, name))
+        return result([(2, 3.0 * seed, 0.6)], **arm)
+
+    def run_trl(args, name, spec_path, python, out):
+        ran.append((seed_of(out), name))
+        return result([(2, 12.0, 0.55)])
+
+    def seed_of(out):
+        return int(out.rsplit("seed", 1)[1])
+
+    monkeypatch.setattr(bench_trl, "run_ours", run_ours)
+    monkeypatch.setattr(bench_trl, "run_trl", run_trl)
+
+
+def test_a_race_split_over_two_invocations_adds_its_seeds_to_one_results_json(tmp_path, monkeypatch, capsys):
+    """`--seeds 1,2` then `--seeds 2,3` into the same --out: seed 2 is not raced again, and the report and
+    results.json hold seeds 1, 2 and 3."""
+    ran = []
+    _race_without_running(monkeypatch, ran)
+    race = ["--out", str(tmp_path), "--steps", "2", "--variants", "ours_sync,trl_vllm", "--targets", "0.5"]
+    bench_trl.main([*race, "--seeds", "1,2"])
+    assert ran == [(1, "ours_sync"), (1, "trl_vllm"), (2, "ours_sync"), (2, "trl_vllm")]
+    bench_trl.main([*race, "--seeds", "2,3"])
+    assert ran[4:] == [(3, "ours_sync"), (3, "trl_vllm")]
+    out = capsys.readouterr().out
+    assert "[bench_trl] seed 2: already in" in out
+    assert out.splitlines()[-1] == "ours/TRL time-to-accuracy ours_sync/trl_vllm: 0.5=0.500"  # median of 3, 6, 9 / 12
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(saved["runs"]) == ["1", "2", "3"]
+
+
+def test_a_results_json_of_another_race_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    ran = []
+    _race_without_running(monkeypatch, ran)
+    race = ["--out", str(tmp_path), "--variants", "ours_sync,trl_vllm", "--seeds", "1"]
+    bench_trl.main([*race, "--steps", "2"])
+    before = (tmp_path / "results.json").read_text()
+    with pytest.raises(SystemExit, match=r"^bench_trl: \S+results.json holds a race with other steps; [^\n]*$"):
+        bench_trl.main([*race, "--steps", "4", "--seeds", "2"])
+    with pytest.raises(SystemExit, match=r"holds a race with other variants, the ours arms;"):
+        bench_trl.main(["--out", str(tmp_path), "--steps", "2", "--variants", "ours_async,trl_vllm", "--seeds", "2"])
+    assert ran == [(1, "ours_sync"), (1, "trl_vllm")] and (tmp_path / "results.json").read_text() == before

@@ -8,7 +8,9 @@
 
 `--dial mismatch` sweeps several dials at once: each level is `none` or FIELD=VALUE[+FIELD=VALUE] of rc_train.py
 (`--levels none,rollout_dtype=bfloat16,rollout_weight_quant=int4`); a preset entry may add correction fields
-(`naive+rollout_token_veto_threshold=1e-4`) or other Args fields (`bypass_ppo_clip+kl_coef=0.05`). Runs trained with
+(`naive+rollout_token_veto_threshold=1e-4`) or other Args fields (`bypass_ppo_clip+kl_coef=0.05`). An MoE sweep
+(`-- --model tiny-moe`, levels of rollout_dtype and moe_router_scale) reads each level against the float32-engine level
+of the same router scale (MOE_RULE, reference_level) and each `P+routing_replay=r3` arm against `P`. Runs trained with
 --dump-log-ratio-every also get the length lab: length.md/.csv, length_law.png (chi2_seq against (1 + chi2_token)^T -
 1, ESS of token vs sequence weights) and
 length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-length bin.

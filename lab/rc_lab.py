@@ -549,11 +549,17 @@ def _moving_average(records: list[dict], key: str, window: int) -> np.ndarray | 
     return np.convolve(values, np.ones(window) / window, mode="valid") if values.size >= window else None
 
 
+def level_value(dial: str, level: str, field: str) -> str | None:
+    """The value one dial level sets for the rc_train.py field `field` (None when it does not set it)."""
+    flags, flag = level_flags(dial, level), "--" + field.replace("_", "-")
+    return flags[flags.index(flag) + 1] if flag in flags else None
+
+
 def planted_prob(dial: str, level: str) -> float | None:
     """The --rollout-corrupt-prob of a dial level (None when the sweep does not set it; 0 at the mismatch `none`)."""
-    flags = level_flags(dial, level)
-    if "--rollout-corrupt-prob" in flags:
-        return float(flags[flags.index("--rollout-corrupt-prob") + 1])
+    p = level_value(dial, level, "rollout_corrupt_prob")
+    if p is not None:
+        return float(p)
     return 0.0 if dial == MISMATCH and level == "none" else None
 
 
@@ -584,19 +590,14 @@ def _fraction(records: list[dict], key: str) -> float:
     return float(np.mean([v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]))
 
 
-def _level_fields(level: str) -> dict[str, str]:
-    """FIELD -> VALUE of a `mismatch` level (`none`: nothing set)."""
-    return {} if level == "none" else dict(part.partition("=")[::2] for part in level.split("+"))
-
-
 def reference_level(sweep: dict, level: str) -> str:
     """The level a row is compared with: the first level; in a sweep whose levels set `moe_router_scale` (the MoE
     lab), the first level of the same router scale, so that a bf16 engine is read against the fp32 engine of the
     same model."""
     if sweep["dial"] != MISMATCH:
         return sweep["levels"][0]
-    scale = _level_fields(level).get("moe_router_scale")
-    return next(lv for lv in sweep["levels"] if _level_fields(lv).get("moe_router_scale") == scale)
+    scale = level_value(MISMATCH, level, "moe_router_scale")
+    return next(lv for lv in sweep["levels"] if level_value(MISMATCH, lv, "moe_router_scale") == scale)
 
 
 def compared_levels(sweep: dict) -> list[str]:

@@ -20,6 +20,7 @@ factory in TASKS (README "Fork it").
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -453,22 +454,39 @@ def _weights_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def _cached(path: str) -> bool:
+    """A complete build: its folder holds build.json, and the stamp there matches its files."""
+    try:
+        with open(os.path.join(path, "build.json")) as f:
+            return json.load(f)["sha256"] == _weights_digest(path)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], None]) -> str:
     """cache/name, built once by build(tmp_dir) and renamed into place (atomic: a half-built model is never
     picked up). A complete build holds build.json with the SHA-256 of its files; a folder whose files no longer
-    match it (corrupt, truncated, edited) is moved aside and rebuilt, never loaded."""
+    match it (corrupt, truncated, edited) is moved aside and rebuilt, never loaded. Two processes that want the same
+    model at once (two runs, or the test suite's workers, on a fresh machine) build it once: the second waits on the
+    first's lock (cache/name.lock, an empty file that stays; flock, so the kernel releases it if its holder dies)
+    and then finds the model cached."""
     path = os.path.join(cache_root(), name)
-    stamp = os.path.join(path, "build.json")
-    if os.path.isdir(path):
-        try:
-            with open(stamp) as f:
-                if json.load(f)["sha256"] == _weights_digest(path):
-                    log(f"model: {path} (cached)")
-                    return path
-        except (OSError, ValueError, KeyError):
-            pass
+    if _cached(path):
+        log(f"model: {path} (cached)")
+        return path
     tmp = f"{path}.tmp{os.getpid()}"
+    lock = None
     try:  # a cache that cannot be written (read-only, full, a file in the way): one line, before the engine starts
+        os.makedirs(cache_root(), exist_ok=True)
+        lock = open(f"{path}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"model: another process is building {path}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cached(path):  # built by the process we waited for
+            log(f"model: {path} (cached)")
+            return path
         if os.path.isdir(path):
             broken = f"{path}.corrupt{time.time_ns()}"
             os.rename(path, broken)
@@ -478,16 +496,16 @@ def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], N
         info = build(tmp)
         with open(os.path.join(tmp, "build.json"), "w") as f:
             json.dump({**info, "sha256": _weights_digest(tmp)}, f, indent=1)
+        os.rename(tmp, path)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(
             f"the model cache {cache_root()!r} (RC_CACHE_DIR) cannot be written: {e.strerror} "
             f"({e.filename or tmp}); set RC_CACHE_DIR to a writable folder"
         ) from None
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished the same build first
-        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if lock is not None:
+            lock.close()  # releases the flock
     log(f"model: built once and cached in {path}; later runs reuse it")
     return path
 

@@ -23,6 +23,7 @@ import rc_moe
 import rc_rollout
 import rc_train
 import tasks
+from tests.test_train import session_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 LAYERS, K, EXPERTS = 2, 2, 8
@@ -370,7 +371,7 @@ def test_weight_push_and_routing_capture_on_the_cpu_engine(tmp_path, monkeypatch
 # ---- end to end: rc_train.py --model tiny-moe ---------------------------------------------------------------------
 def run_moe(tmp_path, *flags, name="run"):
     """rc_train.py on the one-token fixture with the random tiny MoE; the metrics rows of the training steps."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(session_cache(tmp_path.parent)))
     cmd = [
         sys.executable,
         os.path.join(ROOT, "rc_train.py"),
@@ -437,7 +438,7 @@ def test_reference_replay_and_bypass_r3_runs(tmp_path):
 def test_r3_under_two_processes_keeps_the_ranks_weights_equal(tmp_path, sharding):
     """torchrun, 2 processes (DDP, or FSDP2), r3 with a bf16 engine: replay runs inside the wrapped (or sharded)
     model, the ranks' weights agree after every step and change, each rank samples its own shard."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(session_cache(tmp_path.parent)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "rc_train.py"]
     cmd += ["--config", "configs/cpu_add.yaml", "--model", "tiny-moe", "--moe-router-scale", "0.3"]
     cmd += ["--routing-replay", "r3", "--rollout-dtype", "bfloat16", "--rc.preset", "decoupled_token_is", *sharding]

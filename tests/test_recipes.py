@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import rc_core
+from tests.test_train import session_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 README = os.path.join(ROOT, "README.md")
@@ -90,7 +91,7 @@ def imported_from(repo: str, *names: str):
 def run_copy(repo: str, tmp_path, *flags, name: str = "run", timeout: int = 300):
     """Run the copy's rc_train.py on the one-token fixture (configs/cpu_add.yaml), small: 8 prompts x 8 samples, a
     10-problem evaluation at the end only. Returns (metrics rows of the training steps, completed process)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(tmp_path.parent / "rc_cache"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RC_CACHE_DIR=str(session_cache(tmp_path.parent)))
     quick = ["--config", os.path.join("configs", "cpu_add.yaml"), "--num-prompts-per-step", "8"]
     quick += ["--num-samples-per-prompt", "8", "--eval-limit", "10", "--no-eval-before", "--no-save-final"]
     out = tmp_path / "runs"

@@ -683,13 +683,22 @@ def _same_metrics(a, b):
     return all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in keys)  # NaN == NaN here
 
 
+KILLED_RUN = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--rc.preset", "decoupled_token_is"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The metrics rows of KILLED_RUN left alone: the reference of both kills."""
+    rows, _ = run_train(tmp_path_factory.mktemp("uninterrupted"), *KILLED_RUN, name="reference")
+    return rows
+
+
 @pytest.mark.parametrize("kill", ["between_checkpoints", "during_checkpoint"])
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, kill):
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, uninterrupted, kill):
     import signal
     import time
 
-    flags = [*QUICK, "--num-steps", "6", "--checkpoint-every", "2", "--rc.preset", "decoupled_token_is"]
-    reference, _ = run_train(tmp_path, *flags, name="reference")
+    flags, reference = KILLED_RUN, uninterrupted
     env = train_env(tmp_path)
     if kill == "during_checkpoint":
         env["RC_TRAIN_KILL_IN_CHECKPOINT"] = "3"  # the process SIGKILLs itself inside the step-3 checkpoint

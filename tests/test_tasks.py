@@ -152,38 +152,37 @@ def test_cache_is_reused_and_never_loads_half_written_or_corrupt(tmp_path, monke
     assert len(calls) == 4
 
 
-def _slow_build_in_a_process(cache, started, out):
-    """Child of test_two_processes_wanting_one_model_build_it_once: a 1 s build of model 'm' that counts itself."""
+def _slow_build_in_a_process(cache, together, out):
+    """Child of test_two_processes_wanting_one_model_build_it_once: a 1 s build of model 'm' that counts itself,
+    started at the same moment as its twin's (the barrier)."""
     os.environ["RC_CACHE_DIR"] = cache
     logs = []
 
     def build(path):
         with open(os.path.join(cache, "builds"), "a") as f:
             f.write(f"{os.getpid()}\n")
-        started.set()
         time.sleep(1.0)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({"by": os.getpid()}, f)
         return {"kind": "test"}
 
+    together.wait()
     out.put((tasks.cached_build("m", build, logs.append), logs))
 
 
 def test_two_processes_wanting_one_model_build_it_once(tmp_path):
-    """Two runs (or two test workers) start on a fresh cache: the first builds, the second waits on its lock and
+    """Two runs (or two test workers) start at once on a fresh cache: one builds, the other waits on its lock and
     loads the result instead of building it a second time."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    started, out = ctx.Event(), ctx.Queue()
-    first = ctx.Process(target=_slow_build_in_a_process, args=(str(tmp_path), started, out))
-    first.start()
-    assert started.wait(30)  # the first is inside its build, holding the lock
-    second = ctx.Process(target=_slow_build_in_a_process, args=(str(tmp_path), started, out))
-    second.start()
-    results = [out.get(timeout=60) for _ in range(2)]
-    first.join(30)
-    second.join(30)
+    together, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_slow_build_in_a_process, args=(str(tmp_path), together, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
     assert (tmp_path / "builds").read_text().count("\n") == 1  # one build
     assert [path for path, _ in results] == [str(tmp_path / "m")] * 2
     assert any("waiting for it" in line for _, logs in results for line in logs)

@@ -535,18 +535,66 @@ def launch(tmp_path, launcher, name, *flags, env=None, check=True):
     return ([r for r in read_jsonl(path) if r["step"] >= 0] if path.exists() else []), proc
 
 
+# One uninterrupted two-process run per sharding, read by the replica check and by the kill-and-resume test as its
+# reference. Responses of up to 3 tokens: shared prompts then take both passes, the prompt's through the inner module.
+TWO_PROCESS_RUN = [
+    *QUICK,
+    "--num-steps",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--rc.preset",
+    "decoupled_token_is",
+    "--max-response-length",
+    "3",
+    "--log-rank-checksums",
+]
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two_process_run(request, tmp_path_factory):
+    """TWO_PROCESS_RUN under torchrun, DDP or FSDP2, left alone: (its flags, its run folder, its metrics rows)."""
+    flags = [*TWO_PROCESS_RUN, *(["--fsdp"] if request.param == "fsdp" else [])]
+    tmp = tmp_path_factory.mktemp(f"two_{request.param}")
+    rows, _ = launch(tmp, "torchrun", "reference", *flags)
+    return flags, tmp / "reference", rows
+
+
+def check_two_replicas(run_dir, steps: int, fsdp: bool) -> list[dict]:
+    """Two ranks, every step: the same weights (replicas, or gathered shards), each its own samples, weights that
+    change every step, the config of a 2-process gloo run. Returns the metrics rows."""
+    ranks = [read_jsonl(run_dir / "ranks" / f"rank{r}.jsonl") for r in (0, 1)]
+    assert [len(r) for r in ranks] == [steps, steps]
+    for a, b in zip(*ranks):
+        assert a["world_size"] == b["world_size"] == 2 and a["step"] == b["step"]
+        assert a["weights_sha256"] == b["weights_sha256"], a["step"]  # the replicas (or gathered shards) agree
+        assert a["rollout_sha256"] != b["rollout_sha256"], a["step"]  # each rank sampled its own shard
+    assert len({r["weights_sha256"] for r in ranks[0]}) == steps  # and the weights did change every step
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(-1, steps))
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["world_size"] == 2 and config["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert config["args"]["fsdp"] == fsdp
+    return rows
+
+
+def test_two_processes_same_weights_different_samples(two_process_run):
+    flags, run_dir, _ = two_process_run
+    check_two_replicas(run_dir, 4, fsdp="--fsdp" in flags)
+
+
 @pytest.mark.parametrize(
     "launcher, flags",
     [
-        ("torchrun", []),
         ("accelerate", ["--log-with", "tensorboard"]),
-        ("torchrun", ["--fsdp"]),
         ("accelerate-fsdp2", []),
         ("torchrun", ["--max-staleness", "1"]),
     ],
 )
-def test_two_processes_same_weights_different_samples(tmp_path, launcher, flags):
-    # responses of up to 3 tokens: shared prompts then take both passes, the prompt's through the inner module
+def test_two_processes_by_each_launcher(tmp_path, launcher, flags):
+    """The shipped Accelerate configs and the asynchronous loop start two replicas like torchrun's DDP and FSDP2."""
     launch(
         tmp_path,
         launcher,
@@ -561,22 +609,9 @@ def test_two_processes_same_weights_different_samples(tmp_path, launcher, flags)
         "3",
         *flags,
     )
-    ranks = [read_jsonl(tmp_path / "ddp" / "ranks" / f"rank{r}.jsonl") for r in (0, 1)]
-    assert [len(r) for r in ranks] == [3, 3]
-    for a, b in zip(*ranks):
-        assert a["world_size"] == b["world_size"] == 2 and a["step"] == b["step"]
-        assert a["weights_sha256"] == b["weights_sha256"], a["step"]  # the replicas (or gathered shards) agree
-        assert a["rollout_sha256"] != b["rollout_sha256"], a["step"]  # each rank sampled its own shard
-    assert len({r["weights_sha256"] for r in ranks[0]}) == 3  # and the weights did change every step
-    rows = read_jsonl(tmp_path / "ddp" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [-1, 0, 1, 2]
+    rows = check_two_replicas(tmp_path / "ddp", 3, fsdp=launcher == "accelerate-fsdp2")
     if "--max-staleness" in flags:  # each rank's rollout worker follows the schedule
         assert [r["rollout/policy_version"] for r in rows[1:]] == [0, 0, 1]
-    import yaml
-
-    config = yaml.safe_load((tmp_path / "ddp" / "config.yaml").read_text())
-    assert config["world_size"] == 2 and config["distributed_type"] == "DistributedType.MULTI_CPU"
-    assert config["args"]["fsdp"] == (launcher == "accelerate-fsdp2" or "--fsdp" in flags)
     if "tensorboard" in flags:  # Accelerate's tracker: one event file, the main process's, with every step
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -640,23 +675,10 @@ def test_fsdp2_matches_one_process(tmp_path):
     assert diff.max() < 0.01 * 5e-4 and (diff > 1e-7).float().mean() < 0.005, (diff.max(), (diff > 1e-7).float().mean())
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_processes_sigkill_during_checkpoint_then_resume(tmp_path, mode):
+def test_two_processes_sigkill_during_checkpoint_then_resume(tmp_path, two_process_run):
     """Rank 0 is killed inside the step-3 checkpoint (after the model and optimizer shards, before trainer_state.json):
     --resume loads step 1 and reproduces the uninterrupted run exactly, every rank's RNG and shard included."""
-    flags = [
-        *QUICK,
-        "--num-steps",
-        "4",
-        "--checkpoint-every",
-        "2",
-        "--rc.preset",
-        "decoupled_token_is",
-        "--max-response-length",
-        "3",
-        *(["--fsdp"] if mode == "fsdp" else []),
-    ]
-    reference, _ = launch(tmp_path, "torchrun", "reference", *flags)
+    flags, _, reference = two_process_run
     _, killed = launch(
         tmp_path,
         "torchrun",
@@ -762,25 +784,37 @@ def test_bound_zero_in_the_rollout_worker_is_the_synchronous_loop(tmp_path):
     assert final[0] == final[1]
 
 
-def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path):
+# k = 2 with a checkpoint every 2 steps, read by the schedule test and by the kill-and-resume test as its reference.
+STALE_RUN = [
+    *QUICK,
+    "--num-steps",
+    "6",
+    "--checkpoint-every",
+    "2",
+    "--max-staleness",
+    "2",
+    "--max-response-length",
+    "3",
+    "--learning-rate",
+    "5e-3",
+    "--rc.preset",
+    "decoupled_token_is",
+]
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory):
+    """The metrics rows of STALE_RUN left alone."""
+    rows, _ = run_train(tmp_path_factory.mktemp("stale"), *STALE_RUN, name="reference")
+    return rows
+
+
+def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path, stale_run):
     """k = 2: the batch of step t comes from version max(0, t - 2), whatever the timing (two runs agree exactly), no
     sample is beyond the bound, and the decoupled correction sees the lag: alpha_1 (pi_old recomputed vs mu) is
     rounding noise while the engine holds the trainer's weights (step 0) and clearly not afterwards."""
-    flags = [
-        *QUICK,
-        "--num-steps",
-        "6",
-        "--max-response-length",
-        "3",
-        "--max-staleness",
-        "2",
-        "--learning-rate",
-        "5e-3",
-        "--rc.preset",
-        "decoupled_token_is",
-    ]
-    rows, _ = run_train(tmp_path, *flags, name="a")
-    again, _ = run_train(tmp_path, *flags, name="b")
+    rows = stale_run
+    again, _ = run_train(tmp_path, *STALE_RUN, name="again")
     assert [r["rollout/policy_version"] for r in rows] == [0, 0, 0, 1, 2, 3]
     assert (
         [r["rollout/staleness_max"] for r in rows] == [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2, 2]
@@ -794,28 +828,13 @@ def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path):
         assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
 
 
-def test_resume_with_staleness_continues_exactly(tmp_path):
+def test_resume_with_staleness_continues_exactly(tmp_path, stale_run):
     """k = 2, killed inside the step-3 checkpoint: the rollout worker exits by itself, the step-1 checkpoint holds the
     batches of steps 2 and 3, already sampled by versions 0 and 1; --resume trains on them and reproduces the
     uninterrupted run exactly. Resuming with another bound is refused before the engine starts."""
     import time
 
-    flags = [
-        *QUICK,
-        "--num-steps",
-        "6",
-        "--checkpoint-every",
-        "2",
-        "--max-staleness",
-        "2",
-        "--max-response-length",
-        "3",
-        "--learning-rate",
-        "5e-3",
-        "--rc.preset",
-        "decoupled_token_is",
-    ]
-    reference, _ = run_train(tmp_path, *flags, name="reference")
+    flags, reference = STALE_RUN, stale_run
     env = {**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"}
     proc = subprocess.Popen(
         [

@@ -46,6 +46,7 @@ Usage:  python -m benchmarks.bench_trl                  (5 seeds x 50 rollout st
         python -m benchmarks.bench_trl --quick --seeds 1 --variants ours_sync,trl_generate   (a quick look: 20 steps)
         python -m benchmarks.bench_trl --from-results runs/bench_trl/results.json   (the report again, no runs)
         python -m benchmarks.bench_trl --seeds 1,2, later --seeds 3,4,5   (the race in two sittings, one results.json)
+        python -m benchmarks.bench_trl --seeds 2,3 --out benchmarks/trl_race   (more seeds into the committed record)
 The report gives, for each ours arm x each TRL variant x each target, the ratio ours/TRL of training seconds per
 seed and its median over the seeds (`inf` where ours never reached the target, `0` where that TRL variant did not),
 and whether the median meets its goal: <= 0.5 for ours_sync, <= 0.4 for an asynchronous arm. It ends with one line

@@ -673,11 +673,21 @@ def main(argv=None) -> None:
                 flush=True,
             )
         with open(os.path.join(args.out, "results.json"), "w") as f:  # after every seed: a stopped race keeps it
-            json.dump({"args": {**vars(args), "arms": arms}, "runs": runs}, f, indent=1)
+            json.dump(in_repository({"args": {**vars(args), "arms": arms}, "runs": runs}), f, indent=1)
     lines = report(args, runs)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def in_repository(record):
+    """The record with this clone's absolute paths written relative to the repository root: results.json may be
+    committed (benchmarks/trl_race), and a user's clone has no /work/main. Nothing reads those paths back."""
+    if isinstance(record, dict):
+        return {k: in_repository(v) for k, v in record.items()}
+    if isinstance(record, list):
+        return [in_repository(v) for v in record]
+    return record.replace(ROOT + os.sep, "") if isinstance(record, str) else record
 
 
 def warn_if_busy() -> None:

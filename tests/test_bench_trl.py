@@ -245,3 +245,14 @@ def test_a_results_json_of_another_race_is_refused_before_anything_runs(tmp_path
     with pytest.raises(SystemExit, match=r"holds a race with other variants, the ours arms;"):
         bench_trl.main(["--out", str(tmp_path), "--steps", "2", "--variants", "ours_async,trl_vllm", "--seeds", "2"])
     assert ran == [(1, "ours_sync"), (1, "trl_vllm")] and (tmp_path / "results.json").read_text() == before
+
+
+def test_the_committed_record_holds_no_path_of_this_clone():
+    """results.json is written with paths relative to the repository root: a user's clone has no /work/main."""
+    record = {
+        "args": {"out": f"{bench_trl.ROOT}/runs/bench_trl", "seeds": [1]},
+        "runs": {"1": [f"x {bench_trl.ROOT}/a"]},
+    }
+    assert bench_trl.in_repository(record) == {"args": {"out": "runs/bench_trl", "seeds": [1]}, "runs": {"1": ["x a"]}}
+    committed = open(f"{bench_trl.ROOT}/benchmarks/trl_race/results.json").read()
+    assert bench_trl.ROOT not in committed and json.loads(committed)["runs"]

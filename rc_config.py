@@ -469,6 +469,16 @@ def _check_optimisation(args) -> None:
         args.kl_coef >= 0 and math.isfinite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}"
     )
     _need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
+    _need(
+        not (args.compile and args.fsdp),
+        "--compile with --fsdp: compiling the layers that FSDP2 shards (its hooks gather every layer's weights) is "
+        "not built or verified here; drop one of them",
+    )
+    _need(
+        not (args.compile and (args.routing_replay != "none" or args.routing_metrics)),
+        "--compile with --routing-replay or --routing-metrics: the router hooks that replay and record the routing "
+        "(rc_moe) run inside the layers, which torch.compile would trace; drop one of them",
+    )
 
     _need(args.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {args.eval_every}")
     _need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = never), got {args.checkpoint_every}")
@@ -544,7 +554,7 @@ def check_moe(args, config, bypass_mode: bool, on_gpu: bool) -> None:
     """The settings that need the model's Hugging Face `config`, before the engine starts: replay or routing metrics
     need an MoE model, an MoE model needs a supported architecture (rc_moe.SUPPORTED) and the vLLM and transformers
     internals its weight push, capture and replay rely on; reference replay needs decoupled mode. Resolves
-    --routing-metrics None: on for an MoE model on the CPU engine."""
+    --routing-metrics None: on for an MoE model on the CPU engine, unless --compile."""
     import rc_moe
 
     kind, replay = rc_moe.moe_type(config), args.routing_replay
@@ -572,8 +582,8 @@ def check_moe(args, config, bypass_mode: bool, on_gpu: bool) -> None:
             rc_rollout.check_vllm_moe_internals()
     except RuntimeError as e:
         raise ValueError(f"{model}: {e}") from None
-    if args.routing_metrics is None:
-        args.routing_metrics = not on_gpu
+    if args.routing_metrics is None:  # not under --compile, whose traced layers cannot hold the router hooks
+        args.routing_metrics = not on_gpu and not args.compile
 
 
 def routing_capture(args) -> bool:
@@ -758,6 +768,20 @@ def check_environment(environ=os.environ) -> None:
             f"RC_TRAIN_KILL_IN_CHECKPOINT must be a step number (the tests' hook: SIGKILL inside that step's "
             f"checkpoint), got {kill!r}",
         )
+
+
+def allocator_advice(args, on_gpu: bool, environ=os.environ) -> str | None:
+    """A warning when --compile runs on a GPU without the allocator's expandable segments: the compiled layers' varying
+    shapes then leave the caching allocator holding about twice the memory in use (108 GiB reserved for 44 GiB
+    allocated at the 0.5B config, measured; docs/gpus.md "Compiled layers"). Not set here: it must be in the
+    environment before CUDA starts, and the trainer leaves the allocator to the user."""
+    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if not (args.compile and on_gpu) or "expandable_segments:true" in conf.replace(" ", "").lower():
+        return None
+    return (
+        "--compile on a GPU without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the compiled layers' varying "
+        'shapes can leave the allocator holding twice the memory in use (docs/gpus.md, "Compiled layers")'
+    )
 
 
 def torch_threads(max_staleness: int, environ=os.environ) -> int:

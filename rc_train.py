@@ -242,7 +242,7 @@ class Args:
     pass (rollout routing replay; CPU engine); reference: pi_old's own routing in the pi_theta passes (decoupled)"""
     routing_metrics: bool | None = None
     """MoE: capture the engine's routing and log the trainer-engine routing agreement and the mismatch without replay
-    (rollout_corr/routing_*, rollout_corr/unreplayed_*); None = on for an MoE model on the CPU engine"""
+    (rollout_corr/routing_*, rollout_corr/unreplayed_*); None = on for an MoE model on the CPU engine (not --compile)"""
 
     # Optimisation
     learning_rate: float = 1e-4
@@ -290,6 +290,11 @@ class Args:
     under the current policy rather than the sampler's (DeepSeek-V3.2's unbiased KL; docs/corrections.md §7.8)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the trainer's forward"""
+    compile: bool = False
+    """torch.compile every decoder layer of the policy (compile_layers: inductor, dynamic shapes, one graph for all
+    layers): fused kernels for the update, which on a GPU is bound by launching eager ones (1.41-1.79x faster per
+    update on an H200, docs/gpus.md); the first update pays the compilation (25-37 s there). Turns the shared-prompt
+    pass off (shares_prefix); not with --fsdp or MoE routing replay/metrics"""
     fsdp: bool = False
     """shard parameters, gradients and optimizer state over the ranks with torch's FSDP2 (fully_shard on every
     decoder layer, then the root); for models whose fp32 weights + AdamW (16 bytes/parameter) do not fit one device.
@@ -733,7 +738,27 @@ def shares_prefix(args: Args) -> bool:
     sample's prompt positions carry their own routing (the engine computes every sample's prompt, and a bf16 engine
     can route one sample's prompt differently from its sibling's), which one shared prompt pass cannot replay."""
     routing = args.routing_replay != "none" or args.routing_metrics
-    return args.share_prompt_prefix and not args.gradient_checkpointing and not args.fsdp and not routing
+    # nor under --compile: the pass hands each layer the KV cache and the layer's own index, on which torch.compile
+    # specialises (a graph per layer instead of one for all)
+    return args.share_prompt_prefix and not (args.gradient_checkpointing or args.fsdp or routing or args.compile)
+
+
+def compile_layers(model, backend: str = "inductor"):
+    """--compile: torch.compile every transformer block (the classes the model names in _no_split_modules) on its own,
+    in place: regional compilation (PyTorch's recipe of that name). The blocks share one compiled graph, so the model
+    compiles once rather than once per block, and nn.Module.compile keeps the module tree, so parameter and
+    state-dict names do not change (weight sync, checkpoints, final/). Dynamic shapes: micro-batches differ in rows
+    and length. A block's graphs: padded micro-batches (a mask) or not (None), with gradients (the update) or without
+    (the pi_old pass). Embeddings, final norm, lm_head and rc_core's log-probs stay eager. Same log-probs and
+    gradients to float rounding (tests/test_train.py); `backend` aot_eager checks the capture without generating
+    code."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"--compile: {type(model).__name__} names no transformer block class (_no_split_modules)")
+    for block in blocks:
+        block.compile(dynamic=True, backend=backend)
+    return model
 
 
 def forward_log_probs(net, batch: dict, rows, args: Args, with_grad: bool, with_entropy=False):
@@ -893,6 +918,9 @@ if __name__ == "__main__":
     args.max_staleness = rc_config.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)  # None: by device
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     host = rc_run.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
+    advice = rc_config.allocator_advice(args, device.type == "cuda")
+    if advice and accelerator.is_main_process:
+        print(f"rc_train.py: warning: {advice}", flush=True)
     try:
         task = rc_config.validate_args(args, world)  # every check before the engine starts; the task they built
         rc_config.check_distributed(accelerator, args)
@@ -933,6 +961,8 @@ if __name__ == "__main__":
         rc_moe.install(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:  # in place: parameter names stay (weight sync, checkpoints)
+        compile_layers(model)
     ref_model = None
     if args.kl_coef > 0:  # the policy's own precision (fp32 weights, --train-dtype autocast): KL is 0 at step 0
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()

@@ -130,7 +130,13 @@ MODEL_SHAPES = {
 }
 
 # --tiny replaces these config values (everything else still comes from the config).
-TINY_ARGS = {"num_prompts_per_step": 2, "num_samples_per_prompt": 4, "micro_batch_size": 2, "max_response_length": 16}
+TINY_ARGS = {
+    "num_prompts_per_step": 2,
+    "num_samples_per_prompt": 4,
+    "micro_batch_size": 2,
+    "max_response_length": 16,
+    "compile": False,  # a config's compile: true stays off (a CPU's compilation takes minutes); --compile still works
+}
 TINY_PROMPT_LEN, TINY_RESPONSE_LEN = 16, 12
 DEFAULT_PROMPT_LEN, DEFAULT_RESPONSE_LEN = 160, 300
 BREAKDOWN_MICRO_BATCHES = 8  # micro-batches per phase pass: bounded, whatever the update's count
@@ -155,7 +161,8 @@ class Plan:
     breakdown_micro_batches: int = BREAKDOWN_MICRO_BATCHES  # the phase passes' micro-batches (of the first step's)
     profile_dir: str | None = None  # torch.profiler of two micro-batches, written here (implies breakdown)
     peak_tflops: float | None = None  # the device's peak for MFU (None: measured on a GPU, n/a on a CPU)
-    compile: bool = False  # torch.compile the model (--compile)
+    compile: str | None = None  # torch.compile: "model" (the whole model) or "layers" (each decoder layer); --compile
+    compile_backend: str = "inductor"  # torch.compile's backend (--compile-backend)
 
     @property
     def sequences(self) -> int:
@@ -209,9 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up update (default 3)")
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="torch.compile the model (dynamic shapes) before the update: how much of the per-micro-batch host "
-        "overhead fusion removes (an experiment of this benchmark; the trainer does not compile)",
+        nargs="?",
+        const="model",
+        choices=["layers", "off", "model"],
+        help="torch.compile before the update, dynamic shapes: how much of the per-micro-batch host overhead fusion "
+        "removes. 'layers': the trainer's --compile (rc_train.compile_layers: each decoder layer on its own, one "
+        "graph for all; the shared-prompt pass off); 'off': eager; 'model' (a bare --compile): the whole model, an "
+        "experiment of this benchmark. Default: the config's compile (layers when true). The warm-up update's "
+        "seconds, which include the compilation, are reported",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend (default inductor; aot_eager checks the capture on a CPU without compiling)",
     )
     p.add_argument(
         "--no-share-prompt-prefix",
@@ -284,6 +301,8 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
         train = dataclasses.replace(train, micro_batch_size=ns.micro_batch_size)
     if ns.no_share_prompt_prefix:
         train = dataclasses.replace(train, share_prompt_prefix=False)
+    compile_mode = ns.compile or ("layers" if train.compile else "off")
+    train = dataclasses.replace(train, compile=compile_mode == "layers")  # shares_prefix reads it
     rc_config.validate_args(train, world_size=world)  # the trainer's own checks of the config
     if train.fsdp and world < 2:
         raise ValueError(
@@ -327,7 +346,8 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
         breakdown_micro_batches=ns.breakdown_micro_batches,
         profile_dir=ns.profile,
         peak_tflops=ns.peak_tflops,
-        compile=ns.compile,
+        compile=None if compile_mode == "off" else compile_mode,
+        compile_backend=ns.compile_backend,
     )
     (_, p_max), (_, r_max) = plan.length_ranges()
     if p_max + r_max > train.max_model_len:
@@ -472,8 +492,10 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     args = plan.train
     model = build_model(plan, accelerator.device)
-    if plan.compile:
-        model = torch.compile(model, dynamic=True)
+    if plan.compile == "model":
+        model = torch.compile(model, dynamic=True, backend=plan.compile_backend)
+    elif plan.compile == "layers":  # the trainer's --compile (the Args say so: no shared-prompt pass)
+        rc_train.compile_layers(model, backend=plan.compile_backend)
     if args.fsdp:
         model = rc_run.shard_model(model, accelerator.device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -1257,6 +1279,12 @@ def summary_table(results: list[dict]) -> str:
             lambda r: f"{r['micro_batch_size']} x {_cell(_dig(r, 'breakdown', 'micro_batches_per_update'), '{}')}",
         ),
         ("s / update", _figure("seconds_per_update", fmt="{:.3f}")),
+        ("warm-up update s (compile included)", _figure("warmup_seconds", fmt="{:.1f}")),
+        ("torch.compile", lambda r: r.get("compile") or "off"),
+        (
+            "  graphs compiled, graph breaks",
+            lambda r: f"{r['compiled_graphs']['unique_graphs']}, {r['compiled_graphs']['graph_breaks']}",
+        ),
         ("ms / micro-batch (update)", _figure("breakdown", "update_ms")),
         *[(f"  {p} ms", _figure("breakdown", "phase_ms", p)) for p in PHASES],
         ("  sum of the phases ms", _figure("breakdown", "sum_ms")),
@@ -1273,6 +1301,7 @@ def summary_table(results: list[dict]) -> str:
         ("peak TFLOP/s used for MFU", _figure("peak_tflops", fmt="{:.4g}")),
         ("peak allocated GiB", _figure("peak_memory_gib")),
         ("peak reserved GiB", _figure("peak_reserved_gib")),
+        ("  allocator settings", lambda r: r.get("alloc_conf") or "default"),
         ("cudaMalloc / update", _figure("allocator_per_update", "device_allocations", fmt="{:g}")),
         ("allocator retries / update", _figure("allocator_per_update", "alloc_retries", fmt="{:g}")),
         (
@@ -1305,11 +1334,26 @@ def summarize(path: str) -> int:
     return 0 if results else 1
 
 
-def timed_updates(bench: Bench, device: torch.device) -> tuple[list[float], dict, Counter]:
-    """One warm-up update (kernels, allocator, AdamW state), then --repeats timed ones: their seconds, the last one's
-    figures, and the allocator's counts over the timed ones (peak memory statistics reset after the warm-up)."""
+def _compiled_graphs() -> dict:
+    """Dynamo's own counters after the timed updates: the graphs it compiled (recompiles included) and the graph
+    breaks, whose reasons are the keys of its graph_break counter."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graph_break_reasons": sorted(counters["graph_break"])[:5],
+    }
+
+
+def timed_updates(bench: Bench, device: torch.device) -> tuple[list[float], dict, Counter, float]:
+    """One warm-up update (kernels, allocator, AdamW state, --compile's compilation), then --repeats timed ones: their
+    seconds, the last one's figures, the allocator's counts over the timed ones (peak memory statistics reset after
+    the warm-up), and the warm-up's seconds."""
+    t0 = time.perf_counter()
     bench.update()
     _sync(device)
+    warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     allocator_before = _allocator_counts(device)
@@ -1322,7 +1366,7 @@ def timed_updates(bench: Bench, device: torch.device) -> tuple[list[float], dict
         times.append(time.perf_counter() - t0)
     allocator = _allocator_counts(device)
     allocator.subtract(allocator_before)
-    return times, stats, allocator
+    return times, stats, allocator, warmup_s
 
 
 def result_rows(
@@ -1365,7 +1409,8 @@ def result_rows(
         rows.append(
             (
                 "peak reserved",
-                f"{reserved_gib:.3f} GiB (cuda max_memory_reserved); per update: "
+                f"{reserved_gib:.3f} GiB (cuda max_memory_reserved, allocator settings "
+                f"{result['alloc_conf'] or 'default'}); per update: "
                 + ", ".join(f"{k} {v:g}" for k, v in result["allocator_per_update"].items()),
             )
         )
@@ -1374,6 +1419,16 @@ def result_rows(
             "s / update",
             f"{update_s:.3f} (median of {plan.repeats}, slowest rank: "
             f"{', '.join(f'{t:.3f}' for t in times)} on this one)",
+        ),
+        (
+            "warm-up update",
+            f"{result['warmup_seconds']:.3f} s"
+            + (
+                f", torch.compile {result['compile']} included: {result['compiled_graphs']['unique_graphs']} graphs "
+                f"compiled, {result['compiled_graphs']['graph_breaks']} graph breaks"
+                if result["compile"]
+                else ""
+            ),
         ),
         ("s / optimizer step", f"{update_s / steps_per_update:.3f}"),
         ("tokens / s", f"{result['tokens_per_second']:,.0f} (tokens computed by all ranks; a shared prompt once)"),
@@ -1425,7 +1480,7 @@ def main(argv=None) -> int:
     (p_lo, p_hi), (r_lo, r_hi) = plan.length_ranges()
     B, L = bench.batch["input_ids"].shape
 
-    times, stats, allocator = timed_updates(bench, device)
+    times, stats, allocator, warmup_s = timed_updates(bench, device)
     reserved_gib = None
     if device.type == "cuda":
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -1460,6 +1515,10 @@ def main(argv=None) -> int:
         "peak_reserved_gib": None if reserved_gib is None else round(reserved_gib, 4),
         "allocator_per_update": {k: v / plan.repeats for k, v in allocator.items()} if device.type == "cuda" else None,
         "seconds_per_update": update_s,
+        "warmup_seconds": bench.learner.host.extreme([warmup_s], "max")[0],
+        "compile": None if plan.compile is None else f"{plan.compile} ({plan.compile_backend})",
+        "compiled_graphs": _compiled_graphs() if plan.compile else None,
+        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
         "seconds_per_optimizer_step": update_s / steps_per_update,
         "tokens_per_second": stats["tokens"] / update_s,
         "update_padding_fraction": update_padding,

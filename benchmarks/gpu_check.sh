@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check of the trainer's update, one command: benchmarks/bench_gpu_step.py --breakdown --profile on one GPU
-# at three shapes (Qwen2.5-0.5B at the mean GSM8K shape, 0.5B and 1.5B at the worst case: 400-token prompts, 512-token
-# responses) and two with larger micro-batches, then one table of the runs. About 6-7 minutes on an H200 (each run is
-# bounded by `timeout`, so a slow or failing run leaves the others).
+# The GPU check of the trainer's update, one command: benchmarks/bench_gpu_step.py on one GPU at the configs' own
+# micro-batches (Qwen2.5-0.5B at the mean GSM8K shape with --breakdown, 1.5B at the worst case: 400-token prompts,
+# 512-token responses), then the same two shapes with torch.compile'd decoder layers, then one table of the runs. At
+# most 9 minutes (each run is bounded by `timeout`, so a slow or failing run leaves the others).
 #
 #   bash benchmarks/gpu_check.sh          # from any folder; writes to $OUT if set, else runs/gpu_check
 #   GPU_CHECK_EXTRA="--tiny --prompt-len 16 --response-len 12" bash benchmarks/gpu_check.sh   # a CPU dry run, seconds
 #
 # Written there (8 files at most, none more than one folder down): gpu_check.log (everything printed),
-# results.jsonl (each run's JSON line, with "check": its name), profiles.txt (the three profiler tables),
-# trace_<run>.json.gz (Chrome traces of the profiled micro-batches; open in https://ui.perfetto.dev).
+# results.jsonl (each run's JSON line, with "check": its name); a run given --profile (the default of run() when
+# BREAKDOWN is unset) adds its profiler table to profiles.txt and a Chrome trace, trace_<run>.json.gz
+# (https://ui.perfetto.dev).
 #
 # tyro (imported by rc_infra) may be missing on a GPU machine that has torch, transformers and accelerate: the script
 # then installs it from wheels in .whl/ (git-ignored), downloaded beforehand where an index is reachable:
@@ -64,18 +65,23 @@ run() { # run NAME SECONDS ARGS...: one bench_gpu_step run; its last line (the J
     rm -f "$stdout"
 }
 
-run 0.5b_mean 150 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2
-run 1.5b_worst 200 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
-# Fewer, larger micro-batches at the same shapes (the per-micro-batch overhead against the memory they need):
-# timings and memory only, no breakdown
-BREAKDOWN="" run 0.5b_mean_mb64 90 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2 --micro-batch-size 64
-BREAKDOWN="" run 1.5b_worst_mb16 120 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 \
-    --repeats 1 --micro-batch-size 16
-run 0.5b_worst 120 --config configs/gsm8k_qwen0.5b_bypass.yaml --prompt-len 400 --response-len 512 --repeats 1
+# The configs' micro-batches (sized by tokens), eager (--compile off: with the shared-prompt pass), then the same
+# shapes as the configs run them, with the trainer's --compile (bench_gpu_step --compile layers: every decoder layer
+# compiled, fused kernels against the host-bound eager update; the shared-prompt pass off, as --compile turns it off).
+BREAKDOWN="--breakdown" run 0.5b_mean 120 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2 --compile off
+BREAKDOWN="" run 1.5b_worst 100 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 \
+    --repeats 1 --compile off
+# The compiled runs use the allocator's expandable segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise): their
+# varying shapes otherwise leave the cache at twice the memory in use (108 GiB reserved for 44 GiB allocated, measured).
+alloc=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+PYTORCH_CUDA_ALLOC_CONF=$alloc BREAKDOWN="" run 0.5b_mean_compiled 150 --config configs/gsm8k_qwen0.5b_bypass.yaml \
+    --repeats 2 --compile layers
+PYTORCH_CUDA_ALLOC_CONF=$alloc BREAKDOWN="" run 1.5b_worst_compiled 150 --config configs/gsm8k_qwen1.5b_bypass.yaml \
+    --prompt-len 400 --response-len 512 --repeats 1 --compile layers
 
 if ls "$out"/profile_*.txt >/dev/null 2>&1; then
     cat "$out"/profile_*.txt >"$out/profiles.txt" && rm -f "$out"/profile_*.txt
 fi
-echo "=== summary (per micro-batch unless said; the three runs' JSON lines: $results)" | tee -a "$log"
+echo "=== summary (per micro-batch unless said; the runs' JSON lines: $results)" | tee -a "$log"
 "$python" -c "import sys, benchmarks.bench_gpu_step as b; sys.exit(b.summarize(sys.argv[1]))" "$results" 2>&1 |
     tee -a "$log"

@@ -126,16 +126,58 @@ def test_tiny_breakdown_reports_phases_ops_and_syncs(capsys, tmp_path):
     assert "tiny_check" in table[0] and any(line.startswith("  forward ms") for line in table)
 
 
-def test_gpu_check_script_runs_valid_flags():
-    # benchmarks/gpu_check.sh runs where nothing can be fixed in between: its runs' flags pass the benchmark's checks
+def gpu_check_runs() -> list[tuple[str, list[str]]]:
+    """benchmarks/gpu_check.sh's calls of its run(): (NAME, FLAGS), after any VAR=value assignments."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "benchmarks", "gpu_check.sh")) as f:
-        runs = [shlex.split(line)[3:] for line in f if line.startswith("run ")]
-    assert len(runs) == 3
-    for flags in runs:
-        plan = bench.make_plan(bench.build_parser().parse_args(["--breakdown", "--profile", "out", *flags]))
-        assert plan.breakdown and plan.model_size in ("0.5b", "1.5b")
-    assert len({bench.run_tag(bench.make_plan(bench.build_parser().parse_args(flags))) for flags in runs}) == 3
+        text = f.read().replace("\\\n", " ")  # continued lines joined
+    runs = []
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            words.pop(0)
+        if words[:1] == ["run"]:
+            runs.append((words[1], words[3:]))  # run NAME SECONDS FLAGS...
+    return runs
+
+
+def test_gpu_check_script_runs_valid_flags():
+    # benchmarks/gpu_check.sh runs where nothing can be fixed in between: its runs' flags pass the benchmark's checks;
+    # eager and compiled runs at the 0.5B mean shape and the 1.5B worst case
+    runs = gpu_check_runs()
+    assert len(runs) == 4 and len({name for name, _ in runs}) == 4
+    plans = {name: bench.make_plan(bench.build_parser().parse_args(["--breakdown", *flags])) for name, flags in runs}
+    assert {p.model_size for p in plans.values()} == {"0.5b", "1.5b"}
+    assert sorted(str(p.compile) for p in plans.values()) == ["None", "None", "layers", "layers"]
+    for plan in plans.values():  # the trainer's --compile turns the shared-prompt pass off
+        assert plan.train.compile == (plan.compile == "layers")
+        assert rc_train.shares_prefix(plan.train) == (plan.compile is None)
+
+
+def test_compile_follows_the_config_unless_a_flag_says_otherwise():
+    # the GPU configs say compile: true, so the benchmark compiles the layers as the trainer would; --compile off
+    # measures eager; --tiny stays eager (a CPU's compilation takes minutes) unless --compile is given
+    config = ["--config", "configs/gsm8k_qwen0.5b_bypass.yaml"]
+    assert bench.parse_plan(config).compile == "layers"
+    eager = bench.parse_plan([*config, "--compile", "off"])
+    assert eager.compile is None and not eager.train.compile and rc_train.shares_prefix(eager.train)
+    assert bench.parse_plan(["--tiny", *config]).compile is None
+    assert bench.parse_plan(["--tiny", *config, "--compile", "layers"]).train.compile
+    whole = bench.parse_plan([*config, "--compile"])  # the whole model: an experiment, not the trainer's --compile
+    assert whole.compile == "model" and not whole.train.compile
+
+
+def test_tiny_run_with_compiled_layers_reports_the_compilation(capsys):
+    # aot_eager: the capture without generating code (seconds); the update and its figures as the trainer's --compile
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # Dynamo's counters are the process's: another test's graphs are not this run's
+    argv = ["--tiny", "--repeats", "1", "--compile", "layers", "--compile-backend", "aot_eager"]
+    assert bench.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["compile"] == "layers (aot_eager)" and not result["shared_prompt_pass"]
+    assert result["compiled_graphs"]["unique_graphs"] >= 1 and result["compiled_graphs"]["graph_breaks"] == 0
+    assert result["warmup_seconds"] > 0 and math.isfinite(result["seconds_per_update"])
 
 
 def test_breakdown_cuts_the_updates_own_micro_batches(monkeypatch):

@@ -97,6 +97,9 @@ BAD = [
     (dict(log_with="wandb"), "--log-with", "'wandb'"),
     (dict(mini=tasks.MiniGSMArgs(max_steps="3")), "--mini.max-steps", "'3'"),
     (dict(mini=tasks.MiniGSMArgs(sft_learning_rate="fast")), "--mini.sft-learning-rate", "'fast'"),
+    (dict(compile=True, fsdp=True), "--compile", "--fsdp"),  # FSDP2's hooks inside compiled layers: not verified
+    (dict(compile=True, routing_metrics=True), "--compile", "--routing-metrics"),  # the router hooks
+    (dict(compile="yes"), "--compile", "'yes'"),
 ]
 
 
@@ -290,3 +293,18 @@ def test_asynchronous_rollout_is_refused_on_a_gpu(monkeypatch):
     assert "--max-staleness 1" in message and "CPU only" in message and "--max-staleness 0" in message
     assert "--rollout-worker" in refused(with_(rollout_worker=True))
     rc_config.validate_args(with_(max_staleness=0), world_size=1)  # the synchronous loop is fine there
+
+
+def test_compile_on_a_gpu_without_expandable_segments_is_warned():
+    # --compile's varying shapes leave the caching allocator holding twice the memory in use unless its expandable
+    # segments are on (docs/gpus.md, "Compiled layers"): a warning at start names the variable, nothing is refused
+    on = with_(compile=True)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in rc_config.allocator_advice(on, True, {})
+    assert rc_config.allocator_advice(on, True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is None
+    assert (
+        rc_config.allocator_advice(on, True, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"})
+        is None
+    )
+    assert rc_config.allocator_advice(on, True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is not None
+    assert rc_config.allocator_advice(on, False, {}) is None  # a CPU: no CUDA allocator
+    assert rc_config.allocator_advice(with_(compile=False), True, {}) is None

@@ -770,12 +770,18 @@ def check_environment(environ=os.environ) -> None:
         )
 
 
+def allocator_conf(environ=os.environ) -> str | None:
+    """torch's CUDA allocator settings as the environment gives them (PYTORCH_ALLOC_CONF wins over the older
+    PYTORCH_CUDA_ALLOC_CONF, as in torch), or None."""
+    return environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
+
+
 def allocator_advice(args, on_gpu: bool, environ=os.environ) -> str | None:
     """A warning when --compile runs on a GPU without the allocator's expandable segments: the compiled layers' varying
     shapes then leave the caching allocator holding about twice the memory in use (108 GiB reserved for 44 GiB
     allocated at the 0.5B config, measured; docs/gpus.md "Compiled layers"). Not set here: it must be in the
     environment before CUDA starts, and the trainer leaves the allocator to the user."""
-    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    conf = allocator_conf(environ) or ""
     if not (args.compile and on_gpu) or "expandable_segments:true" in conf.replace(" ", "").lower():
         return None
     return (

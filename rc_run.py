@@ -85,6 +85,16 @@ class HostGroup:
         return out
 
 
+def transformer_blocks(model, flag: str) -> list:
+    """The model's transformer blocks, the classes it names in _no_split_modules (Hugging Face's own unit of sharding
+    and offload): what --fsdp shards and --compile compiles one by one. None is a ValueError naming `flag`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{flag}: {type(model).__name__} names no transformer block class (_no_split_modules)")
+    return blocks
+
+
 def shard_model(model, device_type: str):
     """torch's FSDP2 on a Hugging Face model: fully_shard on every transformer block (the classes the model names in
     _no_split_modules), then on the root (embeddings, final norm, lm_head; tied weights stay tied). Parameters stay
@@ -96,11 +106,7 @@ def shard_model(model, device_type: str):
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"--fsdp: {type(model).__name__} names no transformer block class (_no_split_modules)")
-    for block in blocks:
+    for block in transformer_blocks(model, "--fsdp"):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

@@ -744,7 +744,7 @@ def shares_prefix(args: Args) -> bool:
 
 
 def compile_layers(model, backend: str = "inductor"):
-    """--compile: torch.compile every transformer block (the classes the model names in _no_split_modules) on its own,
+    """--compile: torch.compile every transformer block (rc_run.transformer_blocks, as FSDP2 shards them) on its own,
     in place: regional compilation (PyTorch's recipe of that name). The blocks share one compiled graph, so the model
     compiles once rather than once per block, and nn.Module.compile keeps the module tree, so parameter and
     state-dict names do not change (weight sync, checkpoints, final/). Dynamic shapes: micro-batches differ in rows
@@ -752,11 +752,7 @@ def compile_layers(model, backend: str = "inductor"):
     (the pi_old pass). Embeddings, final norm, lm_head and rc_core's log-probs stay eager. Same log-probs and
     gradients to float rounding (tests/test_train.py); `backend` aot_eager checks the capture without generating
     code."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"--compile: {type(model).__name__} names no transformer block class (_no_split_modules)")
-    for block in blocks:
+    for block in rc_run.transformer_blocks(model, "--compile"):
         block.compile(dynamic=True, backend=backend)
     return model
 
@@ -918,9 +914,6 @@ if __name__ == "__main__":
     args.max_staleness = rc_config.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)  # None: by device
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))  # vLLM and torch share the cores
     host = rc_run.HostGroup(world)  # the trainer's own collectives: host values on gloo, NCCL or not
-    advice = rc_config.allocator_advice(args, device.type == "cuda")
-    if advice and accelerator.is_main_process:
-        print(f"rc_train.py: warning: {advice}", flush=True)
     try:
         task = rc_config.validate_args(args, world)  # every check before the engine starts; the task they built
         rc_config.check_distributed(accelerator, args)
@@ -948,6 +941,9 @@ if __name__ == "__main__":
         rc_run.agree_settings(run_dir, args, host, accelerator.is_main_process)  # --resume: the checkpoint's settings
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"rc_train.py: error: {e}")
+    advice = rc_config.allocator_advice(args, device.type == "cuda")  # --compile without expandable segments
+    if advice and accelerator.is_main_process:
+        print(f"rc_train.py: warning: {advice}", flush=True)
     facts = dict(model_path=model_path, train_rows=len(train_rows), train_rows_skipped=n_skipped)  # in config.yaml
     rc_run.open_run_dir(run_dir, replace_run, accelerator, args, correction, **facts)
     random.seed(args.seed)

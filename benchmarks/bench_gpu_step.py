@@ -1518,7 +1518,7 @@ def main(argv=None) -> int:
         "warmup_seconds": bench.learner.host.extreme([warmup_s], "max")[0],
         "compile": None if plan.compile is None else f"{plan.compile} ({plan.compile_backend})",
         "compiled_graphs": _compiled_graphs() if plan.compile else None,
-        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
+        "alloc_conf": rc_config.allocator_conf(),
         "seconds_per_optimizer_step": update_s / steps_per_update,
         "tokens_per_second": stats["tokens"] / update_s,
         "update_padding_fraction": update_padding,

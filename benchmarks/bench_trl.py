@@ -682,7 +682,7 @@ def main(argv=None) -> None:
 
 def in_repository(record):
     """The record with this clone's absolute paths written relative to the repository root: results.json may be
-    committed (benchmarks/trl_race), and a user's clone has no /work/main. Nothing reads those paths back."""
+    committed (benchmarks/trl_race), and a user's clone lives at another path. Nothing reads those paths back."""
     if isinstance(record, dict):
         return {k: in_repository(v) for k, v in record.items()}
     if isinstance(record, list):

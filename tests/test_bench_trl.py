@@ -248,7 +248,7 @@ def test_a_results_json_of_another_race_is_refused_before_anything_runs(tmp_path
 
 
 def test_the_committed_record_holds_no_path_of_this_clone():
-    """results.json is written with paths relative to the repository root: a user's clone has no /work/main."""
+    """results.json is written with paths relative to the repository root: a user's clone lives at another path."""
     record = {
         "args": {"out": f"{bench_trl.ROOT}/runs/bench_trl", "seeds": [1]},
         "runs": {"1": [f"x {bench_trl.ROOT}/a"]},

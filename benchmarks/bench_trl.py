@@ -47,12 +47,12 @@ Usage:  python -m benchmarks.bench_trl                  (5 seeds x 50 rollout st
         python -m benchmarks.bench_trl --from-results runs/bench_trl/results.json   (the report again, no runs)
         python -m benchmarks.bench_trl --seeds 1,2, later --seeds 3,4,5   (the race in two sittings, one results.json)
         python -m benchmarks.bench_trl --seeds 2,3 --out benchmarks/trl_race   (more seeds into the committed record)
-The report gives, for each ours arm x each TRL variant x each target, the ratio ours/TRL of training seconds per
-seed and its median over the seeds (`inf` where ours never reached the target, `0` where that TRL variant did not),
-and whether the median meets its goal: <= 0.5 for ours_sync, <= 0.4 for an asynchronous arm. It ends with one line
-per ours arm x TRL variant, exactly `ours/TRL time-to-accuracy ARM/VARIANT: T=MEDIAN ...` (each target, in --targets
-order, with its median ratio to 3 decimals). A results.json of the race before these arms (one `ours` arm) is read
-as the arm it was.
+The report gives a table per seed, each arm's median and range over the seeds, and, for each ours arm x each TRL
+variant x each target, the ratio ours/TRL of training seconds per seed and its median over the seeds (`inf` where
+ours never reached the target, `0` where that TRL variant did not), and whether the median meets its goal: <= 0.5
+for ours_sync, <= 0.4 for an asynchronous arm. It ends with one line per ours arm x TRL variant, exactly
+`ours/TRL time-to-accuracy ARM/VARIANT: T=MEDIAN ...` (each target, in --targets order, with its median ratio to 3
+decimals). A results.json of the race before these arms (one `ours` arm) is read as the arm it was.
 """
 
 from __future__ import annotations
@@ -512,6 +512,10 @@ def time_to(evals: list[dict], target: float) -> float | None:
     return next((e["train_s"] for e in evals if e["accuracy"] >= target), None)
 
 
+def step_to(evals: list[dict], target: float) -> int | None:
+    return next((e["step"] for e in evals if e["accuracy"] >= target), None)
+
+
 def ratio(ours: dict, trl: dict, target: float) -> float:
     """Ours' training seconds to `target` over this TRL variant's: inf if ours never reached it, 0 if the TRL variant
     did not (and ours did)."""
@@ -537,8 +541,7 @@ def seed_table(args, seed: int, results: dict) -> list[str]:
         cells = []
         for t in args.targets:
             reach = time_to(r["evals"], t)
-            step = next((e["step"] for e in r["evals"] if e["accuracy"] >= t), None)
-            cells.append("never" if reach is None else f"{reach:.1f} ({step})")
+            cells.append("never" if reach is None else f"{reach:.1f} ({step_to(r['evals'], t)})")
         final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
         lines.append(
             f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
@@ -547,9 +550,47 @@ def seed_table(args, seed: int, results: dict) -> list[str]:
     return lines + [""]
 
 
+def median_table(args, runs: dict) -> list[str]:
+    """Each arm over the seeds that ran it: the median and, in brackets, the range of its seconds per rollout step and
+    of its final accuracy; per target the median seconds to it, then the median and the range of the step at which it
+    was first reached, over the seeds that reached it (and how many never did)."""
+    names = list(dict.fromkeys(n for results in runs.values() for n in results))
+    head = " | ".join(f"s to {t} (step)" for t in args.targets)
+    lines = [
+        f"each arm over seeds {', '.join(map(str, runs))}: median (range)",
+        "",
+        f"| trainer | s / rollout step | {head} | final strict accuracy |",
+        "|---|---|" + "---|" * len(args.targets) + "---|",
+    ]
+    for name in names:
+        rs = [results[name] for results in runs.values() if name in results]
+        cells = [spread([r["train_s"] / args.steps for r in rs], ".2f")]
+        for t in args.targets:
+            reached = [
+                (time_to(r["evals"], t), step_to(r["evals"], t)) for r in rs if time_to(r["evals"], t) is not None
+            ]
+            if not reached:
+                cells.append("never")
+                continue
+            steps = [step for _, step in reached]
+            never = f", {len(rs) - len(reached)} never" if len(reached) < len(rs) else ""
+            cells.append(
+                f"{statistics.median(s for s, _ in reached):.1f} "
+                f"({statistics.median(steps):g}; {min(steps)}–{max(steps)}){never}"
+            )
+        cells.append(spread([r["evals"][-1]["accuracy"] for r in rs if r["evals"]], ".3f"))
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})" if values else "?"
+
+
 def report(args, runs: dict) -> list[str]:
-    """runs: seed -> arm -> result. A table per seed; for each ours arm x TRL variant x target the ratio per seed and
-    the median, against its goal; last, one machine-readable line per ours arm x TRL variant (module docstring)."""
+    """runs: seed -> arm -> result. A table per seed, then each arm's medians over the seeds; for each ours arm x TRL
+    variant x target the ratio per seed and the median, against its goal; last, one machine-readable line per ours arm
+    x TRL variant (module docstring)."""
     names = list(dict.fromkeys(n for results in runs.values() for n in results))
     ours = [n for n in names if n.startswith("ours")]
     first = {n: next(r[n] for r in runs.values() if n in r) for n in ours}
@@ -564,6 +605,7 @@ def report(args, runs: dict) -> list[str]:
     ]
     for seed, results in runs.items():
         lines += seed_table(args, seed, results)
+    lines += median_table(args, runs)
     last = []
     for arm in ours:
         for variant in (n for n in names if n in TRL_VARIANTS):

@@ -63,6 +63,10 @@ def test_every_arm_against_every_trl_variant_per_seed_and_target_then_medians_an
         in lines
     )
     assert "| trl_generate | ? | 2.50 | 10.0 (2) | never | 0.700 | 5 |" in lines
+    # each arm over the seeds: median (range); a target's step median and range over the seeds that reached it
+    assert "each arm over seeds 1, 2, 3: median (range)" in lines
+    assert "| trl_generate | 2.50 (2.50–2.50) | 10.0 (2; 2–2) | 20.0 (2; 2–2), 2 never | 0.700 (0.500–0.800) |" in lines
+    assert "| ours_sync | 2.50 (2.50–2.50) | 3.0 (2; 2–4) | 4.0 (3; 2–4), 1 never | 0.850 (0.600–0.900) |" in lines
     assert lines[-4:] == [
         "ours/TRL time-to-accuracy ours_sync/trl_vllm: 0.5=0.250 0.8=0.300",
         "ours/TRL time-to-accuracy ours_sync/trl_generate: 0.5=0.300 0.8=0.100",

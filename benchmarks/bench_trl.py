@@ -529,14 +529,17 @@ def goal(result: dict) -> float:
     return GOAL_SYNC if result["max_staleness"] == 0 else GOAL_ASYNC
 
 
+def table_head(title: str, columns: list[str]) -> list[str]:
+    return [title, "", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+
+
+def target_columns(args) -> list[str]:
+    return [f"s to {t} (step)" for t in args.targets]
+
+
 def seed_table(args, seed: int, results: dict) -> list[str]:
-    head = " | ".join(f"s to {t} (step)" for t in args.targets)
-    lines = [
-        f"seed {seed}:",
-        "",
-        f"| trainer | threads | s / rollout step | {head} | final strict accuracy | start-up + eval s |",
-        "|---|---|---|" + "---|" * len(args.targets) + "---|---|",
-    ]
+    columns = ["trainer", "threads", "s / rollout step", *target_columns(args), "final strict accuracy"]
+    lines = table_head(f"seed {seed}:", [*columns, "start-up + eval s"])
     for name, r in results.items():
         cells = []
         for t in args.targets:
@@ -555,13 +558,8 @@ def median_table(args, runs: dict) -> list[str]:
     of its final accuracy; per target the median seconds to it, then the median and the range of the step at which it
     was first reached, over the seeds that reached it (and how many never did)."""
     names = list(dict.fromkeys(n for results in runs.values() for n in results))
-    head = " | ".join(f"s to {t} (step)" for t in args.targets)
-    lines = [
-        f"each arm over seeds {', '.join(map(str, runs))}: median (range)",
-        "",
-        f"| trainer | s / rollout step | {head} | final strict accuracy |",
-        "|---|---|" + "---|" * len(args.targets) + "---|",
-    ]
+    columns = ["trainer", "s / rollout step", *target_columns(args), "final strict accuracy"]
+    lines = table_head(f"each arm over seeds {', '.join(map(str, runs))}: median (range)", columns)
     for name in names:
         rs = [results[name] for results in runs.values() if name in results]
         cells = [spread([r["train_s"] / args.steps for r in rs], ".2f")]

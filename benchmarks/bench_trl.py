@@ -508,12 +508,14 @@ def patch_colocate_sync() -> None:
 
 
 # ---- Report ----------------------------------------------------------------------------------------------------
+def first_reach(evals: list[dict], target: float) -> dict | None:
+    """The first evaluation at or above `target` (its step and training seconds), or None."""
+    return next((e for e in evals if e["accuracy"] >= target), None)
+
+
 def time_to(evals: list[dict], target: float) -> float | None:
-    return next((e["train_s"] for e in evals if e["accuracy"] >= target), None)
-
-
-def step_to(evals: list[dict], target: float) -> int | None:
-    return next((e["step"] for e in evals if e["accuracy"] >= target), None)
+    reach = first_reach(evals, target)
+    return None if reach is None else reach["train_s"]
 
 
 def ratio(ours: dict, trl: dict, target: float) -> float:
@@ -543,8 +545,8 @@ def seed_table(args, seed: int, results: dict) -> list[str]:
     for name, r in results.items():
         cells = []
         for t in args.targets:
-            reach = time_to(r["evals"], t)
-            cells.append("never" if reach is None else f"{reach:.1f} ({step_to(r['evals'], t)})")
+            reach = first_reach(r["evals"], t)
+            cells.append("never" if reach is None else f"{reach['train_s']:.1f} ({reach['step']})")
         final = r["evals"][-1]["accuracy"] if r["evals"] else float("nan")
         lines.append(
             f"| {name} | {r.get('threads', '?')} | {r['train_s'] / args.steps:.2f} | {' | '.join(cells)} | "
@@ -557,28 +559,30 @@ def median_table(args, runs: dict) -> list[str]:
     """Each arm over the seeds that ran it: the median and, in brackets, the range of its seconds per rollout step and
     of its final accuracy; per target the median seconds to it, then the median and the range of the step at which it
     was first reached, over the seeds that reached it (and how many never did)."""
-    names = list(dict.fromkeys(n for results in runs.values() for n in results))
     columns = ["trainer", "s / rollout step", *target_columns(args), "final strict accuracy"]
     lines = table_head(f"each arm over seeds {', '.join(map(str, runs))}: median (range)", columns)
-    for name in names:
+    for name in arm_names(runs):
         rs = [results[name] for results in runs.values() if name in results]
         cells = [spread([r["train_s"] / args.steps for r in rs], ".2f")]
         for t in args.targets:
-            reached = [
-                (time_to(r["evals"], t), step_to(r["evals"], t)) for r in rs if time_to(r["evals"], t) is not None
-            ]
+            reached = [e for e in (first_reach(r["evals"], t) for r in rs) if e is not None]
             if not reached:
                 cells.append("never")
                 continue
-            steps = [step for _, step in reached]
+            steps = [e["step"] for e in reached]
             never = f", {len(rs) - len(reached)} never" if len(reached) < len(rs) else ""
             cells.append(
-                f"{statistics.median(s for s, _ in reached):.1f} "
+                f"{statistics.median(e['train_s'] for e in reached):.1f} "
                 f"({statistics.median(steps):g}; {min(steps)}–{max(steps)}){never}"
             )
         cells.append(spread([r["evals"][-1]["accuracy"] for r in rs if r["evals"]], ".3f"))
         lines.append(f"| {name} | {' | '.join(cells)} |")
     return lines + [""]
+
+
+def arm_names(runs: dict) -> list[str]:
+    """Every arm of the race, in the order the seeds ran them."""
+    return list(dict.fromkeys(n for results in runs.values() for n in results))
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -589,7 +593,7 @@ def report(args, runs: dict) -> list[str]:
     """runs: seed -> arm -> result. A table per seed, then each arm's medians over the seeds; for each ours arm x TRL
     variant x target the ratio per seed and the median, against its goal; last, one machine-readable line per ours arm
     x TRL variant (module docstring)."""
-    names = list(dict.fromkeys(n for results in runs.values() for n in results))
+    names = arm_names(runs)
     ours = [n for n in names if n.startswith("ours")]
     first = {n: next(r[n] for r in runs.values() if n in r) for n in ours}
     lines = [

@@ -14,12 +14,14 @@ import math
 import os
 import re
 import sys
-from typing import Annotated
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NamedTuple
 
 import torch
 import tyro
 import yaml
 
+import rc_checkpoint
 import rc_core
 import rc_run
 import tasks
@@ -201,7 +203,7 @@ def validate_args(args, world_size: int) -> tasks.Task:
     return task
 
 
-def _need(cond, msg: str) -> None:
+def need(cond, msg: str) -> None:
     """Raise ValueError(msg) unless cond: each check states the condition that must hold and what to say if not."""
     if not cond:
         raise ValueError(msg)
@@ -209,47 +211,47 @@ def _need(cond, msg: str) -> None:
 
 def _check_names_and_paths(args) -> None:
     """--exp-name, --run-name, --resume, --output-dir and --model name something usable."""
-    _need(
+    need(
         args.exp_name.strip() != "" and not any(s in args.exp_name for s in ("/", os.sep, os.altsep) if s),
         f"--exp-name must be a non-empty name without a path separator (it is part of the run folder's name), "
         f"got {args.exp_name!r}",
     )
     if args.run_name is not None:
-        _need(
+        need(
             args.run_name.strip() not in ("", ".", "..")
             and not any(s in args.run_name for s in ("/", os.sep, os.altsep) if s),
             f"--run-name must be a folder name without a path separator (not '', '.' or '..'; the parent folder is "
             f"--output-dir), got {args.run_name!r}",
         )
-    _need(
+    need(
         not args.resume or args.run_name is not None,
         "--resume needs --run-name (the run to continue; the default name holds the start time, so it is always new)",
     )
-    _need(
+    need(
         not os.path.exists(args.output_dir) or os.path.isdir(args.output_dir),
         f"--output-dir must be a folder, got {args.output_dir!r} (a file)",
     )
     if args.run_name is not None:
         run_dir = os.path.join(args.output_dir, args.run_name)
-        _need(
+        need(
             not os.path.exists(run_dir) or os.path.isdir(run_dir),
             f"--run-name {args.run_name!r}: {run_dir!r} exists and is not a folder",
         )
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    _need(
+    need(
         os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
         f"--output-dir {args.output_dir!r} cannot be created or written: {existing!r} is not a writable folder",
     )
     model = args.model
-    _need(
+    need(
         model.strip() != "",
         f"--model must be 'tiny', 'tiny-moe', a local model folder or a Hugging Face model id, got {model!r}",
     )
     if model not in (tasks.TINY_MODEL, tasks.TINY_MOE_MODEL) and _local_path(model) and not os.path.isdir(model):
         home = model.startswith("~") and os.path.isdir(os.path.expanduser(model))
-        _need(
+        need(
             False,
             f"--model must be an existing local model folder or a Hugging Face model id, got {model!r} "
             + (
@@ -270,18 +272,18 @@ def _check_trackers(args) -> None:
 
         installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
         for name in trackers:
-            _need(
+            need(
                 name == "all" or name in LOGGER_TYPE_TO_CLASS,
                 f"--log-with must name Accelerate trackers ({', '.join(LOGGER_TYPE_TO_CLASS)}) or all, got {name!r}",
             )
-            _need(
+            need(
                 name == "all" or name in installed,
                 f"--log-with {name}: the {name} package is not installed (Accelerate would skip it silently): "
                 f"pip install {name}, or drop it",
             )
         if "wandb" in trackers:
             project = args.wandb_project_name
-            _need(
+            need(
                 0 < len(project) <= 128 and not any(c in project for c in "/\\#?%:"),
                 f"--wandb-project-name must be 1..128 characters, none of / \\ # ? % :, got {project!r}",
             )
@@ -289,25 +291,25 @@ def _check_trackers(args) -> None:
 
 def _check_data_and_task(args, world_size: int) -> tasks.Task:
     """The seed, the data limits and the task's own settings (tasks.make_task checks --mini.*); the task built."""
-    _need(
+    need(
         0 <= args.seed <= 2**32 - world_size,
         f"--seed must be in [0, {2**32 - world_size}] (numpy and vLLM take 32-bit seeds; rank r's engine uses "
         f"seed + r), got {args.seed}",
     )
 
-    _need(
+    need(
         args.train_limit is None or args.train_limit >= 1,
         f"--train-limit must be >= 1 (or None: every problem), got {args.train_limit}",
     )
-    _need(
+    need(
         args.eval_limit is None or args.eval_limit >= 1,
         f"--eval-limit must be >= 1 (or None: the whole split), got {args.eval_limit}",
     )
-    _need(
+    need(
         args.format_bonus >= 0 and math.isfinite(args.format_bonus),
         f"--format-bonus must be a finite number >= 0, got {args.format_bonus}",
     )
-    _need(
+    need(
         args.task in tasks.TASKS,
         f"--task must be one of {', '.join(tasks.TASKS)} (tasks.TASKS), got {args.task!r}",
     )
@@ -318,41 +320,41 @@ def _check_data_and_task(args, world_size: int) -> tasks.Task:
 
 def _check_rollout(args, world_size: int) -> None:
     """Batch shapes over the ranks, lengths, sampling."""
-    _need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
-    _need(
+    need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
+    need(
         args.num_samples_per_prompt >= 2,
         f"--num-samples-per-prompt must be >= 2 (the GRPO group size: a group of one response has no group mean "
         f"to compare with, so the advantage falls back to the raw reward, REINFORCE without a baseline), "
         f"got {args.num_samples_per_prompt}",
     )
-    _need(
+    need(
         args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world_size == 0,
         f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size "
         f"({world_size})",
     )
     batch = rollout_batch_size(args, world_size)
-    _need(
+    need(
         args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
         f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})",
     )
-    _need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    _need(
+    need(args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    need(
         args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
         f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}",
     )
-    _need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
-    _need(
+    need(args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}")
+    need(
         args.max_model_len > args.max_response_length,
         f"--max-model-len must be > --max-response-length ({args.max_response_length}): a prompt and its response "
         f"must fit in the context, got {args.max_model_len}",
     )
-    _need(
+    need(
         args.temperature > 0 and math.isfinite(args.temperature),
         f"--temperature must be > 0 (greedy rollouts have no log-probs to correct), got {args.temperature}",
     )
-    _need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     _check_replay(args, world_size)
-    _need(
+    need(
         args.train_dtype != "float16",
         f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
         f"so float16 gradients underflow; use bfloat16 (no scaler needed) or float32",
@@ -362,21 +364,21 @@ def _check_rollout(args, world_size: int) -> None:
 def _check_replay(args, world_size: int) -> None:
     """--replay-window and --replay-fraction give each step at least one fresh and one replayed whole group."""
     W, f = args.replay_window, args.replay_fraction
-    _need(W >= 0, f"--replay-window must be >= 0 (steps whose fresh groups are kept; 0 = no buffer), got {W}")
-    _need(
+    need(W >= 0, f"--replay-window must be >= 0 (steps whose fresh groups are kept; 0 = no buffer), got {W}")
+    need(
         0.0 <= f < 1.0,
         f"--replay-fraction must be in [0, 1) (the share of a step's groups replayed; 1 would sample nothing), got {f}",
     )
     if f == 0:
         return
-    _need(W >= 1, f"--replay-fraction {f} needs --replay-window >= 1 (the steps it replays from), got {W}")
+    need(W >= 1, f"--replay-fraction {f} needs --replay-window >= 1 (the steps it replays from), got {W}")
     per_rank, replayed = prompts_per_rank(args, world_size), replay_groups(args, world_size)
-    _need(
+    need(
         replayed >= 1,
         f"--replay-fraction {f} replays round({f} x {per_rank} prompt groups per rank) = 0 whole groups (a group is "
         f"replayed whole, for its GRPO baseline): raise it or --num-prompts-per-step",
     )
-    _need(
+    need(
         replayed < per_rank,
         f"--replay-fraction {f} replays all {per_rank} prompt groups per rank (round({f} x {per_rank})), leaving no "
         f"fresh group: lower it or raise --num-prompts-per-step",
@@ -385,16 +387,16 @@ def _check_replay(args, world_size: int) -> None:
 
 def _check_schedule_and_dials(args) -> None:
     """The weight-sync and staleness schedule (the rollout worker is CPU-only), and the lab's mismatch dials."""
-    _need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
+    need(args.sync_every >= 0, f"--sync-every must be >= 0, got {args.sync_every}")
     k = args.max_staleness
-    _need(k is None or k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
+    need(k is None or k >= 0, f"--max-staleness must be >= 0 (0 = the synchronous loop), got {k}")
     if uses_rollout_worker(args):
-        _need(
+        need(
             args.sync_every == 1,
             f"--max-staleness {k} loads every new version into the rollout worker: it needs --sync-every 1 (the "
             f"synchronous loop's own lag dial), got --sync-every {args.sync_every}",
         )
-        _need(
+        need(
             not torch.cuda.is_available(),
             f"--max-staleness {k} (a rollout worker process) runs on CPU only: on a GPU the worker's engine would "
             f"share the device with the trainer while it generates (no sleep mode then) and the weights would need "
@@ -402,52 +404,52 @@ def _check_schedule_and_dials(args) -> None:
             if k
             else "--rollout-worker runs on CPU only (no GPU weight hand-over is built): drop it on GPUs",
         )
-    _need(
+    need(
         0 < args.vllm_gpu_memory_utilization <= 1,
         f"--vllm-gpu-memory-utilization must be in (0, 1] (a share of the GPU's memory), "
         f"got {args.vllm_gpu_memory_utilization}",
     )
-    _need(
+    need(
         args.vllm_kv_cache_gb > 0 and math.isfinite(args.vllm_kv_cache_gb),
         f"--vllm-kv-cache-gb must be a finite number > 0, got {args.vllm_kv_cache_gb}",
     )
-    _need(
+    need(
         0.0 <= args.rollout_corrupt_prob < 1.0,
         f"--rollout-corrupt-prob must be in [0, 1), got {args.rollout_corrupt_prob}",
     )
-    _need(
+    need(
         args.rollout_weight_noise >= 0 and math.isfinite(args.rollout_weight_noise),
         f"--rollout-weight-noise must be a finite number >= 0, got {args.rollout_weight_noise}",
     )
-    _need(
+    need(
         args.rollout_temperature is None or (args.rollout_temperature > 0 and math.isfinite(args.rollout_temperature)),
         f"--rollout-temperature must be > 0, got {args.rollout_temperature}",
     )
-    _need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
+    need(args.dump_log_ratio_every >= 0, f"--dump-log-ratio-every must be >= 0, got {args.dump_log_ratio_every}")
 
 
 def _check_engine(args) -> None:
     """The engine's memory and scheduler settings."""
-    _need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
-    _need(
+    need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
+    need(
         args.vllm_sleep_level == 1 or args.sync_every == 1,
         f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
         f"it needs --sync-every 1, got --sync-every {args.sync_every}",
     )
-    _need(
+    need(
         args.vllm_max_num_seqs is None or args.vllm_max_num_seqs >= 1,
         f"--vllm-max-num-seqs must be >= 1, got {args.vllm_max_num_seqs}",
     )
     tokens = args.vllm_max_num_batched_tokens
-    _need(tokens is None or tokens >= 1, f"--vllm-max-num-batched-tokens must be >= 1, got {tokens}")
+    need(tokens is None or tokens >= 1, f"--vllm-max-num-batched-tokens must be >= 1, got {tokens}")
     if tokens is not None and not torch.cuda.is_available():
         # CPU: prefills are never split (see rc_rollout.engine_limits), so one step must hold the longest sequence.
-        _need(
+        need(
             tokens >= args.max_model_len,
             f"--vllm-max-num-batched-tokens {tokens} is below --max-model-len {args.max_model_len}: the CPU engine "
             f"never splits a prefill, so raise --vllm-max-num-batched-tokens or lower --max-model-len",
         )
-    _need(
+    need(
         tokens is None or args.vllm_max_num_seqs is None or tokens >= args.vllm_max_num_seqs,
         f"--vllm-max-num-batched-tokens {tokens} must be >= --vllm-max-num-seqs {args.vllm_max_num_seqs}",
     )
@@ -455,34 +457,34 @@ def _check_engine(args) -> None:
 
 def _check_optimisation(args) -> None:
     """The optimiser, the update's loops, evaluation and checkpoint cadence."""
-    _need(
+    need(
         args.learning_rate > 0 and math.isfinite(args.learning_rate),
         f"--learning-rate must be a finite number > 0, got {args.learning_rate}",
     )
-    _need(
+    need(
         args.weight_decay >= 0 and math.isfinite(args.weight_decay),
         f"--weight-decay must be a finite number >= 0, got {args.weight_decay}",
     )
-    _need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    _need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
-    _need(
+    need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    need(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
+    need(
         args.kl_coef >= 0 and math.isfinite(args.kl_coef), f"--kl-coef must be a finite number >= 0, got {args.kl_coef}"
     )
-    _need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
-    _need(
+    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
+    need(
         not (args.compile and args.fsdp),
         "--compile with --fsdp: compiling the layers that FSDP2 shards (its hooks gather every layer's weights) is "
         "not built or verified here; drop one of them",
     )
-    _need(
+    need(
         not (args.compile and (args.routing_replay != "none" or args.routing_metrics)),
         "--compile with --routing-replay or --routing-metrics: the router hooks that replay and record the routing "
         "(rc_moe) run inside the layers, which torch.compile would trace; drop one of them",
     )
 
-    _need(args.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {args.eval_every}")
-    _need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = never), got {args.checkpoint_every}")
-    _need(
+    need(args.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {args.eval_every}")
+    need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0 = never), got {args.checkpoint_every}")
+    need(
         args.keep_checkpoints >= 1,
         f"--keep-checkpoints must be >= 1 (the checkpoint just written is always kept), got {args.keep_checkpoints}",
     )
@@ -491,7 +493,7 @@ def _check_optimisation(args) -> None:
 def _check_loss(args) -> None:
     """The advantage estimator, the KL penalty and the loss settings (rc_core's own checks; the message says which
     flag gave a clip value that was not set itself)."""
-    _need(
+    need(
         args.adv_estimator in rc_core.ADVANTAGE_ESTIMATORS,
         f"--adv-estimator must be one of {', '.join(rc_core.ADVANTAGE_ESTIMATORS)} (rc_core.ADVANTAGE_ESTIMATORS), "
         f"got {args.adv_estimator!r}",
@@ -518,72 +520,36 @@ def _check_loss(args) -> None:
 def _check_moe_settings(args) -> None:
     """The Mixture-of-Experts settings that need no model: the router scale, replay on the dense tiny model, replay
     under gradient checkpointing, and the routing capture, which only the CPU engine provides. The rest needs the
-    model's config: check_moe, before the engine starts."""
-    _need(
+    model's config: rc_moe.check_model, before the engine starts."""
+    need(
         args.moe_router_scale > 0 and math.isfinite(args.moe_router_scale),
         f"--moe-router-scale must be a finite number > 0 (the standard deviation of the router's initial weights), "
         f"got {args.moe_router_scale}",
     )
     replay = args.routing_replay
-    _need(
+    need(
         replay == "none" or args.model != "tiny",
         f"--routing-replay {replay} needs a Mixture-of-Experts model, and --model tiny is dense: use --model tiny-moe",
     )
-    _need(
+    need(
         args.routing_metrics is not True or args.model != "tiny",
         "--routing-metrics needs a Mixture-of-Experts model, and --model tiny is dense: use --model tiny-moe",
     )
-    _need(
+    need(
         replay == "none" or not args.gradient_checkpointing,
         f"--routing-replay {replay} cannot run under --gradient-checkpointing: the recomputed forward would run "
         f"outside the replayed pass and route on its own",
     )
     if torch.cuda.is_available():  # vLLM's native enable_return_routed_experts is not wired up (docs/moe.md)
-        _need(
+        need(
             replay != "r3",
             "--routing-replay r3 needs the engine's routing, and only vLLM's CPU build is captured here (docs/moe.md): "
             "use --routing-replay reference on GPUs",
         )
-        _need(
+        need(
             not args.routing_metrics,
             "--routing-metrics needs the engine's routing, and only vLLM's CPU build is captured here (docs/moe.md)",
         )
-
-
-def check_moe(args, config, bypass_mode: bool, on_gpu: bool) -> None:
-    """The settings that need the model's Hugging Face `config`, before the engine starts: replay or routing metrics
-    need an MoE model, an MoE model needs a supported architecture (rc_moe.SUPPORTED) and the vLLM and transformers
-    internals its weight push, capture and replay rely on; reference replay needs decoupled mode. Resolves
-    --routing-metrics None: on for an MoE model on the CPU engine, unless --compile."""
-    import rc_moe
-
-    kind, replay = rc_moe.moe_type(config), args.routing_replay
-    model = f"--model {args.model} ({config.model_type})"
-    if kind is None:
-        _need(replay == "none", f"--routing-replay {replay} needs a Mixture-of-Experts model; {model} is dense")
-        _need(not args.routing_metrics, f"--routing-metrics needs a Mixture-of-Experts model; {model} is dense")
-        args.routing_metrics = False
-        return
-    _need(
-        kind in rc_moe.SUPPORTED,
-        f"{model}: the MoE architecture {kind!r} is not supported (weight push, capture and replay are written and "
-        f"verified for {', '.join(rc_moe.SUPPORTED)}; docs/moe.md)",
-    )
-    _need(
-        replay != "reference" or not bypass_mode,
-        "--routing-replay reference replays pi_old's routing, and bypass mode has no pi_old pass (pi_old is the "
-        "rollout policy): use --routing-replay r3, or a decoupled preset",
-    )
-    import rc_rollout
-
-    try:
-        rc_moe.check_transformers()
-        if not on_gpu:
-            rc_rollout.check_vllm_moe_internals()
-    except RuntimeError as e:
-        raise ValueError(f"{model}: {e}") from None
-    if args.routing_metrics is None:  # not under --compile, whose traced layers cannot hold the router hooks
-        args.routing_metrics = not on_gpu and not args.compile
 
 
 def routing_capture(args) -> bool:
@@ -619,6 +585,68 @@ def replay_groups(args, world: int) -> int:
 def rollout_batch_size(args, world: int) -> int:
     """Each rank's rollout batch: its prompts x --num-samples-per-prompt responses."""
     return prompts_per_rank(args, world) * args.num_samples_per_prompt
+
+
+@dataclass
+class CorrectionArgs:
+    """Rollout correction: a preset from rc_core, then optional per-field overrides. Fields have the types of
+    rc_core.RolloutCorrectionConfig; None (the default) keeps the preset's value, and the literal 'none' (CLI or
+    YAML) switches an option off (it becomes None in the config)."""
+
+    preset: str = "decoupled_k3_rs_token_tis"
+    """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled. The default,
+    token-TIS with a k3 rejection gate in decoupled mode, logs every dashboard panel (docs/corrections.md §9.2)"""
+    rollout_is: str | None = None
+    """override: IS level 'token' | 'sequence'; 'none' switches IS off"""
+    rollout_is_threshold: Threshold = None
+    """override: TIS cap (a number, e.g. 3) or IcePop bounds 'L_U' (e.g. 0.5_5, read as text, not as 0.55)"""
+    rollout_is_batch_normalize: bool | None = None
+    """override: self-normalise IS weights over the batch (docs/corrections.md §3.7)"""
+    rollout_rs: str | None = None
+    """override: comma-separated rejection options (e.g. 'seq_mean_k1,token_k3'); 'none' switches RS off"""
+    rollout_rs_threshold: Threshold = None
+    """override: rejection thresholds, one entry or one per option (0.999_1.001, 0.01, '0.999_1.001,0.01')"""
+    rollout_rs_threshold_lower: float | None = None
+    """override: lower bound for the legacy RS names token/sequence/geometric"""
+    rollout_token_veto_threshold: float | Literal["none"] | None = None
+    """override: veto tau in (0,1): reject a sequence if any token ratio < tau; 'none' switches the veto off"""
+    bypass_mode: bool | None = None
+    """override: True = bypass (pi_old := pi_rollout), False = decoupled"""
+    loss_type: str | None = None
+    """override: 'ppo_clip' or 'reinforce' (reinforce needs bypass mode); 'none' = unset: ppo_clip, or what
+    use_policy_gradient implies"""
+    use_policy_gradient: bool | None = None
+    """override, legacy alias of loss_type: True = reinforce, False = ppo_clip; an explicit loss_type (the preset's
+    or --rc.loss-type) that differs is refused (docs/corrections.md §9.1)"""
+    loss_mode: str | None = None
+    """override: the policy objective, a name of rc_core.POLICY_LOSSES (verl's policy_loss.loss_mode): vanilla
+    (PPO-clip, the default), gspo, gspo_token, cispo, sapo, geo_mean, dppo_tv, dppo_kl, clip_cov, kl_cov
+    (docs/corrections.md §7.7); with loss_type ppo_clip, in decoupled or bypass mode"""
+    clip_cov_ratio: float | None = None
+    """override: clip_cov: share of tokens in (0, 1) whose covariance gets its gradient cut (verl: 0.0002)"""
+    clip_cov_lb: float | None = None
+    """override: clip_cov: lower bound of the covariance band (verl: 1.0)"""
+    clip_cov_ub: float | None = None
+    """override: clip_cov: upper bound of the covariance band (verl: 5.0)"""
+    kl_cov_ratio: float | None = None
+    """override: kl_cov: share of tokens in (0, 1) with the largest covariance that get the KL term (verl: 0.0002)"""
+    ppo_kl_coef: float | None = None
+    """override: kl_cov: coefficient of its per-token KL term (verl: 0.1)"""
+    tau_pos: float | None = None
+    """override: sapo: gate temperature for positive advantages (verl: 1.0)"""
+    tau_neg: float | None = None
+    """override: sapo: gate temperature for negative advantages (verl: 1.05)"""
+    rollout_is_threshold_lower: float | Literal["none"] | None = None
+    """override: two-sided TIS, the lower clamp C_min of the IS weight (0 < C_min < the cap; e.g. 0.5 with cap 5)"""
+    rollout_opsm_threshold: float | Literal["none"] | None = None
+    """override: off-policy sequence mask delta > 0: drop a negative-advantage response whose mean log(mu/pi) > delta
+    (DeepSeek-V3.2; docs/corrections.md §4.6)"""
+    rollout_m2_threshold: float | Literal["none"] | None = None
+    """override: M2PO: mask the tokens with the largest squared log-ratio until its batch mean <= this (> 0; §4.7)"""
+    rollout_outlier_threshold_low: float | Literal["none"] | None = None
+    """override: two-sided worst-token rejection: a response with a token ratio below this is rejected (§4.8)"""
+    rollout_outlier_threshold_high: float | Literal["none"] | None = None
+    """override: two-sided worst-token rejection: a response with a token ratio above this is rejected (§4.8)"""
 
 
 SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
@@ -720,7 +748,7 @@ def check_token_budget(args, longest_prompt: int) -> None:
     than --max-model-len, which would refuse budgets that every real sequence fits. Below it, such a sequence could
     only go alone and over the budget that was meant to bound the micro-batch's memory."""
     budget, longest = args.max_tokens_per_micro_batch, longest_prompt + args.max_response_length
-    _need(
+    need(
         budget is None or budget >= longest,
         f"--max-tokens-per-micro-batch {budget} is below the longest sequence a step can hold: the longest training "
         f"prompt ({longest_prompt} tokens) + --max-response-length {args.max_response_length} = {longest}",
@@ -733,7 +761,7 @@ def resolve_max_staleness(args, on_gpu: bool, run_dir: str) -> int:
     other than 1 (the synchronous loop's own lag dial), and 1 on a CPU."""
     if args.max_staleness is not None:
         return args.max_staleness
-    state = rc_run.newest_checkpoint_state(run_dir) if args.resume else None
+    state = rc_checkpoint.newest_checkpoint_state(run_dir) if args.resume else None
     if state is not None:
         return state.get("max_staleness", 0)
     return 0 if on_gpu or args.sync_every != 1 else 1
@@ -747,23 +775,23 @@ def check_environment(environ=os.environ) -> None:
     (the tests' hook: a step number)."""
     threads = environ.get("OMP_NUM_THREADS")
     if threads is not None and threads.strip():
-        _need(
+        need(
             threads.strip().isdigit() and int(threads) >= 1,
             f"OMP_NUM_THREADS must be a positive integer (the threads of torch and of the CPU engine), got {threads!r}",
         )
     cache = environ.get("RC_CACHE_DIR")
     if cache is not None:
-        _need(cache.strip() != "", "RC_CACHE_DIR is set but empty: unset it (~/.cache/rc_train) or name a folder")
+        need(cache.strip() != "", "RC_CACHE_DIR is set but empty: unset it (~/.cache/rc_train) or name a folder")
         existing = os.path.abspath(cache)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
-        _need(
+        need(
             os.path.isdir(existing),
             f"RC_CACHE_DIR {cache!r} cannot be a folder: {existing!r} is a file (the tiny models are cached there)",
         )
     kill = environ.get("RC_TRAIN_KILL_IN_CHECKPOINT")
     if kill is not None:
-        _need(
+        need(
             kill.strip().lstrip("-").isdigit(),
             f"RC_TRAIN_KILL_IN_CHECKPOINT must be a step number (the tests' hook: SIGKILL inside that step's "
             f"checkpoint), got {kill!r}",
@@ -799,3 +827,52 @@ def torch_threads(max_staleness: int, environ=os.environ) -> int:
         return max(1, int(environ["OMP_NUM_THREADS"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores if max_staleness == 0 else max(1, cores // 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The start: the processes, the model's config, the warnings that need them
+# ---------------------------------------------------------------------------------------------
+class Started(NamedTuple):
+    """What the start made: the Accelerator, the trainer's own collectives, the run's name and folder, rank, world."""
+
+    accelerator: Any
+    host: rc_run.HostGroup
+    name: str
+    dir: str
+    rank: int
+    world: int
+
+
+def start(args) -> Started:
+    """The processes of a run, after the checks that need no model: the environment, the launcher (DeepSpeed refused;
+    an Accelerate FSDP2 config turns --fsdp on), the Accelerator, --max-staleness's default (by device, or the
+    checkpoint's), torch's threads (vLLM and torch share the cores)."""
+    import time
+
+    from accelerate import Accelerator
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the console holds our progress bar only
+    name = args.run_name or f"{args.task}__{args.exp_name}__{args.rc.preset}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.output_dir, name)
+    check_environment()
+    launcher_settings(args)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.log_with or None, project_dir=run_dir)
+    args.max_staleness = resolve_max_staleness(args, torch.cuda.is_available(), run_dir)
+    torch.set_num_threads(torch_threads(args.max_staleness))
+    world = accelerator.num_processes
+    return Started(accelerator, rc_run.HostGroup(world), name, run_dir, accelerator.process_index, world)
+
+
+def model_config(model_path: str):
+    """The model's Hugging Face config (dense or MoE: replay and capture need the latter) and its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    return AutoConfig.from_pretrained(model_path), AutoTokenizer.from_pretrained(model_path)
+
+
+def warn_allocator(args, accelerator) -> None:
+    """allocator_advice's warning, on the main process's console."""
+    advice = allocator_advice(args, accelerator.device.type == "cuda")
+    if advice and accelerator.is_main_process:
+        print(f"rc_train.py: warning: {advice}", flush=True)

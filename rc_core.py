@@ -3,8 +3,9 @@
 Every training-inference mismatch correction as a plain torch function, in the order of the math:
 ratios -> importance-sampling (IS) weights -> rejection sampling (RS) -> veto -> metrics -> the
 correction entry point -> policy losses -> aggregation -> GRPO advantage -> KL penalty ->
-configuration and presets; then the helpers and the chunked log-prob / entropy kernels.  Pure
-torch and the standard library.  "§N" is a section of ``docs/corrections.md``, the specification.
+configuration and presets; then the helpers.  Pure torch and the standard library; the chunked
+kernels that turn logits into log pi are in ``rc_forward.py``.  "§N" is a section of
+``docs/corrections.md``, the specification.
 
 Notation (§1)
 -------------
@@ -893,11 +894,11 @@ def check_rollout_correction_health(metrics: Mapping[str, float]) -> dict[str, f
 # ============================================================================================
 
 
-def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True):
+def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, with_metrics=True, *, validate=True):
     """Entry-point body for an already validated :class:`RolloutCorrectionConfig` (§5).
     with_metrics=False skips the diagnostic metrics and their host transfers (the weights and the
-    keep mask are the same)."""
-    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask)
+    keep mask are the same); validate=False skips the tensor checks (§10), trusting them."""
+    mask, train, rollout = _prepare_log_probs(old_log_prob, rollout_log_prob, response_mask, validate=validate)
     with torch.no_grad():
         ell = token_log_ratio(train, rollout)  # step 2: one l for IS, RS, veto and metrics
         metrics: dict[str, torch.Tensor | float] = {}
@@ -1005,11 +1006,95 @@ def reinforce_token_loss(
     return loss if weights is None else loss * weights.detach()
 
 
-def _effective_mask(mask: torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
-    """m' = m * k; ``keep_mask`` may be the keep mask k or the effective mask itself."""
+def _effective_mask(mask: torch.Tensor, keep_mask: torch.Tensor | None, validate: bool = True) -> torch.Tensor:
+    """m' = m * k; ``keep_mask`` may be the keep mask k or the effective mask itself (its 0/1 values
+    are checked unless ``validate=False``)."""
     if keep_mask is None:
         return mask
-    return mask & _check_mask_values(keep_mask, "keep_mask")
+    return mask & (_check_mask_values(keep_mask, "keep_mask") if validate else _as_bool(keep_mask))
+
+
+def _loss_inputs(
+    *,
+    log_prob: torch.Tensor,
+    prox_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    loss_agg_mode: str,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    global_token_count: Any,
+    global_seq_count: Any,
+    loss_scale_factor: float | None,
+    keep_mask: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    rollout_log_prob: torch.Tensor | None = None,
+    validate: bool = True,
+) -> PolicyLossInputs:
+    """The one :class:`PolicyLossInputs` of a policy loss (§7.7): check the loss settings (§7.1) and
+    the tensors (§10; ``rollout_log_prob`` only for its shape and finiteness), m' = m * k, and
+    every tensor in the work dtype (>= fp32, also for bf16 inputs) with padding replaced by 0.
+    ``weights`` are the IS weights to multiply (decoupled mode, §7.2).  ``validate=False`` skips
+    the checks and trusts that they hold."""
+    if validate:
+        check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor)
+    finite = {
+        "old_log_prob": prox_log_prob,
+        "log_prob": log_prob,
+        "advantages": advantages,
+        "rollout_log_prob": rollout_log_prob,
+    }
+    others = {"rollout_is_weights": weights, "keep_mask": keep_mask}
+    mask = _validate_inputs(response_mask, finite, others, validate=validate)
+    dt = _work_dtype(prox_log_prob, log_prob, advantages)
+    return PolicyLossInputs(
+        log_prob=_zero_padding(log_prob, mask, dt),
+        prox_log_prob=_zero_padding(prox_log_prob.detach(), mask, dt),
+        advantages=_zero_padding(advantages.detach(), mask, dt),
+        mask=mask,
+        keep=_effective_mask(mask, keep_mask, validate),
+        weights=None if weights is None else _zero_padding(weights.detach(), mask, dt),
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        config=config,
+        loss_agg_mode=loss_agg_mode,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+    )
+
+
+@torch.no_grad()
+def _actor_metrics(
+    a: PolicyLossInputs, loss: torch.Tensor, mode_metrics: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The actor metrics of a ratio objective (§6.6), over m', not IS-weighted: actor/pg_loss, the
+    objective's own (e.g. actor/pg_clipfrac), and actor/ppo_kl = <-lambda_r>_{m'}."""
+    return {"actor/pg_loss": loss.detach(), **mode_metrics, "actor/ppo_kl": masked_mean(-a.log_ratio(), a.keep)}
+
+
+def _decoupled_rollout_terms(
+    a: PolicyLossInputs, rollout_log_prob: torch.Tensor | None
+) -> tuple[PolicyLossInputs, dict[str, torch.Tensor]]:
+    """What log mu adds to the decoupled loss: OPSM drops rows from m' (§4.6), and
+    actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>_{m'} estimates alpha_0 of the
+    three-policy TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2)."""
+    threshold = a.config.rollout_opsm_threshold
+    if rollout_log_prob is None:
+        if threshold is not None:
+            raise ValueError(f"rollout_opsm_threshold={threshold!r} needs rollout_log_prob (log mu) in the loss")
+        return a, {}
+    rollout = _zero_padding(rollout_log_prob.detach(), a.mask, a.log_prob.dtype)
+    metrics = {}
+    if threshold is not None:
+        opsm_keep, metrics = compute_opsm_mask(a.log_prob, rollout, a.advantages, a.mask, threshold)
+        a = a._replace(keep=a.keep & opsm_keep)
+    with torch.no_grad():
+        metrics["actor/tv_update"] = estimate_tv_distance(a.prox_log_prob - rollout, a.log_prob - rollout, a.keep)
+    return a, metrics
 
 
 def compute_policy_loss_vanilla(
@@ -1029,6 +1114,7 @@ def compute_policy_loss_vanilla(
     global_seq_count: Any = None,
     loss_scale_factor: float | None = None,
     config: RolloutCorrectionConfig | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped loss, IS weights multiplied *after* all clipping (docs/corrections.md §7.1-§7.2).
 
@@ -1037,86 +1123,39 @@ def compute_policy_loss_vanilla(
     ``old_log_prob`` is log pi_prox (pi_old; mu in bypass).  Metrics (§6.6, over m', not
     IS-weighted, 0.0 when no token is kept): actor/pg_loss, actor/pg_clipfrac (L2 > L1),
     actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
-    actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>, the alpha_0 estimate of the three-policy
-    TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2).
-
-    ``config`` (optional) selects the objective ``config.loss_mode`` of :data:`POLICY_LOSSES`
-    in place of phi_PPO (§7.7; None or "vanilla" is the PPO loss above) and its parameters, and
+    actor/tv_update, the alpha_0 estimate (§12.6-§12.7).  ``config`` (optional) selects the
+    objective ``config.loss_mode`` of :data:`POLICY_LOSSES` (§7.7; None: "vanilla", phi_PPO) and
     turns on OPSM (``rollout_opsm_threshold``, §4.6), which needs ``rollout_log_prob``.
+
+    ``validate=False`` skips the checks of §10 -- loss settings, equal 2-D shapes, 0/1 masks, a valid
+    token, finite values at valid positions -- and their host syncs, trusting that they hold: a
+    trainer passes it after a step's first micro-batch was checked with the same settings, for the
+    step's other micro-batches.  Valid inputs give identical values; a bad one gives a wrong number
+    or a torch error instead of a ValueError naming it.
     """
     if config is not None and not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be None or a RolloutCorrectionConfig, got {config!r}")
-    return _objective_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode,
-        (clip_ratio_low, clip_ratio_high, clip_ratio_c),
-        rollout_is_weights,
-        keep_mask,
-        rollout_log_prob,
-        (global_token_count, global_seq_count, loss_scale_factor),
-        config,
-        with_tv=True,
+    inputs = _loss_inputs(
+        log_prob=log_prob,
+        prox_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        config=_DEFAULT_CONFIG if config is None else config,
+        loss_agg_mode=loss_agg_mode,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+        keep_mask=keep_mask,
+        weights=rollout_is_weights,
+        rollout_log_prob=rollout_log_prob,
+        validate=validate,
     )
-
-
-def _objective_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    loss_agg_mode,
-    clips,
-    weights,
-    keep_mask,
-    rollout_log_prob,
-    counts,
-    config,
-    with_tv,
-    with_opsm=True,
-):
-    """Body of :func:`compute_policy_loss_vanilla`: validate, OPSM (§4.6), the objective of
-    ``config.loss_mode`` (§7.7), and the actor metrics of §6.6."""
-    check_loss_settings(*clips, loss_agg_mode, counts[2])
-    config = _DEFAULT_CONFIG if config is None else config
-    finite = {
-        "old_log_prob": old_log_prob,
-        "log_prob": log_prob,
-        "advantages": advantages,
-        "rollout_log_prob": rollout_log_prob,
-    }
-    mask = _validate_inputs(response_mask, finite, {"rollout_is_weights": weights, "keep_mask": keep_mask})
-    effective = _effective_mask(mask, keep_mask)
-    dt = _work_dtype(old_log_prob, log_prob, advantages)  # at least fp32, also for bf16 inputs
-    old = _zero_padding(old_log_prob.detach(), mask, dt)
-    adv = _zero_padding(advantages.detach(), mask, dt)
-    current = _zero_padding(log_prob, mask, dt)
-    opsm_metrics = {}
-    if with_opsm and config.rollout_opsm_threshold is not None:
-        if rollout_log_prob is None:
-            raise ValueError(
-                f"rollout_opsm_threshold={config.rollout_opsm_threshold!r} needs rollout_log_prob (log mu) in the loss"
-            )
-        rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
-        opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
-        effective = effective & opsm_keep
-    if weights is not None:
-        weights = _zero_padding(weights.detach(), mask, dt)
-    inputs = PolicyLossInputs(current, old, adv, mask, effective, weights, *clips, config, loss_agg_mode, *counts)
-    loss, mode_metrics = POLICY_LOSSES[config.loss_mode](inputs)
-    with torch.no_grad():
-        metrics = {
-            "actor/pg_loss": loss.detach(),
-            **mode_metrics,
-            "actor/ppo_kl": masked_mean(-safety_clip(current.detach() - old), effective),
-            **opsm_metrics,
-        }
-        if with_tv and rollout_log_prob is not None:
-            rollout = _zero_padding(rollout_log_prob.detach(), mask, dt)
-            metrics["actor/tv_update"] = estimate_tv_distance(old - rollout, current.detach() - rollout, effective)
-    return loss, _to_floats(metrics)
+    inputs, rollout_metrics = _decoupled_rollout_terms(inputs, rollout_log_prob)
+    loss, mode_metrics = POLICY_LOSSES[inputs.config.loss_mode](inputs)
+    return loss, _to_floats({**_actor_metrics(inputs, loss, mode_metrics), **rollout_metrics})
 
 
 def compute_policy_loss_reinforce(
@@ -1131,6 +1170,7 @@ def compute_policy_loss_reinforce(
     global_token_count: Any = None,
     global_seq_count: Any = None,
     loss_scale_factor: float | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Bypass REINFORCE loss L = agg(-A * log pi_theta * sg(w)) over m' (docs/corrections.md §7.4).
 
@@ -1138,12 +1178,15 @@ def compute_policy_loss_reinforce(
     sequence IS and ``seq-mean-token-sum`` the gradient is the trajectory-IS REINFORCE estimator
     (§12.1) with a truncated weight.  The loss *value* holds log pi_theta and is not comparable
     with the PPO loss; only its gradient is meaningful.  Metrics: actor/pg_loss and
-    actor/ppo_kl = <log mu - log pi_theta>_{m'} (§6.6).
+    actor/ppo_kl = <log mu - log pi_theta>_{m'} (§6.6).  ``validate`` as in
+    :func:`compute_policy_loss_vanilla`.
     """
-    check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
+    if validate:
+        check_loss_settings(0.2, 0.2, 3.0, loss_agg_mode, loss_scale_factor)
     finite = {"log_prob": log_prob, "rollout_log_prob": rollout_log_prob, "advantages": advantages}
-    mask = _validate_inputs(response_mask, finite, {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask})
-    effective = _effective_mask(mask, keep_mask)
+    others = {"rollout_is_weights": rollout_is_weights, "keep_mask": keep_mask}
+    mask = _validate_inputs(response_mask, finite, others, validate=validate)
+    effective = _effective_mask(mask, keep_mask, validate)
     dt = _work_dtype(log_prob, rollout_log_prob, advantages)  # at least fp32, also for bf16 inputs
     current = _zero_padding(log_prob, mask, dt)
     adv = _zero_padding(advantages.detach(), mask, dt)
@@ -1166,6 +1209,31 @@ def compute_policy_loss_reinforce(
     return loss, _to_floats(metrics)
 
 
+def _bypass_correction(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    with_metrics: bool,
+    *,
+    validate: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """The correction of one bypass micro-batch, from sg(log pi_theta) versus log mu (§5), then
+    OPSM (§4.6: it needs A, so it is applied here, per micro-batch): (IS weights or None, m * k in
+    the dtype of ``response_mask``, the actor/opsm_* and rollout_corr/* metrics)."""
+    weights, keep, corr_metrics = _apply_correction(
+        log_prob.detach(), rollout_log_prob, response_mask, config, with_metrics, validate=validate
+    )
+    if config.rollout_opsm_threshold is None:
+        return weights, keep, corr_metrics
+    # validated by _apply_correction just above (or trusted)
+    mask, current, rollout = _prepare_log_probs(log_prob.detach(), rollout_log_prob, response_mask, validate=False)
+    adv = _zero_padding(advantages.detach(), mask, current.dtype)
+    opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
+    return weights, keep * opsm_keep.to(keep.dtype), {**_to_floats(opsm_metrics), **corr_metrics}
+
+
 def compute_policy_loss_bypass_mode(
     log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -1181,62 +1249,51 @@ def compute_policy_loss_bypass_mode(
     global_seq_count: Any = None,
     loss_scale_factor: float | None = None,
     with_correction_metrics: bool = True,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (docs/corrections.md §5, §7.3-§7.4,
-    §12.5).
+    """Bypass-mode loss: pi_old := mu, pi_train = sg(pi_theta) (docs/corrections.md §5, §7.3-§7.4, §12.5).
 
-    The correction (IS/RS/veto + all ``rollout_corr/*`` metrics of this micro-batch) is computed
-    inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: PPO with
-    r = pi_theta / mu and *no* IS factor -- the ratio already is the IS ratio, multiplying would
-    apply it twice (§7.3, §12.5); IS weights are metrics only, RS/veto act through the keep mask.
-    ``loss_type="reinforce"``: -A log pi_theta sg(w) (§7.4).  Returns the loss and the union of
-    ``actor/*`` and ``rollout_corr/*`` metrics.  ``actor/tv_update`` is not reported here
-    (pi_old = mu, so alpha_0 equals ``rollout_corr/tv_mismatch``).
-    ``with_correction_metrics=False`` leaves the ``rollout_corr/*`` metrics out (same loss): a
-    trainer that keeps them only from the first optimizer step of a batch skips their cost on the
-    others.
+    The correction (IS/RS/veto, OPSM, all ``rollout_corr/*`` metrics of this micro-batch) is computed
+    inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: the objective
+    ``config.loss_mode`` (§7.7) with r = pi_theta / mu and *no* IS factor -- the ratio already is the
+    IS ratio (§7.3, §12.5); IS weights are metrics only, RS/veto act through the keep mask.
+    ``loss_type="reinforce"``: -A log pi_theta sg(w) (§7.4).  Returns the loss and the ``actor/*`` and
+    ``rollout_corr/*`` metrics (no ``actor/tv_update``: with pi_old = mu, alpha_0 is
+    ``rollout_corr/tv_mismatch``).  ``with_correction_metrics=False`` leaves ``rollout_corr/*`` out
+    (same loss), for the optimizer steps after a batch's first.  ``validate`` as in
+    :func:`compute_policy_loss_vanilla`; it covers the correction's checks too.
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig, got {config!r}")
-    weights, effective, corr_metrics = _apply_correction(
-        log_prob.detach(), rollout_log_prob, response_mask, config, with_correction_metrics
+    weights, keep, extra_metrics = _bypass_correction(
+        log_prob, rollout_log_prob, advantages, response_mask, config, with_correction_metrics, validate=validate
     )
     common = {
-        "keep_mask": effective,
+        "loss_agg_mode": loss_agg_mode,
         "global_token_count": global_token_count,
         "global_seq_count": global_seq_count,
         "loss_scale_factor": loss_scale_factor,
+        "validate": validate,
     }
-    opsm_metrics = {}
-    if config.rollout_opsm_threshold is not None:  # §4.6: needs A, so it is applied here, per micro-batch
-        mask, current, rollout = _prepare_log_probs(log_prob.detach(), rollout_log_prob, response_mask)
-        adv = _zero_padding(advantages.detach(), mask, current.dtype)
-        opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
-        common["keep_mask"] = effective = effective * opsm_keep.to(effective.dtype)
-        opsm_metrics = _to_floats(opsm_metrics)
-    if config.loss_type == "ppo_clip":
-        clips = (clip_ratio_low, clip_ratio_high, clip_ratio_c)
-        counts = (global_token_count, global_seq_count, loss_scale_factor)
-        loss, actor_metrics = _objective_loss(
-            rollout_log_prob,
-            log_prob,
-            advantages,
-            response_mask,
-            loss_agg_mode,
-            clips,
-            None,
-            effective,
-            None,
-            counts,
-            config,
-            with_tv=False,
-            with_opsm=False,
-        )
-    else:
+    if config.loss_type == "reinforce":
         loss, actor_metrics = compute_policy_loss_reinforce(
-            log_prob, rollout_log_prob, advantages, response_mask, loss_agg_mode, weights, **common
+            log_prob, rollout_log_prob, advantages, response_mask, rollout_is_weights=weights, keep_mask=keep, **common
         )
-    return loss, {**actor_metrics, **opsm_metrics, **corr_metrics}
+        return loss, {**actor_metrics, **extra_metrics}
+    inputs = _loss_inputs(  # no IS weights: the ratio against mu already is the IS ratio (§7.3)
+        log_prob=log_prob,
+        prox_log_prob=rollout_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        config=config,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        keep_mask=keep,
+        **common,
+    )
+    loss, mode_metrics = POLICY_LOSSES[config.loss_mode](inputs)
+    return loss, {**_to_floats(_actor_metrics(inputs, loss, mode_metrics)), **extra_metrics}
 
 
 # ============================================================================================
@@ -1252,7 +1309,8 @@ class PolicyLossInputs(NamedTuple):
     mode, mu in bypass mode), ``advantages`` and ``weights`` are detached.  ``mask`` is the
     original response mask m, ``keep`` the effective mask m' = m * k (bool).  ``weights`` are the
     IS weights to multiply (decoupled mode), None when IS is off or in bypass (the ratio against
-    mu already is the IS ratio, §7.3).  ``config`` holds the mode's parameters.
+    mu already is the IS ratio, §7.3).  ``config`` holds the mode's parameters.  Built once per
+    call, checked, by ``_loss_inputs`` (compute_policy_loss_vanilla, compute_policy_loss_bypass_mode).
     """
 
     log_prob: torch.Tensor
@@ -2286,12 +2344,17 @@ def _validate_inputs(
     response_mask: torch.Tensor,
     finite: Mapping[str, torch.Tensor | None],
     other: Mapping[str, torch.Tensor | None] | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Validate per-token inputs and return the original mask as bool (docs/corrections.md §10).
 
     Checks, in order: 2-D equal shapes (naming both shapes), 0/1 mask values, at least one valid
-    token, and finite values of every tensor in ``finite`` at valid positions.
+    token, and finite values of every tensor in ``finite`` at valid positions.  ``validate=False``
+    checks nothing (no host sync) and only converts the mask.
     """
+    if not validate:
+        return _as_bool(response_mask)
     if not isinstance(response_mask, torch.Tensor):
         raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask)!r}")
     if response_mask.dim() != 2:
@@ -2324,10 +2387,13 @@ def _zero_padding(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _prepare_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor):
-    """Validate (§10) and return (mask as bool, log pi_train, log mu): detached, in the work dtype,
-    padding replaced by 0."""
-    mask = _validate_inputs(response_mask, {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob})
+def _prepare_log_probs(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *, validate: bool = True
+):
+    """Validate (§10, unless ``validate=False``) and return (mask as bool, log pi_train, log mu):
+    detached, in the work dtype, padding replaced by 0."""
+    finite = {"old_log_prob": old_log_prob, "rollout_log_prob": rollout_log_prob}
+    mask = _validate_inputs(response_mask, finite, validate=validate)
     dtype = _work_dtype(old_log_prob, rollout_log_prob)
     train = _zero_padding(old_log_prob.detach(), mask, dtype)
     rollout = _zero_padding(rollout_log_prob.detach(), mask, dtype)
@@ -2351,143 +2417,6 @@ def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
         if t is not None and t.is_floating_point():
             dtype = torch.promote_types(dtype, t.dtype)
     return dtype
-
-
-# ============================================================================================
-# Kernels: per-token log-probability and entropy from logits, chunked over rows
-# ============================================================================================
-
-
-def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256
-) -> torch.Tensor:
-    """Per-token log-probability of ``labels`` under softmax(logits / temperature).
-
-    log p(y) = x_y / tau - log sum_v exp(x_v / tau)   (gather minus logsumexp).
-
-    ``logits`` (..., V) of any float dtype, ``labels`` (...) integer; returns (...) in fp32
-    (fp64 for fp64 logits).  Rows are processed ``chunk_size`` at a time in fp32, so a
-    151,936-vocabulary x 8k-token input never materialises a full-vocabulary log-softmax copy;
-    the backward pass recomputes the softmax per chunk and writes the logits gradient directly.
-    The temperature must be the sampling temperature so that the result describes the processed
-    distribution that sampled the tokens (docs/corrections.md §1, "Policies").
-    """
-    if tuple(logits.shape[:-1]) != tuple(labels.shape):
-        raise ValueError(
-            f"logits shape {tuple(logits.shape)} does not match labels shape "
-            f"{tuple(labels.shape)}: logits must be labels.shape + (vocab,)"
-        )
-    if isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    if isinstance(chunk_size, bool) or int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    if logits.dim() > 2:
-        try:
-            flat = logits.view(-1, logits.shape[-1])
-        except RuntimeError:  # a non-viewable slice (logits[:, :-1]): chunked in place, see _row_chunks
-            flat = None
-        if flat is not None:
-            return log_probs_from_logits(flat, labels.reshape(-1), temperature, chunk_size).view(labels.shape)
-    if logits.dim() == 1:
-        return log_probs_from_logits(logits.unsqueeze(0), labels.reshape(1), temperature, chunk_size).reshape(())
-    labels = labels.long()
-    if logits.requires_grad and torch.is_grad_enabled():
-        return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_size))
-    return _token_log_prob_chunks(logits, labels, float(temperature), int(chunk_size))
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256) -> torch.Tensor:
-    """Token entropy of softmax(logits / temperature), a diagnostic (no gradient):
-
-    H = -sum_v q_v log q_v = log Z - (sum_v e^{x'_v} x'_v) / Z,   x' = x / tau - max_v x_v / tau,  Z = sum_v e^{x'_v}.
-
-    ``logits`` (..., V), contiguous or a slice; returns (...) in fp32 (fp64 for fp64 logits). Chunked over rows
-    like :func:`log_probs_from_logits`, so at the 151,936-token vocabulary no full-size fp32 copy of the logits
-    exists: two temporaries of one chunk's size."""
-    if isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    work = torch.promote_types(logits.dtype, torch.float32)
-    x = logits.detach()
-    x = x.unsqueeze(0) if x.dim() == 1 else x
-    out = torch.empty(x.shape[:-1], dtype=work, device=x.device)
-    with torch.no_grad():
-        for idx in _row_chunks(x.shape, int(chunk_size)):
-            shifted = _scaled_chunk(x[idx], temperature, work)
-            shifted.sub_(shifted.amax(dim=-1, keepdim=True))
-            weights = shifted.exp()
-            z = weights.sum(dim=-1)
-            out[idx] = z.log() - weights.mul_(shifted).sum(dim=-1) / z
-    return out.reshape(logits.shape[:-1])
-
-
-def _row_chunks(shape: torch.Size, chunk_size: int):
-    """Index tuples that cover the rows of a (..., rows, V) tensor ``chunk_size`` rows at a time. A 2-D tensor gives
-    plain row slices; with more leading dims (a non-viewable slice such as logits[:, :-1]) each chunk stays inside
-    one leading index, so no reshape (and no copy) is needed and the loop is over chunks, never over rows."""
-    import itertools
-
-    *outer, rows = shape[:-1]
-    for lead in itertools.product(*map(range, outer)):
-        for start in range(0, rows, chunk_size):
-            yield (*lead, slice(start, start + chunk_size))
-
-
-def _scaled_chunk(chunk: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
-    """x / tau in the working dtype as a fresh tensor that may be modified in place."""
-    x = chunk.to(work, copy=True)
-    return x.div_(temperature) if temperature != 1.0 else x
-
-
-def _chunk_log_normaliser(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim, computed *in place* on ``x`` (x is overwritten by
-    exp(x - max)), so a chunk costs one temporary of its own size."""
-    top = x.amax(dim=-1, keepdim=True)
-    return x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
-
-
-class _ChunkedTokenLogProb(torch.autograd.Function):
-    """log p(label) = x_label / tau - logsumexp(x / tau), chunked over rows, with a backward
-    that recomputes softmax per chunk, so neither pass holds a full-vocabulary copy."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_size):
-        ctx.save_for_backward(logits, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return _token_log_prob_chunks(logits, labels, temperature, chunk_size)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        logits, labels = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        tau, step = ctx.temperature, ctx.chunk_size
-        work = torch.promote_types(logits.dtype, torch.float32)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for idx in _row_chunks(logits.shape, step):
-            x = _scaled_chunk(logits[idx], tau, work)
-            g = grad_out[idx].to(work).unsqueeze(-1)
-            # d/dx [x_y - logsumexp(x)] = onehot(y) - softmax(x); chain rule through x / tau.
-            top = x.amax(dim=-1, keepdim=True)
-            probs = x.sub_(top).exp_()
-            probs.div_(probs.sum(dim=-1, keepdim=True)).mul_(-g)
-            probs.scatter_add_(-1, labels[idx].unsqueeze(-1), g)
-            if tau != 1.0:
-                probs.div_(tau)
-            grad[idx] = probs
-        return grad, None, None, None
-
-
-def _token_log_prob_chunks(logits, labels, temperature, chunk_size):
-    """Forward pass of :func:`log_probs_from_logits` on a (..., rows, V) tensor, chunk by chunk."""
-    work = torch.promote_types(logits.dtype, torch.float32)
-    out = torch.empty(labels.shape, dtype=work, device=logits.device)
-    with torch.no_grad():
-        for idx in _row_chunks(logits.shape, chunk_size):
-            chunk = logits[idx]
-            picked = chunk.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1).to(work) / temperature
-            out[idx] = picked - _chunk_log_normaliser(_scaled_chunk(chunk, temperature, work))
-    return out
 
 
 # Public names (kept at the end so that the formulas come first).
@@ -2521,14 +2450,12 @@ __all__ = [
     "compute_rollout_correction_weights",
     "compute_rs_option_metrics",
     "compute_veto_mask",
-    "entropy_from_logits",
     "estimate_tv_distance",
     "icepop_is_weights",
     "k1_statistic",
     "k2_divergence",
     "k3_divergence",
     "kl_penalty",
-    "log_probs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -22,15 +22,72 @@ r3 replays the engine's routing M_mu; reference replays pi_old's own routing, re
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
+
+import rc_config
+import rc_core
+import rc_rollout
+
+
+@dataclass
+class MoEArgs:
+    """Mixture-of-Experts settings (rc_train.Args inherits these flags; docs/moe.md)."""
+
+    moe_router_scale: float = 0.02
+    """--model tiny-moe: std of the router weights at initialisation (> 0; hashed into the cached model's name)"""
+    routing_replay: Literal["none", "r3", "reference"] = "none"
+    """replay a recorded routing in the policy passes: r3 the engine's (CPU engine), reference pi_old's (decoupled)"""
+    routing_metrics: bool | None = None
+    """capture the engine's routing and log the routing agreement and unreplayed mismatch; None = on for an MoE
+    model on the CPU engine (not --compile)"""
+
 
 SUPPORTED = ("qwen3_moe",)
 """model_type values whose router this module hooks (transformers' Qwen3MoeTopKRouter) and whose weight push is
 verified on vLLM's CPU build (docs/moe.md)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # config fields of MoEs
 LAYER = "_rc_moe_layer"  # the attribute install() sets on each hooked router: its MoE layer index
+
+
+def check_model(args, config, bypass_mode: bool, on_gpu: bool) -> None:
+    """The settings that need the model's Hugging Face `config`, before the engine starts: replay or routing metrics
+    need an MoE model, an MoE model needs a supported architecture (SUPPORTED) and the vLLM and transformers
+    internals its weight push, capture and replay rely on; reference replay needs decoupled mode. Resolves
+    --routing-metrics None: on for an MoE model on the CPU engine, unless --compile."""
+    kind, replay = moe_type(config), args.routing_replay
+    model = f"--model {args.model} ({config.model_type})"
+    if kind is None:
+        rc_config.need(
+            replay == "none", f"--routing-replay {replay} needs a Mixture-of-Experts model; {model} is dense"
+        )
+        rc_config.need(
+            not args.routing_metrics, f"--routing-metrics needs a Mixture-of-Experts model; {model} is dense"
+        )
+        args.routing_metrics = False
+        return
+    rc_config.need(
+        kind in SUPPORTED,
+        f"{model}: the MoE architecture {kind!r} is not supported (weight push, capture and replay are written and "
+        f"verified for {', '.join(SUPPORTED)}; docs/moe.md)",
+    )
+    rc_config.need(
+        replay != "reference" or not bypass_mode,
+        "--routing-replay reference replays pi_old's routing, and bypass mode has no pi_old pass (pi_old is the "
+        "rollout policy): use --routing-replay r3, or a decoupled preset",
+    )
+    try:
+        check_transformers()
+        if not on_gpu:
+            rc_rollout.check_vllm_moe_internals()
+    except RuntimeError as e:
+        raise ValueError(f"{model}: {e}") from None
+    if args.routing_metrics is None:  # not under --compile, whose traced layers cannot hold the router hooks
+        args.routing_metrics = not on_gpu and not args.compile
 
 
 def moe_type(config) -> str | None:
@@ -161,31 +218,77 @@ def batch_routing(prompt_ids: list, responses: list, P: int, T: int) -> torch.Te
     return out
 
 
-@contextlib.contextmanager
-def forward_routing(net, batch: dict, rows: torch.Tensor, input_ids: torch.Tensor, T: int):
-    """Around the forward of a trimmed micro-batch (rc_train.forward_log_probs: `rows` of the batch, `input_ids` its
-    last T response columns and the prompt columns before them): replay batch['replay_routing'] there and record the
-    routers' own choice into batch['record_routing'] (its padding left at -1), when the batch holds them."""
-    replay, record = batch.get("replay_routing"), batch.get("record_routing")
-    if replay is None and record is None:
-        yield
-        return
-    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    cols = slice(P - (input_ids.shape[1] - T), P + T)
-    with routing(net, None if replay is None else replay[rows][:, cols], record is not None) as plan:
-        yield
-    if record is not None:
-        recorded = plan.recorded.view(*input_ids.shape, *plan.recorded.shape[1:]).to("cpu", record.dtype)
-        recorded[batch["attention_mask"][rows][:, cols] == 0] = -1
-        view = record[:, cols]  # a view: the rows are written into the batch's buffer
-        view[rows] = recorded
+class StepRouting:
+    """The MoE routing of one step's batch (B, P + T, layers, k), -1 where nothing is recorded: `rollout` the engine's
+    (None with capture off), `replay` what the policy passes replay (None: their own), `record` a buffer the passes
+    record their own routing into (None: no recording)."""
+
+    def __init__(self, batch: dict):
+        self.rollout = batch.get("rollout_routing")
+        self.replay: torch.Tensor | None = None
+        self.record: torch.Tensor | None = None
+        self.attention_mask = batch["attention_mask"]
+        self.P = int(batch["prompt_len"].max())  # every prompt left-padded to the longest (rc_train.make_batch)
+
+    @contextlib.contextmanager
+    def forward(self, net, micro):
+        """Around the forward of a trimmed micro-batch (rc_forward.Micro): replay self.replay on its columns and
+        record the routers' own choice into self.record (its padding left at -1)."""
+        if self.replay is None and self.record is None:
+            yield
+            return
+        rows, shape = micro.rows, micro.input_ids.shape
+        cols = slice(self.P - (shape[1] - micro.T), self.P + micro.T)
+        with routing(net, None if self.replay is None else self.replay[rows][:, cols], self.record is not None) as plan:
+            yield
+        if self.record is not None:
+            recorded = plan.recorded.view(*shape, *plan.recorded.shape[1:]).to("cpu", self.record.dtype)
+            recorded[self.attention_mask[rows][:, cols] == 0] = -1
+            view = self.record[:, cols]  # a view: the rows are written into the step's buffer
+            view[rows] = recorded
+
+    def buffer(self, net) -> torch.Tensor:
+        """An int16 (B, P + T, layers, k) buffer of -1: the batch's shape, the hooked routers' count and top-k."""
+        routers = [m for m in net.modules() if hasattr(m, LAYER)]
+        return torch.full((*self.attention_mask.shape, len(routers), routers[0].top_k), -1, dtype=torch.int16)
 
 
-def record_buffer(net, batch: dict) -> torch.Tensor:
-    """An int16 (B, P + T, layers, k) buffer of -1 for batch['record_routing']: the batch's shape, the hooked
-    routers' count and top-k."""
-    routers = [m for m in net.modules() if hasattr(m, LAYER)]
-    return torch.full((*batch["input_ids"].shape, len(routers), routers[0].top_k), -1, dtype=torch.int16)
+def plan(args, bypass_mode: bool, model, batch: dict) -> StepRouting:
+    """Which policy passes of the step replay or record a routing (docs/moe.md). r3: every pass replays the engine's
+    routing, pi_old's and pi_theta's alike. The trainer's own routing (reference replay, the routing metrics) is
+    recorded by decoupled mode's pi_old pass when it runs unreplayed; otherwise routing_pass runs a pass of its own."""
+    step = StepRouting(batch)
+    if args.routing_replay == "r3":
+        step.replay = step.rollout
+    elif not bypass_mode and (args.routing_replay == "reference" or args.routing_metrics):
+        step.record = step.buffer(model)
+    return step
+
+
+def routing_pass(args, model, batch: dict, tensors: dict, step: StepRouting, no_grad_pass) -> tuple[dict, Counter]:
+    """After the correction, the trainer's own routing of the batch: recorded by the pi_old pass (plan), or by one
+    more unreplayed no-grad pass (`no_grad_pass`, rc_train's), whose log-probs also give the mismatch that replay
+    hides from the loss (rollout_corr/unreplayed_*: replay rewrites the surrogate, it does not shrink the mismatch).
+    reference: the update's pi_theta passes replay it from here on. Returns the routing metrics (none without the
+    engine's routing) and the size of the extra pass. `model`: the unwrapped policy (no gradient, no collective)."""
+    size, own, own_log_prob = Counter(), step.record, tensors.get("old_log_prob")
+    step.record = None
+    if own is None:  # r3 replayed pi_old, or bypass mode: the extra pass
+        replay, step.replay, step.record = step.replay, None, step.buffer(model)
+        model.eval()
+        own_log_prob, size = no_grad_pass(model, batch, args, step)
+        own, step.record, step.replay = step.record, None, replay
+    if args.routing_replay == "reference":
+        step.replay = own
+    if step.rollout is None:
+        return {}, size
+    mask = tensors["response_mask"]
+    ell = rc_core.safety_clip(own_log_prob - tensors["rollout_log_prob"])
+    return {
+        **routing_metrics(own, step.rollout, mask),
+        "rollout_corr/unreplayed_k3_kl": float(rc_core.masked_mean(rc_core.k3_divergence(ell), mask)),
+        "rollout_corr/unreplayed_tv_mismatch": float(rc_core.estimate_tv_distance(ell, None, mask)),
+    }, size
 
 
 # ---------------------------------------------------------------------------------------------

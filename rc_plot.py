@@ -8,10 +8,13 @@ One PNG with a grid of panels (the mismatch diagnostics of docs/corrections.md �
 lab reads, lab/README.md): reward, eval accuracy, IS-weight mean and std, effective sample size,
 k1 / k3 mismatch KL, PPL ratio, chi-squared (token, sequence), masked fractions (RS, veto),
 TV estimates (alpha_1 = `rollout_corr/tv_mismatch`, alpha_0 = `actor/tv_update` of the
-three-policy bound), grad norm, response length, and the steps on which each health check fired
-(`health/*`). Runs are overlaid, one colour per run in every panel; within a panel, several metrics
+three-policy bound), grad norm, staleness, response length, and the steps on which each health check
+fired (`health/*`). Runs are overlaid, one colour per run in every panel; within a panel, several metrics
 are told apart by line style. A panel whose metrics no run logged says "not logged" (e.g. IS panels
-of a run without IS) instead of showing empty axes.
+of a run without IS) instead of showing empty axes. The optional panels, which only some runs can fill (the replay
+buffer of --replay-window, the routing of an MoE model), are drawn only when one of the plotted runs logged one of
+their metrics; the figure's last line and the console name the ones left out, e.g. "optional panels not drawn (no
+data in this run): Replay buffer (--replay-window), MoE routing (an MoE model)".
 
 Reference lines are those of verl's usage guide ("Debugging: Visualizing Metrics"): the ideal IS mean
 and PPL ratio 1.0, ESS 0.5 (good) and, wherever a panel shows a metric of `rc_core.HEALTH_CHECKS`,
@@ -31,7 +34,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -211,8 +214,9 @@ class Panel:
     record, is 1.0: the check fired).
     min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
     few equal points do not produce a meaningless +-0.05 axis around them.
-    needs: the feature a run must use for the panel to have data, or "" for every run: "moe" (the routing
-    metrics of an MoE run, docs/moe.md), "replay" (--replay-window, docs/async.md §8); other runs leave it "not logged".
+    needs: the feature a run must use for the panel to have data (a key of NEEDS), or "" for every run: "moe" (the
+    routing metrics of an MoE run, docs/moe.md), "replay" (--replay-window, docs/async.md §8). Such an optional panel
+    is drawn only if a plotted run logged one of its metrics (`drawn_panels`); the others always are.
     """
 
     title: str
@@ -339,6 +343,7 @@ PANELS: tuple[Panel, ...] = (
         needs="moe",
     ),
 )
+NEEDS = {"replay": "--replay-window", "moe": "an MoE model"}  # Panel.needs -> what fills it, for the note
 NCOLS = 4
 TITLE_PAD = 16  # points between axes and title: room for the per-panel style key
 
@@ -511,34 +516,63 @@ def _draw_panel(ax, panel: Panel, runs: Sequence[Sequence[dict]], colors: list, 
     return True
 
 
+def panel_logged(panel: Panel, runs: Sequence[Sequence[dict]]) -> bool:
+    """Whether any run logged any metric of the panel (a finite number on some step)."""
+    return any(run_series(records, s.key)[0].size for s in panel.series for records in runs)
+
+
+def drawn_panels(runs: Sequence[Sequence[dict]]) -> tuple[list[Panel], list[Panel]]:
+    """(the panels the dashboard draws, in PANELS order; the optional ones it leaves out). A panel with `needs` is
+    drawn only if a run logged one of its metrics; a panel without is always drawn ("not logged" if empty)."""
+    drawn, left_out = [], []
+    for panel in PANELS:
+        (drawn if not panel.needs or panel_logged(panel, runs) else left_out).append(panel)
+    return drawn, left_out
+
+
+def left_out_note(left_out: Sequence[Panel], n_runs: int) -> str:
+    """One line naming the optional panels not drawn and what fills each ('' if none):
+    "optional panels not drawn (no data in this run): Replay buffer (--replay-window), MoE routing (an MoE model)"."""
+    if not left_out:
+        return ""
+    where = "this run" if n_runs == 1 else "these runs"
+    names = ", ".join(f"{p.title.split(' (')[0]} ({NEEDS[p.needs]})" for p in left_out)
+    return f"optional panels not drawn (no data in {where}): {names}"
+
+
 def build_dashboard(
     runs: Sequence[Sequence[dict]],
     labels: Sequence[str],
     smooth: int = 1,
     descriptions: Sequence[str] | None = None,
 ) -> Figure:
-    """Lay out PANELS for already-loaded runs and return the (unsaved) Figure.
+    """Lay out the panels of `drawn_panels` for already-loaded runs and return the (unsaved) Figure.
 
-    Axes come in PANELS order; each run gets one colour (tab10 cycle) in every panel and one entry
-    in the figure-level legend. `descriptions` (optional, per run) are appended to legend labels.
+    Axes come in PANELS order, on a grid of NCOLS columns and as many rows as the drawn panels need;
+    each run gets one colour (tab10 cycle) in every panel and one entry in the figure-level legend.
+    `descriptions` (optional, per run) are appended to legend labels. The optional panels left out
+    are named in one line at the bottom of the figure (`fig.get_supxlabel()`, `left_out_note`).
     """
     if len(labels) != len(runs):
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
     if smooth < 1:
         raise ValueError(f"smooth must be >= 1, got {smooth}")
-    nrows = math.ceil(len(PANELS) / NCOLS)
-    fig = Figure(figsize=(4.4 * NCOLS, 3.3 * nrows + 0.6 + 0.25 * math.ceil(len(runs) / 3)), layout="constrained")
+    panels, left_out = drawn_panels(runs)
+    note = left_out_note(left_out, len(runs))
+    nrows = math.ceil(len(panels) / NCOLS)
+    height = 3.3 * nrows + 0.6 + 0.25 * math.ceil(len(runs) / 3) + (0.3 if note else 0.0)
+    fig = Figure(figsize=(4.4 * NCOLS, height), layout="constrained")
     FigureCanvasAgg(fig)
     cycle = [f"C{i % 10}" for i in range(len(runs))]
     axes = fig.subplots(nrows, NCOLS, sharex=True, squeeze=False).ravel()
-    for ax, panel in zip(axes, PANELS):
+    for ax, panel in zip(axes, panels):
         if panel.kind == "health":
             _draw_health_panel(ax, panel, runs, cycle)
         else:
             _draw_panel(ax, panel, runs, cycle, smooth)
-    for ax in axes[len(PANELS) :]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
-    for ax in axes[len(PANELS) - NCOLS : len(PANELS)]:  # the lowest visible panel of each column
+    for ax in axes[len(panels) - NCOLS : len(panels)]:  # the lowest visible panel of each column
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelbottom=True)
     title = "Rollout-correction dashboard" + (f" (moving average over {smooth} steps)" if smooth > 1 else "")
@@ -559,6 +593,8 @@ def build_dashboard(
         title=title,
         title_fontsize=13,
     )
+    if note:  # below the panels; constrained layout makes room for it
+        fig.supxlabel(note, fontsize=9, color="0.35", style="italic")
     return fig
 
 
@@ -567,10 +603,12 @@ def plot_dashboard(
     out_path: str,
     labels: Sequence[str] | None = None,
     smooth: int = 1,
+    echo: Callable[[str], None] | None = None,
 ) -> str:
     """Load each run's metrics.jsonl, draw the dashboard, save it as PNG at `out_path`; return the path.
 
-    labels default to the run folder names. Raises FileNotFoundError / ValueError from
+    labels default to the run folder names. `echo`, if given, is called with the figure's note on the
+    optional panels left out (`left_out_note`), when there are any. Raises FileNotFoundError / ValueError from
     `load_metrics`, or ValueError for a label count that does not match the runs or smooth < 1.
     """
     run_dirs = list(run_dirs)
@@ -583,6 +621,9 @@ def plot_dashboard(
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
     fig.savefig(out_path, dpi=100, format="png")
+    note = fig.get_supxlabel()
+    if echo is not None and note:
+        echo(note)
     return str(out_path)
 
 
@@ -614,15 +655,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is None:
         args.out = os.path.join(args.run_dirs[0], DEFAULT_OUT) if len(args.run_dirs) == 1 else DEFAULT_OUT
     try:
+        notes: list[str] = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = plot_dashboard(args.run_dirs, args.out, labels=args.labels, smooth=args.smooth)
+            out = plot_dashboard(args.run_dirs, args.out, labels=args.labels, smooth=args.smooth, echo=notes.append)
         for w in caught:
             print(f"rc_plot: warning: {w.message}", file=sys.stderr)
     except (FileNotFoundError, ValueError) as e:
         print(f"rc_plot: error: {e}", file=sys.stderr)
         return 2
     print(f"rc_plot: wrote {out}")
+    for note in notes:
+        print(f"rc_plot: {note}")
     return 0
 
 

@@ -49,13 +49,52 @@ import queue
 import sys
 import time
 import warnings
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 
 import rc_config
 import rc_run
+
+
+@dataclass
+class EngineArgs:
+    """Where and with how much memory the vLLM engine runs (rc_train.Args inherits these flags; docs/running.md)."""
+
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU: share of GPU memory for the colocated engine (weights + KV cache)"""
+    vllm_kv_cache_gb: float = 1.0
+    """CPU: KV-cache size of the engine in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_max_num_seqs: int | None = None
+    """sequences the engine runs at once (None = this rank's rollout batch: one wave holds it)"""
+    vllm_max_num_batched_tokens: int | None = None
+    """tokens the engine schedules per step (None: on CPU the batch's prompt tokens within [max_model_len, 65536], at
+    least --max-model-len since CPU prefills are never split; on GPU vLLM's default)"""
+    vllm_sleep: bool = True
+    """GPU: the engine sleeps during the update; wakes its weights for a sync, its KV cache too for rollout"""
+    vllm_sleep_level: int = 1
+    """GPU: 1 = weights offloaded to CPU RAM while asleep; 2 = weights discarded (least memory; needs --sync-every 1)"""
+    rollout_worker: bool = False
+    """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
+
+
+@dataclass
+class DialArgs:
+    """The lab's mismatch dials (lab/README.md): each off by default, each makes the engine's mu differ from the
+    trainer's pi in one documented way (--rollout-dtype and --sync-every are dials too)."""
+
+    rollout_weight_quant: Literal["none", "int8", "int4"] = "none"
+    """engine gets fake-quantised weights (symmetric, per output channel, matrices only): INT8/INT4 rollout (FlashRL)"""
+    rollout_weight_noise: float = 0.0
+    """engine gets weights + s*rms(W)*eps, a fixed seeded eps per matrix (s = this value): a kernel-error dial"""
+    rollout_corrupt_prob: float = 0.0
+    """per sampled token, chance that the engine samples a uniformly random token, reported with mu = 1 (the veto)"""
+    rollout_temperature: float | None = None
+    """engine samples at this temperature while the trainer scores at --temperature; None = same"""
+    rollout_logprobs: Literal["processed", "raw"] = "processed"
+    """engine log-probs after temperature/top-p (processed: the sampling distribution) or before (raw: trl#4159)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +168,7 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
         from vllm import LLM
 
         llm = LLM(**kwargs)
-    # read by load_weights and generate; the model's config says MoE or not (rc_config.check_moe refused the rest)
+    # read by load_weights and generate; the model's config says MoE or not (rc_moe.check_model refused the rest)
     moe, on_gpu = llm.llm_engine.model_config.is_moe, torch.cuda.is_available()  # on GPU: vLLM's own update path
     llm.rc_moe = MoEEngine(llm, rc_config.routing_capture(args)) if moe and not on_gpu else None
     return llm
@@ -371,7 +410,7 @@ VLLM_MOE_INTERNALS = (
 
 def check_vllm_moe_internals() -> None:
     """Raise RuntimeError naming the first vLLM internal that MoEEngine relies on and this vLLM lacks (before an
-    engine starts: rc_config.check_moe)."""
+    engine starts: rc_moe.check_model)."""
     import importlib
 
     with output_to(os.devnull):  # vLLM's import-time notes (Triton) stay off the console
@@ -940,8 +979,9 @@ class Rollouts:
             self.load(version)
         return groups
 
-    def in_flight(self, step: int) -> dict:
-        """For a checkpoint after the update of `step`: the batches of steps step+1..step+k, already queued and
+    def wait_queued(self, step: int) -> dict:
+        """Waits for the batches queued after the update of `step` and returns them (for an evaluation, which must not
+        count their generation, and for a checkpoint): the batches of steps step+1..step+k, already queued and
         sampled by versions <= step (waited for here; they stay queued for the steps that take them), those past the
         last step included when a checkpoint keeps them (wanted). The batch of step+k+1 is not among them: the
         checkpoint's own weights sample it again on resume."""

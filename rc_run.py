@@ -3,8 +3,9 @@
 What belongs here keeps the record of a run and keeps the ranks together, and never changes what a step computes:
 the trainer's own collectives (HostGroup) and FSDP2 sharding, gradient accumulation and clipping across ranks, metric
 reduction (METRIC_REDUCTIONS) and the step's metrics, timers and progress bar, evaluation, the run folder (its lock,
-its logs and trackers), checkpoints (their checksums, retention) and resume, data-parallel checksums, the final
-weights, the closing summary and the exit, and the one-line report of a fault of the record (RunError).
+config.yaml, its logs and trackers), data-parallel checksums, the final weights, the closing summary and the exit, and
+the one-line report of a fault of the record (RunError). Checkpoints and resume are rc_checkpoint.py's, which builds
+on this module (never the other way round).
 Unit-tested on CPU (tests/test_infra.py) and end to end (tests/test_train.py).
 """
 
@@ -20,21 +21,35 @@ import hashlib
 import json
 import math
 import os
-import random
-import re
 import shutil
-import signal
 import socket
 import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import yaml
 
 import rc_core
+
+
+@dataclasses.dataclass
+class RunArgs:
+    """What the run records beside its metrics, and where (rc_train.Args inherits these flags)."""
+
+    log_with: list[str] = dataclasses.field(default_factory=list)
+    """Accelerate trackers that get the metrics too: tensorboard, wandb, mlflow, comet_ml, aim, ..., or all"""
+    wandb_project_name: str = "rollout-correction"
+    """the project name of the trackers (W&B project)"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    log_rank_checksums: bool = False
+    """every rank appends the SHA-256 of its weights and sampled tokens to ranks/rank{r}.jsonl (DDP check)"""
+    dump_log_ratio_every: int = 0
+    """every N steps save rank 0's log(pi_trainer/pi_rollout) to log_ratio/step_N.npy (0 = never; LogRatioDump)"""
+    save_final: bool = True
+    """save the final weights to final/ in the base model's dtype, safetensors shards (save_final)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +282,7 @@ def replay_metrics(replayed: int, rows: int, held: int, evicted: int) -> dict:
 
 def pass_metrics(size: Counter, seconds: float) -> dict:
     """perf/* of the trainer's forward passes this step (pi_old, reference, update): `size` as
-    rc_train.forward_log_probs counts it, `seconds` their wall time."""
+    rc_train.sequence_log_probs counts it, `seconds` their wall time."""
     return {
         "perf/padding_fraction": 1.0 - size["tokens"] / max(1, size["positions"]),
         "perf/train_tokens_per_s": size["tokens"] / max(1e-9, seconds),
@@ -493,8 +508,22 @@ def report_faults(program: str = "rc_train.py") -> None:
     sys.excepthook = hook
 
 
+REFUSALS = (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError)  # what a bad setting raises
+
+
+@contextlib.contextmanager
+def refused(*kinds: type[BaseException], program: str = "rc_train.py"):
+    """A refusal inside the block (`kinds`, default REFUSALS) ends the process with one line `program: error: ...`:
+    a bad value named, before anything more is built or written."""
+    kinds = kinds or REFUSALS
+    try:
+        yield
+    except kinds as e:
+        sys.exit(f"{program}: error: {e}")
+
+
 # ---------------------------------------------------------------------------------------------
-# The run folder: its lock, checks, creation and config.yaml, logs and trackers, data-parallel checksums
+# The run folder: its lock, creation and config.yaml, logs and trackers, data-parallel checksums
 # ---------------------------------------------------------------------------------------------
 LOCK_FILE = ".lock"  # in the run folder: RunLock's file (the run's owner); not part of the run's record
 
@@ -539,60 +568,9 @@ def run_dir_in_use(run_dir: str) -> bool:
     return os.path.isdir(run_dir) and bool(set(os.listdir(run_dir)) - {LOCK_FILE})
 
 
-def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1, max_staleness: int = 0) -> bool:
-    """Refuse to touch an existing run unless --resume or --overwrite (before anything is written), and a resume
-    with another number of processes than its checkpoint's (each rank's RNG state and data shard are in it) or another
-    --max-staleness (its batches in flight were sampled for that schedule); True when the folder must be emptied first
-    (--overwrite of an existing run)."""
-    exists = run_dir_in_use(run_dir)
-    state = newest_checkpoint_state(run_dir) if resume else None
-    if resume and state is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir!r}")
-    if resume:
-        written_by, k = state.get("world_size", 1), state.get("max_staleness", 0)
-        if written_by != world:
-            raise ValueError(
-                f"--resume: the checkpoint under {run_dir!r} was written by {written_by} process(es), "
-                f"this run has {world}: resume with as many"
-            )
-        if k != max_staleness:
-            raise ValueError(
-                f"--resume: the checkpoint under {run_dir!r} was written with --max-staleness {k}, this "
-                f"run has --max-staleness {max_staleness}: resume with the same bound"
-            )
-    if exists and not (resume or overwrite):
-        raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
-    return exists and overwrite and not resume
-
-
-def claim_run_dir(run_dir: str, args, host: HostGroup, main: bool) -> tuple[RunLock | None, bool]:
-    """Before any rank writes to the run folder: the main process checks it (check_run_dir: an existing run that
-    must not be touched is refused before it gets a lock file), takes its lock (RunLock), checks it again now that no
-    other process can change it (two fresh starts of one name cannot both pass), and on --resume checks the newest
-    checkpoint (check_resume: complete and intact; its settings later, agree_settings). Every rank learns the
-    outcome: a refusal raises RunError on each. Returns (the lock, held by the main process, None on the others;
-    whether the folder must be emptied)."""
-    lock, replace, error = None, False, None
-    if main:
-        try:
-            check_run_dir(run_dir, args.resume, args.overwrite, host.world, args.max_staleness)
-            lock = RunLock(run_dir)
-            replace = check_run_dir(run_dir, args.resume, args.overwrite, host.world, args.max_staleness)
-            if args.resume:
-                check_resume(run_dir, args)
-        except (ValueError, FileNotFoundError, FileExistsError) as e:
-            error = str(e)
-        except OSError as e:
-            error = str(io_fault(e, "claiming the run folder", run_dir))
-    errors = [e for e in host.gather(error) if e]
-    if errors:
-        raise RunError(errors[0])
-    return lock, replace
-
-
 def open_run_dir(run_dir: str, replace: bool, accelerator, args, correction, **facts) -> None:
     """Create the run folder (emptied first when `replace`, its lock kept) and write config.yaml (write_config). On
-    --resume config.yaml is left alone here: commit_resume rewrites it once the checkpoint has loaded."""
+    --resume config.yaml is left alone here: rc_checkpoint.commit_resume rewrites it once the checkpoint has loaded."""
     if replace and accelerator.is_main_process:
         for name in sorted(set(os.listdir(run_dir)) - {LOCK_FILE}):
             path = os.path.join(run_dir, name)
@@ -739,526 +717,6 @@ def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids
             )
             + "\n"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints and resume
-# ---------------------------------------------------------------------------------------------
-STEP_FOLDER = re.compile(r"step_(\d+)")  # checkpoints/step_N; step_N.tmp (cut off mid-write) and others never load
-CHECKSUMS = "checksums.json"  # in a checkpoint: SHA-256 of each of its files, written before trainer_state.json
-
-# The settings a --resume may change: where the run writes, what it logs, evaluates and keeps, how long it runs,
-# where the engine runs and how it uses memory. None of them changes what a step computes (the rollout worker at
-# k = 0 gives the in-process engine's samples bit for bit: tests/test_train.py). Every other field of rc_train.Args
-# must equal the checkpoint's (check_settings): the seed, the data, the model, the batch shapes, the sampling, the
-# schedule, the dials, the optimiser, the loss and every correction field decide what a resumed step computes.
-RESUME_MAY_CHANGE = frozenset(
-    {
-        "exp_name",
-        "config",
-        "output_dir",
-        "run_name",
-        "overwrite",
-        "resume",
-        "log_with",
-        "wandb_project_name",
-        "wandb_entity",
-        "num_steps",
-        "eval_before",
-        "eval_every",
-        "eval_limit",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "log_rank_checksums",
-        "save_final",
-        "dump_log_ratio_every",
-        "rollout_worker",
-        "vllm_gpu_memory_utilization",
-        "vllm_kv_cache_gb",
-        "vllm_sleep",
-        "vllm_sleep_level",
-    }
-)
-
-
-def _flat(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in config.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
-def run_settings(args) -> dict:
-    """The settings that decide what a step computes: every field of `args` (nested ones as 'rc.preset') but
-    RESUME_MAY_CHANGE, as JSON values (what trainer_state.json stores)."""
-    flat = _flat(dataclasses.asdict(args))
-    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in RESUME_MAY_CHANGE}))
-
-
-def _step_of(folder: str) -> int:
-    return int(STEP_FOLDER.fullmatch(os.path.basename(folder)).group(1))
-
-
-def step_folders(run_dir: str) -> list[str]:
-    """Every checkpoints/step_N folder, complete or not (a .tmp one is not a step_N folder), by step."""
-    root = os.path.join(run_dir, "checkpoints")
-    names = [n for n in os.listdir(root) if STEP_FOLDER.fullmatch(n)] if os.path.isdir(root) else []
-    return sorted((os.path.join(root, n) for n in names), key=_step_of)
-
-
-def checkpoint_dirs(run_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first. A complete one was renamed from *.tmp after its last file."""
-    return [d for d in step_folders(run_dir) if os.path.isfile(os.path.join(d, "trainer_state.json"))]
-
-
-def newest_checkpoint_state(run_dir: str) -> dict | None:
-    """trainer_state.json of the run's newest complete checkpoint (None when it has none)."""
-    dirs = checkpoint_dirs(run_dir)
-    if not dirs:
-        return None
-    try:
-        return _read_json(os.path.join(dirs[-1], "trainer_state.json"))
-    except RunError as e:
-        raise _damaged(run_dir, dirs[-1], str(e)) from None
-
-
-def _read_json(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as e:
-        raise io_fault(e, "reading", path) from e
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise RunError(f"{path} is not valid JSON ({e})") from e
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def checksum_files(folder: str) -> dict:
-    """{path relative to `folder`: SHA-256} of every file under it. hashlib releases the GIL on large buffers, so
-    threads read and hash several files at once (DCP writes one file per rank, and the RNG and batch files)."""
-    files = sorted(
-        os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names
-    )
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
-        return dict(zip(files, pool.map(lambda rel: file_sha256(os.path.join(folder, rel)), files)))
-
-
-def save_checkpoint(
-    run_dir, step, model, optimizer, scheduler, accelerator, counters, in_flight: dict, args, replay=()
-):
-    """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
-    under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the batches it has in flight
-    (--max-staleness k: those of the next k steps, sampled by older versions) and its replay buffer (--replay-window:
-    rc_rollout.ReplayBuffer.state), the scheduler, checksums.json (the
-    SHA-256 of every file above) and trainer_state.json (the step, the counters, the schedule and the settings that
-    decide what a step computes: run_settings). All of it goes into step_N.tmp, trainer_state.json last, then one
-    rename: a process killed during a save leaves a .tmp folder that --resume never loads. Then the older complete
-    checkpoints beyond --keep-checkpoints are deleted (prune_checkpoints). A full disk (or any file fault) removes the
-    .tmp folder and raises a RunError naming the file being written; the checkpoints before it are untouched."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    final = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
-    tmp = final + ".tmp"
-    main, rank = accelerator.is_main_process, accelerator.process_index
-    current = tmp  # the file being written, for the message of a fault
-    try:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        accelerator.wait_for_everyone()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        current = os.path.join(tmp, "state")
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=current)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        current = os.path.join(tmp, f"rng_rank{rank}.pt")
-        torch.save(rng, current)
-        current = os.path.join(tmp, f"in_flight_rank{rank}.pt")
-        torch.save(in_flight, current)
-        if args.replay_window:
-            current = os.path.join(tmp, f"replay_rank{rank}.pt")
-            torch.save(replay, current)
-        accelerator.wait_for_everyone()
-        if main:
-            current = os.path.join(tmp, "scheduler.pt")
-            torch.save(scheduler.state_dict(), current)
-            if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
-                os.kill(os.getpid(), signal.SIGKILL)
-            sums = checksum_files(tmp)
-            current = os.path.join(tmp, CHECKSUMS)
-            with open(current, "w") as f:
-                json.dump({"sha256": sums}, f, indent=1)
-            current = os.path.join(tmp, "trainer_state.json")
-            with open(current, "w") as f:  # written last
-                json.dump(
-                    {
-                        "step": step,
-                        "world_size": accelerator.num_processes,  # the step fixes the data position
-                        "max_staleness": args.max_staleness,
-                        **counters,
-                        "in_flight_steps": sorted(in_flight),
-                        "checksums": CHECKSUMS,
-                        "settings": run_settings(args),
-                    },
-                    f,
-                )
-            current = final
-            _replace_folder(tmp, final)
-    except BaseException as e:  # torch's CheckpointException is a BaseException
-        fault = os_error_in(e) if not isinstance(e, (KeyboardInterrupt, SystemExit)) else None
-        if fault is None and not isinstance(e, (KeyboardInterrupt, SystemExit)) and disk_full(tmp):
-            fault = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # torch's zip writer hides the OS error
-        if fault is None:
-            raise
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise RunError(
-            f"checkpoint of step {step}: {io_fault(fault, 'writing', current)} (the unfinished {tmp} was removed; the "
-            f"checkpoints before it are kept)"
-        ) from e
-    accelerator.wait_for_everyone()
-    if main:
-        prune_checkpoints(run_dir, args.keep_checkpoints, final)
-
-
-def disk_full(path: str, margin: int = 4 << 20) -> bool:
-    """The file system of `path` (or of its nearest existing parent) has less than `margin` bytes left for this
-    process (root may use the blocks reserved for it). torch.save's zip writer, which torch distributed checkpoint
-    uses for every file, turns a failed write into "RuntimeError: [enforce fail at inline_container.cc] unexpected
-    pos" without the OS error (measured on a full tmpfs): a failed save on a full file system is told as one."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        st = os.statvfs(path or ".")
-    except OSError:
-        return False
-    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize < margin
-
-
-def _replace_folder(tmp: str, final: str) -> None:
-    """Rename tmp to final; a folder already there (a step_N without trainer_state.json, left by a fault, or one moved
-    back by hand) is replaced rather than making the rename fail ("Directory not empty") at every later save."""
-    if os.path.exists(final):
-        old = f"{final}.replaced{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
-def prune_checkpoints(run_dir: str, keep: int, newest: str) -> list[str]:
-    """After a save: delete the complete checkpoints older than `newest` (the one just written, never deleted) beyond
-    the newest `keep` (--keep-checkpoints, >= 1). Each is renamed out of the step_N names first, so a deletion cut
-    short never leaves a step_N folder that looks like a checkpoint. Incomplete folders are left alone. A folder that
-    cannot be deleted is said on the console and kept: the run goes on. Returns the deleted folders."""
-    older = [d for d in checkpoint_dirs(run_dir) if _step_of(d) < _step_of(newest)]
-    deleted = []
-    for folder in older[: max(0, len(older) - (keep - 1))]:
-        try:
-            doomed = f"{folder}.deleting"
-            os.replace(folder, doomed)
-            shutil.rmtree(doomed)
-            deleted.append(folder)
-        except OSError as e:
-            print(f"--keep-checkpoints {keep}: {io_fault(e, 'deleting', folder)}; kept", file=sys.stderr)
-    return deleted
-
-
-def verify_checkpoint(path: str, state: dict) -> str | None:
-    """Check every file of the checkpoint `path` against its checksums.json (state: its trainer_state.json). Raises
-    RunError naming the first file that is missing or whose SHA-256 differs; returns a note for a checkpoint written
-    before checkpoints carried checksums (loaded unchecked), else None."""
-    if "checksums" not in state:
-        return f"{path} carries no checksums (written before checkpoints had them): loaded unchecked"
-    sums = _read_json(os.path.join(path, state["checksums"]))
-    if not isinstance(sums, dict) or not isinstance(sums.get("sha256"), dict):
-        raise RunError(f"{os.path.join(path, state['checksums'])} holds no checksums")
-    for rel, digest in sorted(sums["sha256"].items()):
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            raise RunError(f"{file} is {'not a file' if os.path.exists(file) else 'missing'}")
-        try:
-            actual = file_sha256(file)
-        except OSError as e:
-            raise io_fault(e, "reading", file) from e
-        if actual != digest:
-            raise RunError(f"{file} does not match its checksum (SHA-256 {actual[:12]}..., written {digest[:12]}...)")
-    return None
-
-
-def _damaged(run_dir: str, ckpt: str, why: str) -> RunError:
-    earlier = [d for d in checkpoint_dirs(run_dir) if _step_of(d) < _step_of(ckpt)]
-    if earlier:
-        how = (
-            f"to resume from {os.path.basename(earlier[-1])}, the checkpoint before it, move the damaged one aside "
-            f"(mv {ckpt} {ckpt}.damaged) and resume again"
-        )
-    else:
-        how = "there is no earlier complete checkpoint to resume from: start the run again (--overwrite)"
-    return RunError(f"--resume: the newest checkpoint {ckpt} is damaged: {why}; {how}")
-
-
-def check_resume(run_dir: str, args) -> str:
-    """The newest checkpoint can be continued, checked before anything is loaded or written: it is complete
-    (trainer_state.json), every file matches its checksum (a damaged one is refused naming the file and how to
-    resume from the previous checkpoint, never skipped silently), the settings that decide what a step computes are
-    the checkpoint's (check_settings; those in RESOLVED_LATE once the start has resolved them, agree_settings), and
-    --num-steps does not end before it. Returns its path."""
-    ckpt = step_folders(run_dir)[-1]
-    state_file = os.path.join(ckpt, "trainer_state.json")
-    try:
-        if not os.path.isfile(state_file):
-            raise RunError("it has no trainer_state.json (a complete checkpoint writes it last)")
-        state = _read_json(state_file)
-        note = verify_checkpoint(ckpt, state)
-    except RunError as e:
-        raise _damaged(run_dir, ckpt, str(e)) from None
-    if note:
-        print(note, flush=True)
-    check_settings(run_dir, ckpt, state, args, skip=RESOLVED_LATE)
-    if state["step"] + 1 > args.num_steps:
-        raise RunError(
-            f"--resume: the checkpoint {ckpt} is past --num-steps {args.num_steps} (it holds step {state['step']}): "
-            f"give --num-steps {state['step'] + 1} or more"
-        )
-    return ckpt
-
-
-def _same(a, b) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
-
-
-# Settings whose default (None) the start resolves only once the model's config is read (rc_config.check_moe):
-# compared by agree_settings, after that, instead of by check_resume.
-RESOLVED_LATE = frozenset({"routing_metrics"})
-
-
-def check_settings(run_dir: str, ckpt: str, state: dict, args, skip=frozenset()) -> None:
-    """Refuse a resume whose settings (run_settings, but those in `skip`) differ from the checkpoint's: one line
-    naming each setting that differs and both values. A checkpoint written before checkpoints stored them is compared
-    with the run's config.yaml (which only a start or a successful resume writes)."""
-    saved, source = state.get("settings"), os.path.join(ckpt, "trainer_state.json")
-    if saved is None:
-        source = os.path.join(run_dir, "config.yaml")
-        try:
-            with open(source) as f:
-                config = yaml.safe_load(f)
-            saved = {k: v for k, v in _flat(config["args"]).items() if k not in RESUME_MAY_CHANGE}
-        except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
-            print(f"{ckpt} stores no settings and {source} is unreadable: settings not compared", flush=True)
-            return
-    now = {k: v for k, v in run_settings(args).items() if k not in skip}
-    differ = [(k, saved[k], now[k]) for k in sorted(saved) if k in now and not _same(saved[k], now[k])]
-    if differ:
-        said = "; ".join(f"--{k.replace('_', '-')} is {a!r} in the checkpoint, {b!r} now" for k, a, b in differ)
-        raise RunError(
-            f"--resume: {said} ({source}): a resumed step must compute what the uninterrupted run would, so these "
-            f"settings must be the checkpoint's (docs/running.md, 'Checkpoints and resume'); drop the changed flags, "
-            f"or start a new run"
-        )
-
-
-def agree_settings(run_dir: str, args, host: HostGroup, main: bool) -> None:
-    """On --resume, once the start has resolved every setting (the last checks before the model is loaded;
-    RESOLVED_LATE): the main process compares them all with the newest checkpoint's (check_settings), and every rank
-    learns a refusal (RunError on each)."""
-    error = None
-    if main and args.resume:
-        try:
-            ckpt = checkpoint_dirs(run_dir)[-1]
-            check_settings(run_dir, ckpt, _read_json(os.path.join(ckpt, "trainer_state.json")), args)
-        except ValueError as e:
-            error = str(e)
-    errors = [e for e in host.gather(error) if e]
-    if errors:
-        raise RunError(errors[0])
-
-
-def _describe(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:  # a CheckpointException: the first rank's own exception
-        first = next(iter(failures.values()))
-        e = first[0] if isinstance(first, tuple) else first
-    if isinstance(e, OSError) and e.errno in FILE_FAULTS:
-        return FILE_FAULTS[e.errno]
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
-def _loaded(path: str, load):
-    """load(), which reads `path`: any failure (missing, unreadable, not what was written) becomes a RunError naming
-    it."""
-    try:
-        return load()
-    except (KeyboardInterrupt, SystemExit, RunError):
-        raise
-    except BaseException as e:  # torch's CheckpointException is a BaseException
-        raise RunError(f"{path} cannot be loaded ({_describe(e)})") from e
-
-
-@dataclasses.dataclass
-class Resumed:
-    """What a resume loaded and checked: the checkpoint, the first step to run, the counters, this rank's batches in
-    flight ({step: Result}) and RNG states (set_rng, once the engine has started)."""
-
-    path: str
-    start_step: int
-    counters: dict
-    in_flight: dict
-    rng: dict
-    replay: list
-
-
-def load_resume(run_dir: str, model, optimizer, scheduler, accelerator, host: HostGroup, counters: dict, args):
-    """Load and check everything a resume needs from the newest checkpoint (the main process checked its files and
-    settings: check_resume), writing nothing: the model and optimizer (DCP, resharded onto this run's ranks; every
-    weight finite), the scheduler, this rank's batches in flight (one for each of the next k steps the run will take,
-    so a continued run samples nothing with another version than the uninterrupted one), its RNG states. A fault on
-    any rank raises RunError on every rank. commit_resume then truncates the logs and rewrites config.yaml."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.tensor import DTensor
-
-    rank, error, resumed = accelerator.process_index, None, None
-    try:
-        ckpt = checkpoint_dirs(run_dir)[-1]
-        state = _read_json(os.path.join(ckpt, "trainer_state.json"))
-        model_state, optim_state = get_state_dict(model, optimizer)  # the layout to load into (creates Adam's state)
-        both = {"model": model_state, "optim": optim_state}
-        _loaded(os.path.join(ckpt, "state"), lambda: dcp.load(both, checkpoint_id=os.path.join(ckpt, "state")))
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-        for name, t in model.state_dict().items():
-            t = t.to_local() if isinstance(t, DTensor) else t
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise RunError(
-                    f"{os.path.join(ckpt, 'state')}: the weight {name} is not finite (NaN or inf): the run had "
-                    f"diverged when it was written, or it is damaged; resume from an earlier checkpoint"
-                )
-        file = os.path.join(ckpt, "scheduler.pt")
-        _loaded(file, lambda: scheduler.load_state_dict(torch.load(file, weights_only=False)))
-        in_flight, rng = load_in_flight(ckpt, rank), load_rng(ckpt, rank)
-        replay = load_replay(ckpt, rank) if args.replay_window else []
-        start = state["step"] + 1
-        missing = [t for t in range(start, min(start + args.max_staleness, args.num_steps)) if t not in in_flight]
-        if missing:
-            t = missing[0]
-            raise RunError(
-                f"--resume: {ckpt} holds no batch in flight for step {t}, which the uninterrupted run samples with "
-                f"version {t - args.max_staleness}: it ended a run, written by an rc_train.py that kept no batch past "
-                f"a run's end (checkpoints with checksums keep them), so the run cannot be continued exactly past "
-                f"step {start - 1}; start a new one"
-            )
-        lacking = [k for k in counters if k not in state]
-        if lacking:
-            raise RunError(f"{os.path.join(ckpt, 'trainer_state.json')} lacks {lacking[0]}")
-        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng, replay)
-    except RunError as e:
-        error = str(e)
-    errors = [e for e in host.gather(error) if e]
-    if errors:
-        raise RunError(errors[0])
-    return resumed
-
-
-def load_in_flight(path: str, rank: int) -> dict:
-    """The batches this rank had in flight when the checkpoint was written ({step: Result}; empty at k = 0, and for
-    a checkpoint written before asynchronous rollout existed, which has no such file)."""
-    file = os.path.join(path, f"in_flight_rank{rank}.pt")
-    if not os.path.isfile(file):
-        return {}
-    batches = _loaded(file, lambda: torch.load(file, weights_only=False))
-    ok = isinstance(batches, dict) and all(
-        isinstance(t, int) and isinstance(r, (tuple, list)) and len(r) >= 4 and isinstance(r[0], int)
-        for t, r in batches.items()
-    )
-    if not ok:
-        raise RunError(f"{file} cannot be loaded (not the batches in flight a checkpoint writes)")
-    return batches
-
-
-def load_replay(path: str, rank: int) -> list:
-    """This rank's replay buffer when the checkpoint was written (rc_rollout.ReplayBuffer.state): [(step, version,
-    train rows, groups of response tuples)], checked."""
-    file = os.path.join(path, f"replay_rank{rank}.pt")
-    if not os.path.isfile(file):
-        raise RunError(f"{path} holds no replay buffer ({os.path.basename(file)}) for this --replay-window run")
-    entries = _loaded(file, lambda: torch.load(file, weights_only=False))
-    ok = isinstance(entries, list) and all(
-        isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], int) and len(e[2]) == len(e[3]) for e in entries
-    )
-    if not ok:
-        raise RunError(f"{file} cannot be loaded (not the replay buffer a checkpoint writes)")
-    return entries
-
-
-def load_rng(path: str, rank: int) -> dict:
-    """This rank's RNG states from the checkpoint (python, numpy, torch), checked and not yet set (set_rng)."""
-    file = os.path.join(path, f"rng_rank{rank}.pt")
-    rng = _loaded(file, lambda: torch.load(file, weights_only=False))
-    if not (isinstance(rng, dict) and {"python", "numpy", "torch"} <= set(rng)):
-        raise RunError(f"{file} cannot be loaded (not the RNG states a checkpoint writes)")
-    return rng
-
-
-def set_rng(rng: dict) -> None:
-    """Set the global generators (after the engine has started: vLLM seeds them when it starts)."""
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-
-
-def restore_rng(path: str, rank: int) -> None:
-    set_rng(load_rng(path, rank))
-
-
-def truncate_metrics(path: str, start_step: int, say=None) -> None:
-    """On resume, drop the lines of the steps that will be run again (rewritten atomically). A torn line (cut
-    mid-write by the kill that stopped the run: not JSON) is dropped, and a complete last line that lost its newline
-    gets it back, so the next record starts a line of its own; `say` (the console) is told of each."""
-    if not os.path.isfile(path):
-        return
-    say = say or (lambda _: None)
-    with open(path, "rb") as f:
-        lines = f.read().splitlines(keepends=True)
-    keep = []
-    for n, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-            step = record["step"]
-        except (ValueError, KeyError, TypeError):
-            say(f"{path}: line {n} is torn ({len(line)} bytes, not a JSON record): dropped")
-            continue
-        if step < start_step:
-            if not line.endswith(b"\n"):
-                say(f"{path}: line {n} (step {step}) had no newline at its end: added")
-                line += b"\n"
-            keep.append(line)
-    with writing(path), open(path + ".tmp", "wb") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-
-
-def commit_resume(run_dir: str, resumed: Resumed, accelerator, args, correction, **facts) -> None:
-    """A resume that has loaded everything (load_resume) and started its engine takes the run folder over: the logs
-    are cut back to the checkpoint (truncate_metrics: metrics.jsonl and eval_samples.jsonl by the main process, each
-    rank its ranks/rank{r}.jsonl) and config.yaml is rewritten (write_config)."""
-    main, rank = accelerator.is_main_process, accelerator.process_index
-    say = (lambda m: print(m, flush=True)) if main else None
-    if main:
-        for name in ("metrics.jsonl", "eval_samples.jsonl"):
-            truncate_metrics(os.path.join(run_dir, name), resumed.start_step, say)
-    truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), resumed.start_step, say)
-    write_config(run_dir, accelerator, args, correction, **facts)
-    if main:
-        print(f"resumed from {resumed.path} at step {resumed.start_step}")
 
 
 # ---------------------------------------------------------------------------------------------

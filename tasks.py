@@ -385,6 +385,16 @@ def cache_root() -> str:
     return os.environ.get("RC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rc_train"))
 
 
+def resolve_model(args, task: Task, main: bool) -> str:
+    """The path of --model: a tiny model built here and cached (base_model_path; the MoE with its router scale; the
+    main process says where it is), else the local path or Hugging Face id as given."""
+    if args.model not in (TINY_MODEL, TINY_MOE_MODEL):
+        return args.model
+    say = (lambda m: print(m, flush=True)) if main else None  # None: quiet
+    moe = args.moe_router_scale if args.model == TINY_MOE_MODEL else None
+    return base_model_path(task, args.mini, args.seed, say, router_scale=moe)
+
+
 def base_model_path(
     task: Task,
     mini: MiniGSMArgs,

@@ -26,10 +26,10 @@ step's, as rc_train.update_policy cuts them from the same seed):
 
   * phases, timed with CUDA events on a GPU (perf_counter on a CPU, where every op is synchronous) and on the host
     clock: forward (the model's logits), log-prob, entropy, loss (the micro-batch's tensors to the device and
-    rc_train.policy_loss), backward (the model's) and the log-prob's own backward (rc_core._ChunkedTokenLogProb),
+    rc_train.policy_loss), backward (the model's) and the log-prob's own backward (rc_forward._ChunkedTokenLogProb),
     metrics (rc_train.micro_batch_metrics), the optimizer step (clip + AdamW + zero_grad), median of --repeats
     passes. The loop is rc_train.update_policy's micro-batch loop with marks between its calls (the trainer's own
-    functions; rc_core's log-prob, entropy and log-prob backward are wrapped for the time of the pass); the phases
+    functions; rc_forward's log-prob, entropy and log-prob backward are wrapped for the time of the pass); the phases
     partition the pass, and the gap to the timed update's seconds per micro-batch is what the loop misses;
   * the same pass without the shared-prompt pass, and the no-grad pass (the decoupled pi_old pass), for comparison;
   * the aten ops and the host synchronisations per micro-batch of rc_train.update_policy itself (one update under a
@@ -72,6 +72,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import rc_config
 import rc_core
+import rc_forward
 import rc_run
 import rc_train
 
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         const="model",
         choices=["layers", "off", "model"],
         help="torch.compile before the update, dynamic shapes: how much of the per-micro-batch host overhead fusion "
-        "removes. 'layers': the trainer's --compile (rc_train.compile_layers: each decoder layer on its own, one "
+        "removes. 'layers': the trainer's --compile (rc_forward.compile_layers: each decoder layer on its own, one "
         "graph for all; the shared-prompt pass off); 'off': eager; 'model' (a bare --compile): the whole model, an "
         "experiment of this benchmark. Default: the config's compile (layers when true). The warm-up update's "
         "seconds, which include the compilation, are reported",
@@ -439,7 +440,7 @@ class Bench:
 
     @property
     def share_prefix(self) -> bool:
-        return rc_train.shares_prefix(self.plan.train)
+        return rc_forward.shares_prefix(self.plan.train)
 
     def prepare(self) -> tuple[dict, dict, Counter]:
         """The update's inputs as rc_train.py's step builds them after the rollout: the step's (B, T) tensors, the
@@ -456,11 +457,11 @@ class Bench:
     def policy_update(self, tensors: dict, batch_correction: dict):
         """rc_train.update_policy on the batch: (micro-batch metrics, actor/* figures, size of its passes)."""
         return rc_train.update_policy(
-            args=self.plan.train,
-            correction=self.plan.correction,
-            learner=self.learner,
-            batch=self.batch,
-            tensors=tensors,
+            self.plan.train,
+            self.plan.correction,
+            self.learner,
+            self.batch,
+            tensors,
             generator=torch.Generator().manual_seed(self.plan.seed),
             batch_correction=batch_correction,
         )
@@ -495,7 +496,7 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     if plan.compile == "model":
         model = torch.compile(model, dynamic=True, backend=plan.compile_backend)
     elif plan.compile == "layers":  # the trainer's --compile (the Args say so: no shared-prompt pass)
-        rc_train.compile_layers(model, backend=plan.compile_backend)
+        rc_forward.compile_layers(model, backend=plan.compile_backend)
     if args.fsdp:
         model = rc_run.shard_model(model, accelerator.device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -522,11 +523,11 @@ PHASES = (
 )
 PHASE_TITLES = {
     "forward": "forward (model logits; inputs to the device)",
-    "log_prob": "log-prob (rc_core, chunked)",
-    "entropy": "entropy (rc_core, chunked, no grad)",
+    "log_prob": "log-prob (rc_forward, chunked)",
+    "entropy": "entropy (rc_forward, chunked, no grad)",
     "loss": "loss (tensors to the device, policy_loss)",
     "backward": "backward (model)",
-    "log_prob_backward": "backward of the log-prob (rc_core)",
+    "log_prob_backward": "backward of the log-prob (rc_forward)",
     "metrics": "metrics (micro_batch_metrics)",
     "optimizer": "optimizer step (clip, AdamW, zero_grad) / micro-batches per step",
     "other": "other (step denominators) / micro-batches per step",
@@ -547,9 +548,7 @@ def update_schedule(bench: Bench) -> list[tuple[torch.Tensor, list[torch.Tensor]
         perm = torch.randperm(B, generator=gen)
         for minibatch in range(args.num_minibatches):
             rows = perm[minibatch * per_minibatch : (minibatch + 1) * per_minibatch]
-            micro = rc_train.micro_batches(
-                rows, batch, args.micro_batch_size, args.max_tokens_per_micro_batch, bench.share_prefix
-            )
+            micro = rc_forward.micro_batches(rows, batch, args, bench.learner.host)
             steps.append((rows, list(micro)))
     return steps
 
@@ -589,10 +588,10 @@ class Marks:
 
 @contextlib.contextmanager
 def phase_hooks(marks: Marks):
-    """rc_core's log-prob, entropy and the log-prob's backward, wrapped to mark where they start and end (the trainer
+    """rc_forward's log-prob, entropy and the log-prob's backward, wrapped to mark where they start and end (the trainer
     calls them through the module, so the wrapping reaches it); restored on exit."""
-    log_probs, entropy = rc_core.log_probs_from_logits, rc_core.entropy_from_logits
-    backward = rc_core._ChunkedTokenLogProb.__dict__["backward"]
+    log_probs, entropy = rc_forward.log_probs_from_logits, rc_forward.entropy_from_logits
+    backward = rc_forward._ChunkedTokenLogProb.__dict__["backward"]
     depth = [0]  # log_probs_from_logits calls itself on a flattened view: mark the outer call only
 
     def wrap(fn, phase):
@@ -610,14 +609,14 @@ def phase_hooks(marks: Marks):
 
         return wrapped
 
-    rc_core.log_probs_from_logits = wrap(log_probs, "log_prob")
-    rc_core.entropy_from_logits = wrap(entropy, "entropy")
-    rc_core._ChunkedTokenLogProb.backward = staticmethod(wrap(backward.__func__, "log_prob_backward"))
+    rc_forward.log_probs_from_logits = wrap(log_probs, "log_prob")
+    rc_forward.entropy_from_logits = wrap(entropy, "entropy")
+    rc_forward._ChunkedTokenLogProb.backward = staticmethod(wrap(backward.__func__, "log_prob_backward"))
     try:
         yield
     finally:
-        rc_core.log_probs_from_logits, rc_core.entropy_from_logits = log_probs, entropy
-        rc_core._ChunkedTokenLogProb.backward = backward
+        rc_forward.log_probs_from_logits, rc_forward.entropy_from_logits = log_probs, entropy
+        rc_forward._ChunkedTokenLogProb.backward = backward
 
 
 def run_step(
@@ -644,21 +643,28 @@ def run_step(
     denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k)
     step_metrics, loss_sum = rc_run.MetricSum(), 0.0
     for j, micro_rows in enumerate(micro):
-        marks.mark("forward")
-        log_prob, entropy, _ = rc_train.forward_log_probs(model, bench.batch, micro_rows, args, True, True)
-        marks.mark("loss")
-        micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
-        loss, loss_metrics = rc_train.policy_loss(
-            args, correction, log_prob, micro_tensors, denominators, correction_metrics=True
-        )
-        loss_sum += float(loss.detach())
-        marks.mark("backward")
+        # forward, loss and backward inside the accumulation context, as update_policy runs them
         with rc_run.accumulating(accelerator, model, j == len(micro) - 1, args.fsdp):
+            marks.mark("forward")
+            log_prob, entropy, _ = rc_train.sequence_log_probs(model, bench.batch, micro_rows, args, True, True)
+            marks.mark("loss")
+            micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
+            loss, loss_metrics = rc_train.policy_loss(
+                args, correction, log_prob, micro_tensors, denominators, first=True, check=j == 0
+            )
+            loss_sum += float(loss.detach())
+            marks.mark("backward")
             accelerator.backward(loss * world)
         marks.mark("metrics")
         step_metrics.add(
             rc_train.micro_batch_metrics(
-                loss_metrics, log_prob, entropy, micro_tensors, correction.bypass_mode, True, batch_correction
+                loss_metrics,
+                log_prob,
+                entropy,
+                micro_tensors,
+                bypass=correction.bypass_mode,
+                first=True,
+                skip=batch_correction,
             ),
             weight=float(micro_tensors["response_mask"].sum()),
         )
@@ -676,7 +682,7 @@ def run_no_grad(bench: Bench, micro: list[torch.Tensor], marks: Marks) -> None:
     out = torch.zeros(bench.batch["response_mask"].shape)
     for rows in micro:
         marks.mark("forward")
-        log_prob, _, _ = rc_train.forward_log_probs(net, bench.batch, rows, bench.plan.train, False)
+        log_prob, _, _ = rc_train.sequence_log_probs(net, bench.batch, rows, bench.plan.train, False)
         out[rows] = log_prob.cpu()
     marks.mark("end")
     bench.learner.model.train()
@@ -1227,7 +1233,7 @@ def breakdown_rows(b: dict, cuda: bool) -> list[str]:
         total,
         f"    {'rc_train.update_policy (timed updates: s / update / micro-batches)':<66} {_fmt_ms(b['update_ms'])}",
         f"    {'gap (update_policy - sum): what the phase loop does not see':<66} {_fmt_ms(b['gap_ms'])}",
-        f"    {'no-grad forward_log_probs (the decoupled pi_old pass)':<66} {_fmt_ms(b['no_grad_forward_ms'])}",
+        f"    {'no-grad sequence_log_probs (the decoupled pi_old pass)':<66} {_fmt_ms(b['no_grad_forward_ms'])}",
         f"  rc_train.update_policy, counted over one update: {b['aten_ops_per_micro_batch']:.1f} aten ops per "
         f"micro-batch ({b['aten_compute_ops_per_micro_batch']:.1f} not views), "
         f"{b['host_syncs_per_micro_batch']:.2f} host synchronisations per micro-batch "

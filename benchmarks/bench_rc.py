@@ -1,4 +1,5 @@
-"""CPU benchmark of rc_core (not a test).  One run prints measured numbers and ratios.
+"""CPU benchmark of rc_core and rc_forward's log-prob and entropy kernels (not a test).  One run prints measured
+numbers and ratios.
 
 (a) cost of the full correction + metrics + loss (decoupled: entry point + vanilla PPO loss with
     backward to log_prob; bypass: the bypass loss with its inner correction and backward) for a
@@ -15,7 +16,7 @@
     of the slice and of the full tensor already make 2x).  After one untimed call, as in a training
     loop: the very first call of a process also pays the first touch of ~2 GB of fresh pages (measured:
     slice 4.2 s, copy 1.6 s for that call alone).
-(e) the token entropy on that slice: rc_core.entropy_from_logits (chunked, no grad) against a
+(e) the token entropy on that slice: rc_forward.entropy_from_logits (chunked, no grad) against a
     full-vocabulary fp32 softmax entropy: time and peak extra memory.
 
 Usage:  python -m benchmarks.bench_rc            (B=512, T=2048: several minutes on 2 cores)
@@ -38,9 +39,10 @@ import time
 import torch
 
 import rc_core as rc
+import rc_forward
 
 #: log_probs_from_logits's own chunk_size default, so the report cannot drift from the code
-DEFAULT_CHUNK = inspect.signature(rc.log_probs_from_logits).parameters["chunk_size"].default
+DEFAULT_CHUNK = inspect.signature(rc_forward.log_probs_from_logits).parameters["chunk_size"].default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -307,14 +309,14 @@ def mem_child(spec):
     if backward:
         logits.requires_grad_()
     warm = torch.randn(4, 8, requires_grad=True)  # warm the kernels on a tiny input
-    rc.log_probs_from_logits(warm, torch.zeros(4, dtype=torch.long), chunk_size=2).sum().backward()
+    rc_forward.log_probs_from_logits(warm, torch.zeros(4, dtype=torch.long), chunk_size=2).sum().backward()
     torch.log_softmax(warm, -1).sum().backward()
     reset = _reset_peak()
     before = _status_kib("VmRSS") if reset else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if method == "full":
         out = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0]
     else:
-        out = rc.log_probs_from_logits(logits, labels, chunk_size=chunk)
+        out = rc_forward.log_probs_from_logits(logits, labels, chunk_size=chunk)
     if backward:
         out.sum().backward()
     after = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -339,8 +341,8 @@ def slice_child(spec):
     full = torch.empty((b, t, v)).normal_()
     labels = torch.randint(0, v, (b, t - 1))
     warm = torch.randn(2, 3, 8, requires_grad=True)  # warm the kernels on a tiny input
-    rc.log_probs_from_logits(warm[:, :-1], torch.zeros(2, 2, dtype=torch.long)).sum().backward()
-    rc.entropy_from_logits(warm[:, :-1])
+    rc_forward.log_probs_from_logits(warm[:, :-1], torch.zeros(2, 2, dtype=torch.long)).sum().backward()
+    rc_forward.entropy_from_logits(warm[:, :-1])
     if mode == "copy":  # the baseline: the same call on a contiguous tensor, made before the clock starts
         x = full[:, :-1].contiguous().requires_grad_()
         del full
@@ -349,13 +351,13 @@ def slice_child(spec):
 
     def op():
         if mode == "copy":
-            rc.log_probs_from_logits(x, labels).sum().backward()
+            rc_forward.log_probs_from_logits(x, labels).sum().backward()
             x.grad = None
         elif mode == "slice":
-            rc.log_probs_from_logits(full[:, :-1], labels).sum().backward()
+            rc_forward.log_probs_from_logits(full[:, :-1], labels).sum().backward()
             full.grad = None
         elif mode == "entropy":
-            rc.entropy_from_logits(full[:, :-1])
+            rc_forward.entropy_from_logits(full[:, :-1])
         else:  # entropy_full: the whole vocabulary in fp32 at once
             with torch.no_grad():
                 scaled = full[:, :-1].float()

@@ -112,9 +112,10 @@ def _trainer_fields() -> tuple[set, set, set] | tuple[None, None, set]:
         return None, None, set()
     import dataclasses
 
+    import rc_config
     import rc_train
 
-    args, rc = dataclasses.fields(rc_train.Args), dataclasses.fields(rc_train.CorrectionArgs)
+    args, rc = dataclasses.fields(rc_train.Args), dataclasses.fields(rc_config.CorrectionArgs)
     bools = {f.name for f in (*args, *rc) if f.type in (bool, "bool")}
     return {f.name for f in args}, {f.name for f in rc}, bools
 

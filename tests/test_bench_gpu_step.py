@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-import rc_core
+import rc_forward
 import rc_train
 from benchmarks import bench_gpu_step as bench
 
@@ -82,15 +82,18 @@ def test_breakdown_is_refused_under_several_processes():
     assert bench.make_plan(ns, world=1).breakdown  # --profile implies --breakdown
 
 
+def kernels() -> tuple:
+    """What bench.phase_hooks wraps for the time of a pass: rc_forward's log-prob, entropy and log-prob backward."""
+    return rc_forward.log_probs_from_logits, rc_forward.entropy_from_logits, rc_forward._ChunkedTokenLogProb.backward
+
+
 def test_tiny_breakdown_reports_phases_ops_and_syncs(capsys, tmp_path):
-    originals = (rc_core.log_probs_from_logits, rc_core.entropy_from_logits, rc_core._ChunkedTokenLogProb.backward)
+    originals = kernels()
     argv = ["--tiny", "--repeats", "1", "--breakdown", "--profile", str(tmp_path), "--peak-tflops", "1"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
-    assert (rc_core.log_probs_from_logits, rc_core.entropy_from_logits, rc_core._ChunkedTokenLogProb.backward) == (
-        originals
-    )  # the phase hooks are undone
+    assert kernels() == originals  # the phase hooks are undone
     assert result["mfu"] > 0 and result["peak_tflops"] == 1
     b = result["breakdown"]
     # --tiny: 8 sequences, 2 minibatches of 4 rows, micro-batch 2
@@ -151,7 +154,7 @@ def test_gpu_check_script_runs_valid_flags():
     assert sorted(str(p.compile) for p in plans.values()) == ["None", "None", "layers", "layers"]
     for plan in plans.values():  # the trainer's --compile turns the shared-prompt pass off
         assert plan.train.compile == (plan.compile == "layers")
-        assert rc_train.shares_prefix(plan.train) == (plan.compile is None)
+        assert rc_forward.shares_prefix(plan.train) == (plan.compile is None)
 
 
 def test_compile_follows_the_config_unless_a_flag_says_otherwise():
@@ -160,7 +163,7 @@ def test_compile_follows_the_config_unless_a_flag_says_otherwise():
     config = ["--config", "configs/gsm8k_qwen0.5b_bypass.yaml"]
     assert bench.parse_plan(config).compile == "layers"
     eager = bench.parse_plan([*config, "--compile", "off"])
-    assert eager.compile is None and not eager.train.compile and rc_train.shares_prefix(eager.train)
+    assert eager.compile is None and not eager.train.compile and rc_forward.shares_prefix(eager.train)
     assert bench.parse_plan(["--tiny", *config]).compile is None
     assert bench.parse_plan(["--tiny", *config, "--compile", "layers"]).train.compile
     whole = bench.parse_plan([*config, "--compile"])  # the whole model: an experiment, not the trainer's --compile
@@ -183,13 +186,13 @@ def test_tiny_run_with_compiled_layers_reports_the_compilation(capsys):
 def test_breakdown_cuts_the_updates_own_micro_batches(monkeypatch):
     plan = bench.parse_plan(["--tiny"])
     b = bench.setup(plan)
-    seen, forward = [], rc_train.forward_log_probs
+    seen, forward = [], rc_train.sequence_log_probs
 
     def record(net, batch, rows, *args, **kwargs):
         seen.append(rows.tolist())
         return forward(net, batch, rows, *args, **kwargs)
 
-    monkeypatch.setattr(rc_train, "forward_log_probs", record)
+    monkeypatch.setattr(rc_train, "sequence_log_probs", record)
     b.update()
     assert seen == [rows.tolist() for _, micro in bench.update_schedule(b) for rows in micro]
 

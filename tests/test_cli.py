@@ -81,14 +81,15 @@ BAD = [
     (dict(resume=True), "--resume", "--run-name"),
     (dict(log_with=["wandbb"]), "--log-with", "'wandbb'"),
     (dict(clip_ratio=1.5), "--clip-ratio", "1.5"),  # rc_core's check; the message says where the value came from
-    (dict(adv_estimator="rloo"), "--adv-estimator", "'rloo'"),  # not built in: README "Fork it" adds it
+    # an unknown name is no README "Fork it" recipe's (rloo, countdown, ...): a fork that applies them stays green
+    (dict(adv_estimator="no-such-estimator"), "--adv-estimator", "'no-such-estimator'"),
     # YAML values reach the fields untyped: the type is checked too
     (dict(num_steps="ten"), "--num-steps", "'ten'"),
     (dict(learning_rate="1e-4x"), "--learning-rate", "'1e-4x'"),
     (dict(learning_rate=True), "--learning-rate", "True"),
     (dict(reward_mode="strik"), "--reward-mode", "'strik'"),
     (dict(task="add", reward_mode="correct"), "--reward-mode", "'correct'"),  # a score key of another task
-    (dict(task="countdown"), "--task", "'countdown'"),  # not registered in tasks.TASKS
+    (dict(task="no-such-task"), "--task", "'no-such-task'"),  # not registered in tasks.TASKS
     (dict(rollout_dtype="float8"), "--rollout-dtype", "'float8'"),
     (dict(rollout_weight_quant="int2"), "--rollout-weight-quant", "'int2'"),
     (dict(overwrite="yes"), "--overwrite", "'yes'"),

@@ -203,10 +203,10 @@ def test_the_objective_table_names_every_loss_mode_and_only_those():
 
 
 def test_every_rc_flag_on_the_running_page_is_a_correction_field():
-    """Every `--rc.NAME` that docs/running.md spells is a field of rc_train.CorrectionArgs (its --rc.* flags)."""
-    import rc_train
+    """Every `--rc.NAME` that docs/running.md spells is a field of rc_config.CorrectionArgs (its --rc.* flags)."""
+    import rc_config
 
-    fields = {f.name.replace("_", "-") for f in dataclasses.fields(rc_train.CorrectionArgs)}
+    fields = {f.name.replace("_", "-") for f in dataclasses.fields(rc_config.CorrectionArgs)}
     spelled = set(re.findall(r"--rc\.([a-z0-9-]+)", read(RUNNING)))
     spelled = {n.removesuffix("-") for n in spelled}  # '--rc.rollout-outlier-threshold-low/-high'
     assert spelled and sorted(spelled - fields - {"rollout-outlier-threshold"}) == []
@@ -446,3 +446,28 @@ def test_the_checks_catch_a_missing_or_unknown_preset_and_metric():
     declared.pop("response_length/max")
     assert any("'response_length/max'" in p for p in reduction_problems(metrics, logged, declared))
     assert any("'actor/bogus_max'" in p for p in reduction_problems(metrics, logged, {"actor/bogus_max": "max"}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Links
+# ---------------------------------------------------------------------------------------------
+DOC_PAGES = ("README.md", "lab/README.md", *(f"docs/{n}" for n in sorted(os.listdir(os.path.join(ROOT, "docs")))))
+
+
+def broken_links(page: str, text: str) -> list[str]:
+    """The relative links of `page` ([text](target); web addresses and in-page anchors aside) whose target, read from
+    the page's folder and without its #anchor, is no file or folder of the repository."""
+    folder = os.path.dirname(os.path.join(ROOT, page))
+    return [
+        f"{page}: {target}"
+        for target in re.findall(r"\]\(([^)\s]+)\)", text)
+        if not re.match(r"[a-z][a-z0-9+.-]*:|#", target)
+        and not os.path.exists(os.path.join(folder, target.split("#")[0]))
+    ]
+
+
+def test_every_relative_link_of_the_pages_resolves():
+    pages = [p for p in DOC_PAGES if p.endswith(".md")]
+    assert len(pages) >= 10 and [problem for page in pages for problem in broken_links(page, read(page))] == []
+    links = "[a](running.md), [b](../lab/README.md#in-short), [c](https://example.org), [d](#top), [e](../nowhere.md)"
+    assert broken_links("docs/README.md", links) == ["docs/README.md: ../nowhere.md"]

@@ -1,6 +1,7 @@
-"""Unit tests of the plumbing modules on CPU (rc_config, rc_rollout, rc_run): engine placement and sleep order,
-metric reduction across ranks (real gloo processes, and an NCCL-like group that serves only CUDA tensors), launcher
-settings (DeepSpeed and FSDP1 refused, FSDP2 switched on), gradient accumulation contexts, resume bookkeeping."""
+"""Unit tests of the plumbing modules on CPU (rc_config, rc_rollout, rc_run, rc_checkpoint): engine placement and
+sleep order, metric reduction across ranks (real gloo processes, and an NCCL-like group that serves only CUDA tensors),
+launcher settings (DeepSpeed and FSDP1 refused, FSDP2 switched on), gradient accumulation contexts, resume
+bookkeeping."""
 
 import contextlib
 import json
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import rc_checkpoint
 import rc_config
 import rc_core
 import rc_rollout
@@ -365,37 +367,22 @@ def test_fsdp2_reduce_scatters_once_per_optimizer_step():
         assert results[("four", rank)]["grad_norm"] == pytest.approx(results[("one", rank)]["grad_norm"], rel=1e-6)
 
 
-def test_split_to_count_halves_the_largest_micro_batch():
-    import rc_train
-
-    batch, _ = _rank_batch(0, 8, long=False)  # 8 sequences of 3 + 1 tokens
-    batch["response_len"][torch.tensor([0, 1])] = 4  # rows 0 and 1 are longer (their padded size counts)
-    groups = [torch.tensor([2, 3, 4, 5, 6, 7]), torch.tensor([0, 1])]
-    assert rc_train.split_to_count(groups, batch, 2) == groups  # already as many
-    split = rc_train.split_to_count(groups, batch, 4)
-    # 6 x 4 = 24 padded tokens, then 3 x 4 = 12 against 2 x 7 = 14: the second split is the long pair's
-    assert [g.tolist() for g in split] == [[2, 3, 4], [5, 6, 7], [0], [1]]
-    assert len(rc_train.split_to_count(groups, batch, 8)) == 8
-    with pytest.raises(RuntimeError, match="into 9"):
-        rc_train.split_to_count(groups, batch, 9)
-
-
 def test_a_token_budget_under_ddp_neither_hangs_nor_changes_the_update():
     """Rank 1's sequences are long and rank 0's short: a token budget of 20 cuts rank 1's minibatch into 8
     micro-batches and rank 0's into 2. Every rank must run as many (each reduction and buffer broadcast is a
     collective); the loss has global denominators, so the update equals the one without a budget."""
-    import rc_train
+    import rc_forward
 
     for rank, count in ((0, 2), (1, 8)):  # what the budget alone cuts on each rank
         batch, _ = _rank_batch(rank, 8, long=rank == 1)
-        assert len(rc_train.micro_batches(torch.arange(8), batch, 8, 20, by_group=True)) == count
+        assert len(rc_forward.cut_micro_batches(torch.arange(8), batch, 8, 20, by_group=True)) == count
     results = mp.Manager().dict()
     runs = [("budget", {"micro_batch_size": 8, "max_tokens_per_micro_batch": 20}), ("plain", {"micro_batch_size": 8})]
     _spawn_or_fail(_ddp_update_worker, (2, _free_port(), results, runs, 1), timeout=120)
     for rank in (0, 1):
         budget, plain = results[("budget", rank)], results[("plain", rank)]
         assert budget["per_step"] == plain["per_step"] == [1, 1]
-        # float64 weights, float32 log-probs (rc_core.log_probs_from_logits): another grouping rounds them otherwise
+        # float64 weights, float32 log-probs (rc_forward.log_probs_from_logits): another grouping rounds them otherwise
         # in their last bit (measured: 7.5e-8 of the largest weight change after 2 steps); a micro-batch lost or
         # counted twice would move them by ~1/8
         assert budget["pg_loss"] == pytest.approx(plain["pg_loss"], rel=1e-8)
@@ -533,7 +520,7 @@ def test_restore_rng_after_an_engine_reseeds(tmp_path):
     )
     expected = (torch.rand(3), random.random(), np.random.rand())
     torch.manual_seed(1)  # what vLLM's start-up does to the global generators
-    rc_run.restore_rng(str(tmp_path), 0)
+    rc_checkpoint.restore_rng(str(tmp_path), 0)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert np.random.rand() == expected[2]
 
@@ -581,9 +568,9 @@ def test_resume_with_another_number_of_processes_is_refused(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_000001"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1}))
-    assert rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=1) is False
+    assert rc_checkpoint.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=1) is False
     with pytest.raises(ValueError, match="written by 1 process.*this run has 2"):
-        rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)
+        rc_checkpoint.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)
 
 
 def test_resume_with_another_staleness_bound_is_refused(tmp_path):
@@ -596,12 +583,12 @@ def test_resume_with_another_staleness_bound_is_refused(tmp_path):
     (ckpt / "trainer_state.json").write_text(
         json.dumps({"step": 1, "position": 8, "world_size": 1, "max_staleness": 2})
     )
-    assert rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=2) is False
+    assert rc_checkpoint.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=2) is False
     with pytest.raises(ValueError, match="--max-staleness 2, this run has --max-staleness 1"):
-        rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
+        rc_checkpoint.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "position": 8, "world_size": 1}))
     with pytest.raises(ValueError, match="--max-staleness 0, this run has --max-staleness 1"):
-        rc_run.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
+        rc_checkpoint.check_run_dir(str(tmp_path), resume=True, overwrite=False, max_staleness=1)
 
 
 def test_stale_rows_and_the_bound():
@@ -735,7 +722,7 @@ def test_a_run_continued_past_its_end_samples_what_the_uninterrupted_run_samples
             versions.append(rollouts.take(step)[1])
             rollouts.sync(step)
             rollouts.request(step + 1 + k)
-            saved = rollouts.in_flight(step)
+            saved = rollouts.wait_queued(step)
         return versions, saved
 
     short = dataclasses.replace(rc_train.Args(), max_staleness=k, num_steps=3, checkpoint_every=1)

@@ -2,9 +2,10 @@
 the engine captures and the weight push into an MoE engine (rc_rollout.MoEEngine), the bad-input refusals, and short
 end-to-end runs of rc_train.py with --model tiny-moe.
 
-The replay tests build a random tiny Qwen3-MoE in float64 and run rc_train's own forward (forward_log_probs,
-micro-batches, trimming) on a batch made by rc_train.make_batch; they take seconds. The engine tests start vLLM's CPU
-build (one engine each, a minute or two on a busy machine); the end-to-end runs start the real script.
+The replay tests build a random tiny Qwen3-MoE in float64 and run rc_train's own forward (sequence_log_probs on
+rc_forward's micro-batches, trimmed) on a batch made by rc_train.make_batch, the step's routing an rc_moe.StepRouting;
+they take seconds. The engine tests start vLLM's CPU build (one engine each, a minute or two on a busy machine); the
+end-to-end runs start the real script.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import rc_config
+import rc_forward
 import rc_moe
 import rc_rollout
 import rc_train
@@ -58,7 +60,7 @@ def toy_batch(seed=0, rows=7):
 
 
 def train_args(**changes):
-    """The settings rc_train's forward reads (no shared prompt pass: replay turns it off, rc_train.shares_prefix)."""
+    """The settings rc_train's forward reads (no shared prompt pass: replay turns it off, rc_forward.shares_prefix)."""
     fields = dict(
         share_prompt_prefix=True,
         gradient_checkpointing=False,
@@ -73,14 +75,23 @@ def train_args(**changes):
     return SimpleNamespace(**{**fields, **changes})
 
 
-def log_probs_and_grads(model, batch, args, rows=None):
-    """rc_train.forward_log_probs over `rows` (default: all, in rc_train's micro-batches) with gradients: the log-probs
-    (B, T) and the gradient of their sum, per parameter name."""
+def replaying(batch, replay):
+    """The step's routing (rc_moe.StepRouting) that replays `replay` (B, P + T, layers, k) in every policy pass."""
+    routing = rc_moe.StepRouting(batch)
+    routing.replay = replay
+    return routing
+
+
+def log_probs_and_grads(model, batch, args, rows=None, replay=None):
+    """rc_train.sequence_log_probs over `rows` (default: all, in rc_forward's micro-batches of args) with gradients,
+    replaying `replay` (None: the model's own routing): the log-probs (B, T) and the gradient of their sum, per
+    parameter name."""
     model.zero_grad()
     out = torch.zeros(batch["response_mask"].shape, dtype=torch.float64)
     rows = torch.arange(len(out)) if rows is None else rows
-    for micro in rc_train.micro_batches(rows, batch, args.micro_batch_size, None):
-        log_prob, _, _ = rc_train.forward_log_probs(model, batch, micro, args, True)
+    routing = replaying(batch, replay)
+    for micro in rc_forward.micro_batches(rows, batch, args):
+        log_prob, _, _ = rc_train.sequence_log_probs(model, batch, micro, args, True, routing=routing)
         (log_prob * batch["response_mask"][micro]).sum().backward()
         out[micro] = log_prob.detach()
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -88,10 +99,11 @@ def log_probs_and_grads(model, batch, args, rows=None):
 
 def own_routing(model, batch, args):
     """The trainer's own routing of the batch, recorded by rc_train's no-grad forward in args' micro-batches."""
-    batch["record_routing"] = rc_moe.record_buffer(model, batch)
-    for micro in rc_train.micro_batches(torch.arange(len(batch["group"])), batch, args.micro_batch_size, None):
-        rc_train.forward_log_probs(model, batch, micro, args, False)
-    return batch.pop("record_routing")
+    routing = rc_moe.StepRouting(batch)
+    routing.record = routing.buffer(model)
+    for micro in rc_forward.micro_batches(torch.arange(len(batch["group"])), batch, args):
+        rc_train.sequence_log_probs(model, batch, micro, args, False, routing=routing)
+    return routing.record
 
 
 # ---- replay in the trainer -----------------------------------------------------------------------------------------
@@ -103,26 +115,25 @@ def test_replaying_the_trainers_own_routing_is_the_unreplayed_forward_bit_for_bi
     own = own_routing(model, batch, train_args(micro_batch_size=3))
     recorded = own >= 0
     assert torch.equal(recorded.all(-1).all(-1), batch["attention_mask"] > 0)  # every real position, no padding
-    batch["replay_routing"] = own
-    replayed, replayed_grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=5))
+    replayed, replayed_grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=5), replay=own)
     assert torch.equal(replayed, plain)
     assert plain_grads.keys() == replayed_grads.keys()
     assert all(torch.equal(plain_grads[n], replayed_grads[n]) for n in plain_grads)
     # the check can fail: the engine's (random) routing is another routing, and changes both
-    batch["replay_routing"] = batch["rollout_routing"]
-    other, other_grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=5))
+    engine = batch["rollout_routing"]
+    other, other_grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=5), replay=engine)
     assert (other - plain).abs().max() > 1e-3
     assert not torch.equal(other_grads["model.layers.0.mlp.gate.weight"], plain_grads["model.layers.0.mlp.gate.weight"])
 
 
 def test_replay_batched_equals_one_sample_at_a_time():
     model, batch = tiny_moe(), toy_batch()
-    batch["replay_routing"] = batch["rollout_routing"]
-    batched, batched_grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=7))
+    engine = batch["rollout_routing"]
+    batched, batched_grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=7), replay=engine)
     singles = torch.zeros_like(batched)
     single_grads = {n: torch.zeros_like(g) for n, g in batched_grads.items()}
     for i in range(len(singles)):
-        log_prob, grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=1), torch.tensor([i]))
+        log_prob, grads = log_probs_and_grads(model, batch, train_args(micro_batch_size=1), torch.tensor([i]), engine)
         singles[i] = log_prob[i]
         for n, g in grads.items():
             single_grads[n] += g
@@ -220,7 +231,7 @@ def test_moe_settings_that_need_the_models_config_are_refused_before_the_engine(
 
     def check(config, bypass=False, on_gpu=False, **changes):
         args = dataclasses.replace(rc_train.Args(model="some/model"), **changes)
-        rc_config.check_moe(args, config, bypass, on_gpu)
+        rc_moe.check_model(args, config, bypass, on_gpu)
         return args
 
     dense, mixtral, qwen3 = Qwen2Config(), MixtralConfig(), Qwen3MoeConfig()
@@ -361,8 +372,7 @@ def test_weight_push_and_routing_capture_on_the_cpu_engine(tmp_path, monkeypatch
     metrics = rc_moe.routing_metrics(own, batch["rollout_routing"], batch["response_mask"])
     assert metrics["rollout_corr/routing_agreement"] == 1.0 and metrics["rollout_corr/routing_flip_token_fraction"] == 0
     plain, _ = rc_train.no_grad_pass(model, batch, args)
-    batch["replay_routing"] = batch["rollout_routing"]
-    replayed, _ = rc_train.no_grad_pass(model, batch, args)
+    replayed, _ = rc_train.no_grad_pass(model, batch, args, replaying(batch, batch["rollout_routing"]))
     assert torch.equal(plain, replayed)
     mask = batch["response_mask"] > 0
     torch.testing.assert_close(replayed[mask], batch["rollout_log_prob"][mask], rtol=0, atol=1e-5)

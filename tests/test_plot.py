@@ -90,6 +90,38 @@ def records_plain(n=6):
     return out
 
 
+def records_dense(n=10):
+    """Like the dense default run (the first run of docs/running.md): every panel but the optional ones has data."""
+    return [
+        {
+            **r,
+            "rollout/staleness_mean": float(s > 0),
+            "rollout/staleness_max": float(s > 0),
+            "response_length/mean": 40.0 + s,
+        }
+        for s, r in enumerate(records_is(n))
+    ]
+
+
+def records_replay(n=10):
+    """A dense run with --replay-window: the replayed share of the batch is logged (0 at step 0)."""
+    return [{**r, "rollout/replayed_fraction": 0.0 if r["step"] == 0 else 0.5} for r in records_dense(n)]
+
+
+def records_moe(n=10):
+    """A dense run of an MoE model: the routing metrics (and the unreplayed k3 / alpha_1 beside the replayed ones)."""
+    return [
+        {
+            **r,
+            "rollout_corr/routing_agreement": 0.99,
+            "rollout_corr/routing_flip_token_fraction": 0.3,
+            "rollout_corr/unreplayed_k3_kl": 2e-4,
+            "rollout_corr/unreplayed_tv_mismatch": 0.01,
+        }
+        for r in records_dense(n)
+    ]
+
+
 @pytest.fixture
 def two_runs(tmp_path):
     return write_run(tmp_path, "run_is", records_is()), write_run(tmp_path, "run_plain", records_plain())
@@ -103,6 +135,23 @@ def panel_axes(fig):
 
 def lines_of(ax, color):
     return [ln for ln in ax.get_lines() if to_rgba(ln.get_color()) == to_rgba(color)]
+
+
+def empty_panels(fig):
+    """Titles of the drawn panels that show no data: "not logged", or no line at all."""
+    return [
+        title
+        for title, ax in panel_axes(fig).items()
+        if "not logged" in [t.get_text() for t in ax.texts] or not ax.get_lines()
+    ]
+
+
+CORE = [p.title for p in rc_plot.PANELS if not p.needs]  # the panels every dashboard draws
+REPLAY = "Replay buffer"
+MOE = "MoE routing (trainer vs engine)"
+DENSE_NOTE = (
+    "optional panels not drawn (no data in this run): Replay buffer (--replay-window), MoE routing (an MoE model)"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +249,7 @@ def test_dashboard_panels_hold_the_expected_data(two_runs):
     runs = [rc_plot.load_metrics(str(d)) for d in two_runs]
     fig = rc_plot.build_dashboard(runs, ["A", "B"], smooth=3)
     axes = panel_axes(fig)
-    assert list(axes) == [p.title for p in rc_plot.PANELS]
+    assert list(axes) == CORE  # neither run logged the optional panels' metrics
     a, b = "C0", "C1"
 
     # Reward: both runs, mean (solid) and correct (dashed), smoothed over 3 points.
@@ -267,6 +316,100 @@ def test_dashboard_not_logged_for_a_run_without_is(tmp_path):
         assert [t.get_text() for t in axes[title].texts] == ["not logged"], title
         assert axes[title].get_lines() == []
     assert axes["Mismatch KL k3"].get_yscale() == "log"  # zero at step 0, positive later
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional panels: drawn only when a plotted run logged them
+# ---------------------------------------------------------------------------------------------
+def test_optional_panels_name_what_fills_them():
+    optional = [p for p in rc_plot.PANELS if p.needs]
+    assert [p.title for p in optional] == [REPLAY, MOE]
+    assert all(p.needs in rc_plot.NEEDS for p in optional)
+    assert rc_plot.left_out_note(optional, 1) == DENSE_NOTE
+    two = rc_plot.left_out_note(optional[1:], 2)
+    assert two == "optional panels not drawn (no data in these runs): MoE routing (an MoE model)"
+    assert rc_plot.left_out_note([], 1) == ""
+
+
+def test_dense_run_draws_no_empty_panel_and_names_the_optional_ones():
+    """The first hour: the dense default run's dashboard is all live panels (no "not logged" axis), on a grid sized
+    for them, and one line at its foot names the optional panels and what fills them."""
+    fig = rc_plot.build_dashboard([records_dense()], ["dense"])
+    axes = panel_axes(fig)
+    assert list(axes) == CORE and len(CORE) == 15
+    assert empty_panels(fig) == []
+    assert not any("not logged" in t.get_text() for ax in fig.axes for t in ax.texts)
+    # 15 panels: 4 rows of 4, one cell left blank (17 panels took 5 rows).
+    assert len(fig.axes) == 16 and sum(not ax.get_visible() for ax in fig.axes) == 1
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    bottoms = {}
+    for ax in visible:
+        col = ax.get_subplotspec().colspan.start
+        bottoms[col] = max(bottoms.get(col, ax), ax, key=lambda a: a.get_subplotspec().rowspan.start)
+    assert sorted(bottoms) == [0, 1, 2, 3]
+    assert all(ax.get_xlabel() == "step" for ax in bottoms.values())
+    assert fig.get_supxlabel() == DENSE_NOTE
+
+
+def test_dense_run_console_names_the_optional_panels(tmp_path, capsys):
+    """`rc_train.py plot runs/A` (rc_plot.main) says the figure's note in one line after the path."""
+    d = write_run(tmp_path, "dense", records_dense())
+    assert rc_plot.main([str(d)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"rc_plot: wrote {d / 'dashboard.png'}",
+        f"rc_plot: {DENSE_NOTE}",
+    ]
+    assert imread(str(d / "dashboard.png"))[..., :3].std() > 0.05
+
+
+def test_empty_panel_check_catches_a_not_logged_panel():
+    """empty_panels (the check above) does see an empty panel: a run without IS has them, and they stay drawn."""
+    fig = rc_plot.build_dashboard([records_plain()], ["plain"])
+    assert {"IS weight mean", "Response length", "Health checks fired"} <= set(empty_panels(fig))
+    assert REPLAY not in empty_panels(fig) and MOE not in empty_panels(fig)
+
+
+def test_replay_run_draws_the_replay_panel():
+    fig = rc_plot.build_dashboard([records_replay()], ["replay"])
+    axes = panel_axes(fig)
+    assert list(axes) == CORE[: CORE.index("Response length")] + [REPLAY] + CORE[CORE.index("Response length") :]
+    assert empty_panels(fig) == []
+    [line] = axes[REPLAY].get_lines()
+    assert list(line.get_ydata()) == [0.0] + [0.5] * 9
+    assert fig.get_supxlabel() == "optional panels not drawn (no data in this run): MoE routing (an MoE model)"
+    assert sum(ax.get_visible() for ax in fig.axes) == 16 and len(fig.axes) == 16  # 16 panels fill 4 rows
+
+
+def test_moe_run_draws_the_routing_panel():
+    fig = rc_plot.build_dashboard([records_moe()], ["moe"])
+    axes = panel_axes(fig)
+    assert list(axes) == CORE + [MOE]
+    assert empty_panels(fig) == []
+    assert len(axes[MOE].get_lines()) == 2
+    assert len(axes["Mismatch KL k3"].get_lines()) == 2  # k3 and k3 without MoE replay
+    assert fig.get_supxlabel() == "optional panels not drawn (no data in this run): Replay buffer (--replay-window)"
+
+
+def test_compared_runs_draw_an_optional_panel_any_of_them_filled(tmp_path, capsys):
+    """Several runs: a panel one run filled is drawn, the others show nothing there; with both optional panels
+    filled (by different runs) every panel is drawn, on 5 rows, and nothing is named as left out."""
+    fig = rc_plot.build_dashboard([records_dense(), records_replay()], ["dense", "replay"])
+    ax = panel_axes(fig)[REPLAY]
+    assert lines_of(ax, "C0") == [] and len(lines_of(ax, "C1")) == 1
+    assert fig.get_supxlabel() == "optional panels not drawn (no data in these runs): MoE routing (an MoE model)"
+
+    fig = rc_plot.build_dashboard([records_replay(), records_moe()], ["replay", "moe"])
+    assert list(panel_axes(fig)) == [p.title for p in rc_plot.PANELS]
+    assert empty_panels(fig) == []
+    assert len(fig.axes) == 20 and fig.get_supxlabel() == ""
+    dirs = [str(write_run(tmp_path, n, recs)) for n, recs in (("r", records_replay()), ("m", records_moe()))]
+    assert rc_plot.main(dirs + ["--out", str(tmp_path / "both.png")]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"rc_plot: wrote {tmp_path / 'both.png'}"]
+
+
+def test_a_metric_logged_only_as_null_does_not_draw_its_optional_panel():
+    recs = [{**r, "rollout/replayed_fraction": None} for r in records_dense()]
+    assert REPLAY not in panel_axes(rc_plot.build_dashboard([recs], ["nulls"]))
 
 
 def reference_lines(ax) -> set[tuple[str, float]]:
@@ -388,7 +531,7 @@ def test_main_argument_handling(two_runs, tmp_path, monkeypatch):
     """Several runs -> ./dashboard.png; --out/--labels/--smooth reach plot_dashboard unchanged."""
     calls = []
 
-    def fake_plot(run_dirs, out_path, labels=None, smooth=1):
+    def fake_plot(run_dirs, out_path, labels=None, smooth=1, echo=None):
         calls.append((list(run_dirs), out_path, labels, smooth))
         return out_path
 

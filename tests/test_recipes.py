@@ -3,7 +3,12 @@
 Each test takes a recipe's code block from README.md (the first ```python block after the paragraph whose bold heading
 it names: readme_block), adds it to a copy of the repository (copy_repo, append_to), and checks the result by hand:
 in-process on the copy's own modules (imported_from), and where the recipe is a trainer flag, with the copy's real
-rc_train.py (run_copy). A recipe must add something the repository does not have yet; each test checks that too.
+rc_train.py (run_copy). A recipe must add something the repository does not have yet; each test checks that too, on
+the copy without the recipe (without_recipe: a fork that applied it in place keeps these tests green).
+
+test_every_recipe_in_place_keeps_the_forks_tests_green applies every recipe at once, in place, to a copy of the
+repository's files, and runs there the fast tests that pin the registries, the docs and the command line's unknown
+names.
 """
 
 import contextlib
@@ -20,6 +25,7 @@ import pytest
 import torch
 
 import rc_core
+from tests.test_docs import objective_problems
 from tests.test_train import session_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -27,17 +33,17 @@ README = os.path.join(ROOT, "README.md")
 
 
 # ---- helpers for every recipe ----------------------------------------------------------------------------------
-def readme_block(heading: str) -> str:
-    """The code of the ```python block that follows the README paragraph starting with **heading** (before the next
-    bold paragraph heading or section)."""
+def readme_block(heading: str, lang: str = "python") -> str:
+    """The code of the ```python (```lang) block that follows the README paragraph starting with **heading** (before
+    the next bold paragraph heading or section)."""
     with open(README, encoding="utf-8") as f:
         text = f.read()
     start = text.find(f"**{heading}**")
     assert start >= 0, f"README.md has no paragraph **{heading}**"
-    fence = text.find("```python\n", start)
+    fence = text.find(f"```{lang}\n", start)
     after = re.compile(r"^(\*\*[^*\n]+\*\*|#+ )", re.M).search(text, start + len(heading) + 4)
-    assert fence >= 0 and (after is None or fence < after.start()), f"**{heading}** has no ```python block"
-    body = fence + len("```python\n")
+    assert fence >= 0 and (after is None or fence < after.start()), f"**{heading}** has no ```{lang} block"
+    body = fence + len(f"```{lang}\n")
     return text[body : text.index("\n```", body) + 1]
 
 
@@ -59,6 +65,17 @@ def append_to(repo: str, module: str, code: str) -> None:
         f.write("\n\n" + code)
 
 
+def without_recipe(repo: str, module: str, code: str) -> None:
+    """Take the recipe's `code` out of the copy's module where a fork has appended it already (README "Fork it"), so
+    that the test starts from the repository without it and appends it once."""
+    path = os.path.join(repo, module)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if code in text:  # with the blank lines append_to put before it, so that what stays is formatted as before
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text.replace("\n\n" + code if "\n\n" + code in text else code, "").rstrip("\n") + "\n")
+
+
 def ruff_problems(repo: str, module: str) -> str:
     """ruff's format and lint report on the copy's module under the repository's own settings ('' when clean)."""
     exe = os.path.join(os.path.dirname(sys.executable), "ruff")
@@ -69,6 +86,14 @@ def ruff_problems(repo: str, module: str) -> str:
         proc = subprocess.run([*ruff, *args, *config, module], capture_output=True, text=True, cwd=repo, timeout=120)
         out += proc.stdout + proc.stderr if proc.returncode else ""
     return out
+
+
+def with_objective_row(running_text: str, row: str) -> str:
+    """docs/running.md with `row` added to its objective table, after the last `--rc.loss-mode` row: what the
+    README's policy-loss recipe asks of a new objective."""
+    lines = running_text.splitlines(keepends=True)
+    last = max(i for i, line in enumerate(lines) if line.startswith("| `--rc.loss-mode "))
+    return "".join(lines[: last + 1] + [row] + lines[last + 1 :])
 
 
 @contextlib.contextmanager
@@ -134,9 +159,11 @@ ADVANTAGE_ESTIMATORS["rloo"] = _traced_rloo
 
 
 def test_rloo_recipe(tmp_path):
-    assert "rloo" not in rc_core.ADVANTAGE_ESTIMATORS  # the recipe adds an estimator the repository lacks
-    repo = copy_repo(tmp_path)
-    append_to(repo, "rc_core.py", readme_block("A new advantage estimator."))
+    repo, code = copy_repo(tmp_path), readme_block("A new advantage estimator.")
+    without_recipe(repo, "rc_core.py", code)
+    with imported_from(repo, "rc_core") as (core,):
+        assert "rloo" not in core.ADVANTAGE_ESTIMATORS  # the recipe adds an estimator the repository lacks
+    append_to(repo, "rc_core.py", code)
     assert ruff_problems(repo, "rc_core.py") == ""
 
     # In-process, by hand: two groups of four and two, a group of one, a group whose scores are all equal.
@@ -177,10 +204,11 @@ def test_rloo_recipe(tmp_path):
 # ---- A new rejection rule: a chi^2 gate ------------------------------------------------------------------------
 def test_chi2_gate_recipe(tmp_path, monkeypatch):
     option, p = "seq_mean_chi2", "rollout_corr/rollout_rs_seq_mean_chi2_"
-    with pytest.raises(ValueError, match=f"unknown option '{option}'"):  # the recipe adds an option the repo lacks
-        rc_core.RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=0.1)
-    repo = copy_repo(tmp_path)
-    append_to(repo, "rc_core.py", readme_block("A new rejection rule."))
+    repo, code = copy_repo(tmp_path), readme_block("A new rejection rule.")
+    without_recipe(repo, "rc_core.py", code)
+    with imported_from(repo, "rc_core") as (core,), pytest.raises(ValueError, match=f"unknown option '{option}'"):
+        core.RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=0.1)  # an option the repository lacks
+    append_to(repo, "rc_core.py", code)
     assert ruff_problems(repo, "rc_core.py") == ""
 
     # Token ratios rho = pi_train / mu: row 0 (1.5, 0.5), row 1 (1.2, 1.0), row 2 (0.9) and a padded slot (NaN).
@@ -251,13 +279,24 @@ POLICY_LOSSES["topr"] = _traced_topr
 """
 
 
-def test_policy_loss_recipe(tmp_path):
-    assert "topr" not in rc_core.POLICY_LOSSES  # the recipe adds an objective the repository lacks
-    with pytest.raises(ValueError, match="loss_mode.*'topr'"):
-        rc_core.RolloutCorrectionConfig(loss_mode="topr")
-    repo = copy_repo(tmp_path)
-    append_to(repo, "rc_core.py", readme_block("A new policy loss."))
+def test_policy_loss_recipe(tmp_path, monkeypatch):
+    repo, code = copy_repo(tmp_path), readme_block("A new policy loss.")
+    without_recipe(repo, "rc_core.py", code)
+    with imported_from(repo, "rc_core") as (core,):
+        assert "topr" not in core.POLICY_LOSSES  # the recipe adds an objective the repository lacks
+        with pytest.raises(ValueError, match="loss_mode.*'topr'"):
+            core.RolloutCorrectionConfig(loss_mode="topr")
+    append_to(repo, "rc_core.py", code)
     assert ruff_problems(repo, "rc_core.py") == ""
+
+    # The recipe's docs row: docs/running.md's objective table needs one for every objective (tests/test_docs.py).
+    row = readme_block("A new policy loss.", "markdown")
+    assert row.startswith("| `--rc.loss-mode topr` |") and row.count("\n") == 1
+    with open(os.path.join(ROOT, "docs", "running.md"), encoding="utf-8") as f:
+        running = f.read().replace(row, "")  # a fork that added the row in place: start without it
+    monkeypatch.setitem(rc_core.POLICY_LOSSES, "topr", None)  # the copy's registry, as far as the table checks it
+    assert objective_problems(running) == ["objective 'topr' has no row in running.md"]
+    assert objective_problems(with_objective_row(running, row)) == []
 
     # By hand: row 0 has A = +1 (weight 1 on every token), row 1 A = -1 (weight min(pi/pi_prox, 1)); row 1's last token
     # is padding. phi = -w A log pi, token-mean over the 4 valid tokens; d loss / d log pi = -w A / 4.
@@ -290,3 +329,72 @@ def test_policy_loss_recipe(tmp_path):
     assert [r["step"] for r in rows] == [0, 1] and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
     assert trace.exists(), "the trainer never called the 'topr' objective: policy_loss must pass the config on"
     assert len(trace.read_text().splitlines()) >= 2  # at least one micro-batch per step
+
+
+# ---- Every recipe at once, in place: the fork's own tests stay green ----------------------------------------------
+RECIPES = {  # each "Fork it" recipe's bold heading -> the module the README appends its code to
+    "A new advantage estimator.": "rc_core.py",
+    "A new rejection rule.": "rc_core.py",
+    "A new policy loss.": "rc_core.py",
+    "A new task.": "tasks.py",
+}
+# The fast tests that pin what a fork extends: rc_core's registries, tasks.TASKS, the docs checked against them, the
+# command line's unknown names and the task recipe's helper (about 10 s on the 2-core machine; the whole files would
+# take minutes). -k matches a test's name or its file's.
+FORK_FILES = ["test_rc.py", "tests/test_docs.py", "tests/test_cli.py", "tests/test_tasks.py", "tests/test_infra.py"]
+FORK_SELECTION = (
+    "registry or compute_advantage or rs_statistics or error_messages or loss_mode or chaining or test_docs"
+    " or bad_value or unknown_name or recipe_scores or reductions_cover"
+)
+MUST_PASS = (  # the tests a fork's additions used to turn red: the selection must keep running them
+    "test_rc.py::test_registry_holds_verls_loss_modes",
+    "test_rc.py::test_compute_advantage_grpo_is_exactly_the_grpo_call_and_unknown_names_fail",
+    "test_rc.py::test_rs_statistics_registry_names_every_option_statistic",
+    "tests/test_docs.py::test_the_objective_table_names_every_loss_mode_and_only_those",
+    "tests/test_cli.py::test_bad_value_is_refused_naming_flag_and_value",
+    "tests/test_tasks.py::test_registry_takes_a_new_task_without_editing_make_task",
+    "tests/test_tasks.py::test_readme_task_recipe_scores_the_row",
+)
+
+
+def copy_checkout(tmp_path) -> str:
+    """A copy of the repository's files as the work tree holds them, in tmp_path/fork: those git tracks and the new ones
+    it does not ignore (git ls-files), so no virtual environment, runs or caches. Returns its path."""
+    ls_files = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    listed = subprocess.run(ls_files, cwd=ROOT, capture_output=True, timeout=60)
+    if listed.returncode:
+        pytest.skip(f"not a git checkout: {listed.stderr.decode(errors='replace').strip()}")
+    fork = tmp_path / "fork"
+    for name in listed.stdout.decode().split("\0"):
+        if name and os.path.isfile(os.path.join(ROOT, name)):  # a tracked file deleted in the work tree is left out
+            os.makedirs(fork / os.path.dirname(name), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), fork / name)
+    return str(fork)
+
+
+def test_every_recipe_in_place_keeps_the_forks_tests_green(tmp_path):
+    """A fork applies every "Fork it" recipe together, in place, as the README says (each code block appended to its
+    module, the policy loss's row added to docs/running.md); the project's own tests that pin the registries, the docs
+    and the unknown names must pass there: they ask for the built-ins, never for exactly the built-ins."""
+    with open(README, encoding="utf-8") as f:
+        fork_it = f.read().split("\n## Fork it\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\*\*([^*\n]+)\*\*", fork_it, re.M) == list(RECIPES)  # a new recipe is applied here too
+    fork = copy_checkout(tmp_path)
+    for heading, module in RECIPES.items():  # once each, also where this repository is such a fork already
+        code = readme_block(heading)
+        without_recipe(fork, module, code)
+        append_to(fork, module, code)
+    running, row = os.path.join(fork, "docs", "running.md"), readme_block("A new policy loss.", "markdown")
+    with open(running, encoding="utf-8") as f:
+        text = with_objective_row(f.read().replace(row, ""), row)
+    with open(running, "w", encoding="utf-8") as f:
+        f.write(text)
+
+    path = os.pathsep.join(filter(None, [fork, os.environ.get("PYTHONPATH")]))  # the fork's modules, not ours
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not a worker of this session's
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rA", *FORK_FILES]
+    proc = subprocess.run([*cmd, "-k", FORK_SELECTION], capture_output=True, text=True, cwd=fork, env=env, timeout=600)
+    assert proc.returncode == 0, f"the fork's tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    passed = {line.split()[1].split("[")[0] for line in proc.stdout.splitlines() if line.startswith("PASSED ")}
+    assert [t for t in MUST_PASS if t not in passed] == [], proc.stdout[-3000:]

@@ -3,9 +3,9 @@ resume checks everything before it touches anything, a resume is exact or refuse
 step computes, the batches in flight past a run's end), a damaged checkpoint is refused naming the file, every fault
 of the machine's files is one line, and checkpoints are kept to the newest --keep-checkpoints.
 
-Unit tests call rc_run / rc_config / tasks directly (fast); the end-to-end ones run the real script on the one-token
-fixture with tiny budgets, from one finished two-step run with a checkpoint after each step (built once per module,
-copied by each test that damages or resumes it).
+Unit tests call rc_run / rc_checkpoint / rc_config / tasks directly (fast); the end-to-end ones run the real script on
+the one-token fixture with tiny budgets, from one finished two-step run with a checkpoint after each step (built once
+per module, copied by each test that damages or resumes it).
 """
 
 import errno
@@ -21,6 +21,7 @@ import types
 import pytest
 import torch
 
+import rc_checkpoint
 import rc_config
 import rc_run
 import rc_train
@@ -70,7 +71,7 @@ def rewrite_checksums(ckpt):
     """Make checksums.json agree with the files again: a checkpoint whose damage its checksums cannot see."""
     import hashlib
 
-    manifest = ckpt / "checksums.json"  # rc_run.CHECKSUMS (spelt out: these tests also run against older code)
+    manifest = ckpt / "checksums.json"  # rc_checkpoint.CHECKSUMS (spelt out: these tests also run against older code)
     if manifest.exists():
         files = [p for p in ckpt.rglob("*") if p.is_file() and p.name not in (manifest.name, "trainer_state.json")]
         sums = {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
@@ -223,12 +224,12 @@ def test_a_torn_or_newline_less_last_line_is_repaired_and_said():
         path = os.path.join(d, "metrics.jsonl")
         with open(path, "w") as f:
             f.write('{"step": 0, "a": 1}\n{"step": 1, "a": 2}')  # complete, no newline
-        rc_run.truncate_metrics(path, 5, said.append)
+        rc_checkpoint.truncate_metrics(path, 5, said.append)
         assert open(path).read() == '{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n'
         assert len(said) == 1 and "line 2" in said[0] and "newline" in said[0]
         with open(path, "a") as f:
             f.write('{"step": 2, "a"')  # torn by a kill
-        rc_run.truncate_metrics(path, 5, said.append)
+        rc_checkpoint.truncate_metrics(path, 5, said.append)
         assert open(path).read() == '{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n'
         assert len(said) == 2 and "line 3 is torn" in said[1]
 
@@ -271,11 +272,12 @@ def test_a_resume_with_other_settings_is_refused(copy_of, flags, needles):
 
 def test_every_setting_is_compared_or_named_free():
     """The settings a resume may change are fields of Args (no stale name), and every other field is compared."""
-    fields = set(rc_run._flat(__import__("dataclasses").asdict(rc_train.Args())))
-    assert rc_run.RESUME_MAY_CHANGE <= fields and rc_run.RESOLVED_LATE <= fields - rc_run.RESUME_MAY_CHANGE
-    assert set(rc_run.run_settings(rc_train.Args())) == fields - rc_run.RESUME_MAY_CHANGE
+    fields = set(rc_checkpoint._flat(__import__("dataclasses").asdict(rc_train.Args())))
+    free, late = rc_checkpoint.RESUME_MAY_CHANGE, rc_checkpoint.RESOLVED_LATE
+    assert free <= fields and late <= fields - free
+    assert set(rc_checkpoint.run_settings(rc_train.Args())) == fields - free
     for name in ("seed", "num_prompts_per_step", "task", "model", "max_staleness", "learning_rate", "rc.preset"):
-        assert name in rc_run.run_settings(rc_train.Args())
+        assert name in rc_checkpoint.run_settings(rc_train.Args())
 
 
 def test_a_run_continued_past_its_end_equals_the_uninterrupted_run(copy_of, tmp_path):
@@ -328,17 +330,16 @@ def test_a_checkpoint_without_trainer_state_is_refused_and_never_breaks_a_save(t
     """A step_N folder that lost trainer_state.json is the newest checkpoint, damaged: refused naming it (today: the
     previous one loaded silently, then every save failed on 'Directory not empty: step_N.tmp -> step_N'). A save
     over such a folder replaces it."""
-    model, optimizer, scheduler = _tiny()
-    args = _args(keep_checkpoints=5)
+    tiny, args = _tiny(), _args(keep_checkpoints=5)
     for step in (0, 1):
-        rc_run.save_checkpoint(str(tmp_path), step, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, args)
+        _save(tmp_path, step, tiny, args)
     (tmp_path / "checkpoints" / "step_000001" / "trainer_state.json").unlink()
     with pytest.raises(rc_run.RunError, match="step_000001 is damaged: it has no trainer_state.json") as info:
-        rc_run.check_resume(str(tmp_path), _args(resume=True, run_name="x"))
+        rc_checkpoint.check_resume(str(tmp_path), _args(resume=True, run_name="x"))
     assert "step_000000" in str(info.value)
-    rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, args)
+    _save(tmp_path, 1, tiny, args)
     assert (tmp_path / "checkpoints" / "step_000001" / "trainer_state.json").is_file()
-    assert rc_run.check_resume(str(tmp_path), _args(resume=True, run_name="x")).endswith("step_000001")
+    assert rc_checkpoint.check_resume(str(tmp_path), _args(resume=True, run_name="x")).endswith("step_000001")
 
 
 # ---- 5. Every fault a line ----------------------------------------------------------------------------------------
@@ -362,6 +363,22 @@ def _args(**changes):
     return dataclasses.replace(rc_train.Args(), max_staleness=0, **changes)
 
 
+def _save(run_dir, step: int, tiny: tuple, args) -> None:
+    """save_checkpoint of _tiny()'s model, optimizer and scheduler by one process, with no batch in flight."""
+    model, optimizer, scheduler = tiny
+    rc_checkpoint.save_checkpoint(
+        str(run_dir),
+        step,
+        ACCELERATOR,
+        args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        counters=COUNTERS,
+        in_flight={},
+    )
+
+
 @pytest.mark.parametrize("where", ["state", "in_flight_rank0.pt", "torch's zip writer"])
 def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeypatch, where):
     """ENOSPC inside torch distributed checkpoint's writer or in torch.save, or the RuntimeError torch's zip writer
@@ -369,9 +386,9 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeyp
     file, the unfinished .tmp folder removed, the checkpoint before it untouched."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    model, optimizer, scheduler = _tiny()
-    rc_run.save_checkpoint(str(tmp_path), 0, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
-    kept = rc_run.checksum_files(str(tmp_path / "checkpoints" / "step_000000"))
+    tiny = _tiny()
+    _save(tmp_path, 0, tiny, _args())
+    kept = rc_checkpoint.checksum_files(str(tmp_path / "checkpoints" / "step_000000"))
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -382,8 +399,8 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeyp
     if where == "torch's zip writer":
         monkeypatch.setattr(dcp_fs, "_write_item", zip_writer)
         with pytest.raises(BaseException, match="unexpected pos"):  # a disk with room: a fault of the program
-            rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
-        monkeypatch.setattr(rc_run, "disk_full", lambda path: True)
+            _save(tmp_path, 1, tiny, _args())
+        monkeypatch.setattr(rc_checkpoint, "disk_full", lambda path: True)
         where = "state"
     elif where == "state":
         monkeypatch.setattr(dcp_fs, "_write_item", full)
@@ -391,12 +408,12 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeyp
         save = torch.save
         monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: full() if "in_flight" in str(f) else save(obj, f))
     with pytest.raises(rc_run.RunError) as info:
-        rc_run.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args())
+        _save(tmp_path, 1, tiny, _args())
     line = str(info.value)
     assert "\n" not in line and "no space left on device while writing" in line
     assert os.path.join("step_000001.tmp", where) in line
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000000"]
-    assert rc_run.checksum_files(str(tmp_path / "checkpoints" / "step_000000")) == kept
+    assert rc_checkpoint.checksum_files(str(tmp_path / "checkpoints" / "step_000000")) == kept
     assert rc_run.fault_line(info.value) == line  # what rc_train.py prints
 
 
@@ -492,7 +509,7 @@ def test_unreadable_files_are_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", unreadable)
     with pytest.raises(rc_run.RunError, match=f"permission denied while reading {path}"):
-        rc_run._read_json(str(path))
+        rc_checkpoint._read_json(str(path))
 
 
 # ---- 6. Checkpoint retention -------------------------------------------------------------------------------------
@@ -500,25 +517,19 @@ def test_checkpoints_are_kept_to_the_newest_n(tmp_path):
     """--keep-checkpoints N: after each save the complete checkpoints older than the one just written are deleted
     beyond the newest N; the one just written never is (not even among newer folders), incomplete folders are left
     alone, and N < 1 is refused naming the value."""
-    model, optimizer, scheduler = _tiny()
+    tiny = _tiny()
     for step in range(5):
-        rc_run.save_checkpoint(
-            str(tmp_path), step, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args(keep_checkpoints=2)
-        )
+        _save(tmp_path, step, tiny, _args(keep_checkpoints=2))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000003", "step_000004"]
     (tmp_path / "checkpoints" / "step_000002.tmp").mkdir()  # a save cut off by a kill
-    rc_run.save_checkpoint(
-        str(tmp_path), 1, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args(keep_checkpoints=1)
-    )
+    _save(tmp_path, 1, tiny, _args(keep_checkpoints=1))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [
         "step_000001",
         "step_000002.tmp",
         "step_000003",
         "step_000004",
     ]
-    rc_run.save_checkpoint(
-        str(tmp_path), 5, model, optimizer, scheduler, ACCELERATOR, COUNTERS, {}, _args(keep_checkpoints=1)
-    )
+    _save(tmp_path, 5, tiny, _args(keep_checkpoints=1))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002.tmp", "step_000005"]
     with pytest.raises(ValueError, match=r"--keep-checkpoints must be >= 1 .*got 0"):
         rc_config.validate_args(_args(keep_checkpoints=0), world_size=1)

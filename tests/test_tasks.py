@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import rc_rollout
 import rc_run
 import rc_train
 import tasks
-from tests.test_recipes import append_to, copy_repo, readme_block
+from tests.test_recipes import append_to, copy_repo, imported_from, readme_block, without_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 MINI = tasks.MiniGSMArgs()
@@ -244,8 +245,10 @@ def toy_task(**changes) -> tasks.Task:
 def test_registry_takes_a_new_task_without_editing_make_task(monkeypatch):
     monkeypatch.setitem(tasks.TASKS, "rev", lambda **_: toy_task())
     assert "rev" in tasks.TASK_NAMES and tasks.make_task("rev").name == "rev"
-    with pytest.raises(ValueError, match="'nope'.*minigsm, gsm8k, add, rev"):
+    with pytest.raises(ValueError, match="'nope'") as info:
         tasks.make_task("nope")
+    # the built-ins first and the new one last; a fork's own tasks (README "Fork it": countdown) may stand between
+    assert re.search(r"choose one of minigsm, gsm8k, add(, [\w-]+)*, rev$", str(info.value)), info.value
 
 
 def test_declared_score_keys_are_checked():
@@ -441,11 +444,12 @@ def readme_task_recipe() -> str:
 
 
 def recipe_task() -> tasks.Task:
-    """The recipe's task, its code run as if appended to tasks.py (against a copy of the registry)."""
-    namespace = {**vars(tasks), "TASKS": dict(tasks.TASKS)}
+    """The recipe's task, its code run as if appended to tasks.py (against an empty registry, so that the one task it
+    registers is found also in a fork that has added it to tasks.py already)."""
+    namespace = {**vars(tasks), "TASKS": {}}
     exec(readme_task_recipe(), namespace)  # noqa: S102 - the README's own code block
-    [name] = set(namespace["TASKS"]) - set(tasks.TASKS)
-    return namespace["TASKS"][name]()
+    [factory] = namespace["TASKS"].values()
+    return factory()
 
 
 def test_readme_task_recipe_scores_the_row():
@@ -462,9 +466,11 @@ def test_readme_task_recipe_scores_the_row():
 
 def test_readme_task_recipe_trains(tmp_path):
     """The recipe appended to a copy of tasks.py; the copied rc_train.py trains it for two steps with --model tiny."""
-    repo = copy_repo(tmp_path)
-    append_to(repo, "tasks.py", readme_task_recipe())
-    task = recipe_task()
+    repo, code, task = copy_repo(tmp_path), readme_task_recipe(), recipe_task()
+    without_recipe(repo, "tasks.py", code)  # where a fork has added it in place already
+    with imported_from(repo, "tasks") as (bare,):
+        assert task.name not in bare.TASKS  # the recipe adds a task the repository lacks
+    append_to(repo, "tasks.py", code)
     short = ["--num-steps", "2", "--num-prompts-per-step", "4", "--num-samples-per-prompt", "4"]
     flags = [*short, "--max-response-length", "4", "--eval-limit", "8", "--no-save-final"]
     cmd = [sys.executable, "rc_train.py", "--config", "configs/cpu_add.yaml", "--task", task.name, "--model", "tiny"]

@@ -378,7 +378,8 @@ def preset_batches(tmp_path_factory):
         rollouts.begin(0)
         for step in range(args.num_steps):
             groups, version, _ = rollouts.take(step)
-            samples = [(i, g, version, r) for g, (i, group) in enumerate(zip(indices(step), groups)) for r in group]
+            pairs = enumerate(zip(indices(step), groups))
+            samples = [rc_train.Sample(i, g, version, r) for g, (i, group) in pairs for r in group]
             batch, tensors, logged = rc_train.scored_batch(args, data, samples, step, bound, len(samples))
             steps.append((batch, tensors, logged))
     finally:
@@ -427,10 +428,9 @@ def train_preset(preset_batches, preset):
 
 def test_preset_twins_build_the_same_config_and_the_rest_differ():
     import rc_config
-    import rc_train
 
     def built(preset):  # as rc_train.py builds --rc.preset PRESET
-        return rc_config.build_correction_config(rc_train.CorrectionArgs(preset=preset))
+        return rc_config.build_correction_config(rc_config.CorrectionArgs(preset=preset))
 
     assert all(built(alias) == built(target) for alias, target in PRESET_TWINS.items())
     same = [(a, b) for i, a in enumerate(DISTINCT_PRESETS) for b in DISTINCT_PRESETS[:i] if built(a) == built(b)]
@@ -1133,162 +1133,3 @@ def test_correction_flags_reach_the_config_with_their_types(monkeypatch, flags, 
         assert getattr(config, name) == value and type(getattr(config, name)) is type(value), (name, config)
     if flags[-1] == "0.5_5":
         assert (config.is_spec.mode, config.is_spec.lower, config.is_spec.upper) == ("icepop", 0.5, 5.0)
-
-
-def test_length_batching_gives_the_same_loss_and_gradients():
-    # One optimizer step over a minibatch of mixed lengths: (a) the whole batch width, micro-batches in row order
-    # (the trainer before length batching); (b) sorted by length, cut by a token budget, each micro-batch trimmed.
-    # The loss has global denominators, so (a) and (b) are the same sum: same loss, same gradients.
-    import rc_train
-
-    torch.manual_seed(0)
-    model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [
-        torch.randint(1, 50, (int(n),), generator=gen).tolist() for n in torch.randint(3, 12, (10,), generator=gen)
-    ]
-    responses = []
-    for n in torch.randint(1, 9, (10,), generator=gen):
-        ids = torch.randint(1, 50, (int(n),), generator=gen).tolist()
-        responses.append((ids, (-torch.rand(int(n), generator=gen)).tolist(), ""))
-    batch = rc_train.make_batch(prompts, responses, pad_id=0)
-    mask, rollout = batch["response_mask"].double(), batch["rollout_log_prob"].double()
-    advantages = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
-    config = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
-    counts = dict(global_token_count=float(mask.sum()), global_seq_count=10.0, loss_scale_factor=8.0)
-
-    def one_step(groups, trim):
-        model.zero_grad()
-        total = 0.0
-        for rows in groups:
-            if trim:
-                ids, att, t = rc_train.trimmed_inputs(batch, rows)
-            else:
-                ids, att, t = batch["input_ids"][rows], batch["attention_mask"][rows], mask.shape[1]
-            lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
-            lp = torch.nn.functional.pad(lp, (0, mask.shape[1] - t))
-            loss, _ = rc_core.compute_policy_loss_bypass_mode(
-                lp, rollout[rows], advantages[rows], mask[rows], config, **counts
-            )
-            loss.backward()
-            total += float(loss.detach())
-        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    rows = torch.arange(10)
-    plain = one_step([rows[:4], rows[4:8], rows[8:]], trim=False)
-    groups = rc_train.micro_batches(rows, batch, size=4, max_tokens=40)
-    assert len(groups) > 3 and sorted(torch.cat(groups).tolist()) == list(range(10))  # every row once
-    widths = [int(batch["prompt_len"][g].max() + batch["response_len"][g].max()) for g in groups]
-    assert all(len(g) * w <= 40 or len(g) == 1 for g, w in zip(groups, widths))  # the budget holds
-    trimmed = one_step(groups, trim=True)
-    assert trimmed[0] == pytest.approx(plain[0], rel=1e-10, abs=1e-12)
-    for name, grad in plain[1].items():
-        torch.testing.assert_close(trimmed[1][name], grad, rtol=1e-9, atol=1e-12)
-
-
-def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
-    # GRPO's n responses of a prompt share it: --share-prompt-prefix forwards each distinct prompt of a micro-batch
-    # once and runs the responses on its KV cache. Against one pass over every full row: same log-probs, loss and
-    # gradients (float64), with micro-batches grouped by prompt, for the policy and for a no-grad pass.
-    import rc_train
-
-    model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0).double()
-    gen = torch.Generator().manual_seed(2)
-    n_prompts, n = 4, 3
-    prompts = [
-        torch.randint(1, 50, (int(k),), generator=gen).tolist()
-        for k in torch.randint(3, 12, (n_prompts,), generator=gen)
-    ]
-    flat_prompts, responses, group_ids = [], [], []
-    for g, prompt in enumerate(prompts):
-        for length in torch.randint(1, 9, (n,), generator=gen):
-            ids = torch.randint(1, 50, (int(length),), generator=gen).tolist()
-            flat_prompts.append(prompt)
-            responses.append((ids, (-torch.rand(int(length), generator=gen)).tolist(), ""))
-            group_ids.append(g)
-    batch = rc_train.make_batch(flat_prompts, responses, 0, group_ids)
-    mask, rollout = batch["response_mask"].double(), batch["rollout_log_prob"].double()
-    advantages = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
-    config = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
-    counts = dict(global_token_count=float(mask.sum()), global_seq_count=float(len(group_ids)), loss_scale_factor=8.0)
-
-    def one_step(micro, shared):
-        model.zero_grad()
-        total, log_probs = 0.0, torch.zeros(mask.shape, dtype=torch.float64)
-        for rows in micro:
-            ids, att, t = rc_train.trimmed_inputs(batch, rows)
-            lp, _ = rc_train.sequence_log_probs(
-                model, ids, att, t, 1.0, "float32", group=batch["group"][rows] if shared else None
-            )
-            lp = torch.nn.functional.pad(lp, (0, mask.shape[1] - t))
-            loss, _ = rc_core.compute_policy_loss_bypass_mode(
-                lp, rollout[rows], advantages[rows], mask[rows], config, **counts
-            )
-            loss.backward()
-            total += float(loss.detach())
-            log_probs[rows] = lp.detach() * mask[rows]
-        return total, log_probs, {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    rows = torch.arange(len(group_ids))
-    plain = one_step([rows[:5], rows[5:]], shared=False)
-    micro = rc_train.micro_batches(rows, batch, size=5, max_tokens=None, by_group=True)
-    assert sorted(torch.cat(micro).tolist()) == rows.tolist()
-    assert any(len(set(batch["group"][m].tolist())) < len(m) for m in micro)  # a prompt really is shared
-    shared = one_step(micro, shared=True)
-    torch.testing.assert_close(shared[1], plain[1], rtol=1e-10, atol=1e-12)
-    assert shared[0] == pytest.approx(plain[0], rel=1e-10, abs=1e-12)
-    # The forward is the same to float64 rounding. The gradients are the same sum in another order: a shared prompt
-    # gets its responses' gradients added before (not after) the backward of the attention softmax, which
-    # transformers computes in float32 even for a float64 model, so they agree to float32 rounding.
-    for name, grad in plain[2].items():
-        torch.testing.assert_close(shared[2][name], grad, rtol=1e-5, atol=1e-9)
-    # one-token responses: the prompt pass alone gives every logit
-    one = rc_train.make_batch(flat_prompts[:3], [(r[0][:1], r[1][:1], "") for r in responses[:3]], 0, group_ids[:3])
-    ids, att, t = rc_train.trimmed_inputs(one, torch.arange(3))
-    with torch.no_grad():
-        a, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
-        b, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32", group=one["group"])
-    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
-
-
-def test_compiled_layers_give_the_same_log_probs_and_gradients():
-    # --compile (rc_train.compile_layers): every decoder layer torch.compiled in place. Against the eager model: the
-    # same log-probs and gradients, padded and unpadded micro-batches, with and without gradients; the parameter
-    # names unchanged (weight sync and checkpoints read them); one set of graphs for all the layers; the shared-prompt
-    # pass off. Inductor, as --compile runs it (its CPU code here; tests/test_bench_gpu_step.py checks aot_eager).
-    from torch._dynamo.utils import counters
-
-    import rc_train
-
-    assert not rc_train.shares_prefix(dataclasses.replace(rc_train.Args(), compile=True))
-    torch._dynamo.reset()
-    eager = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0)
-    compiled = copy.deepcopy(eager)
-    names = list(eager.state_dict())
-    assert rc_train.compile_layers(compiled) is compiled
-    assert list(compiled.state_dict()) == names
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 50, (k,), generator=gen).tolist() for k in (5, 7, 9, 7)]
-    responses = [torch.randint(1, 50, (k,), generator=gen).tolist() for k in (4, 6, 3, 6)]
-    batch = rc_train.make_batch(prompts, [(r, [-1.0] * len(r), "") for r in responses], 0, [0, 1, 2, 3])
-
-    def run(model, rows, with_grad):
-        model.zero_grad()
-        ids, att, t = rc_train.trimmed_inputs(batch, rows)
-        with torch.set_grad_enabled(with_grad):
-            lp, _ = rc_train.sequence_log_probs(model, ids, att, t, 1.0, "float32")
-        lp = lp * batch["response_mask"][rows, :t]
-        if not with_grad:
-            return lp, {}
-        (lp.sum() * 0.1).backward()
-        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    graphs = counters["stats"]["unique_graphs"]
-    for rows in (torch.tensor([0, 1, 2, 3]), torch.tensor([1, 3])):  # padded; rows 1 and 3 are not (7 + 6 tokens)
-        for with_grad in (True, False):
-            (lp, grads), (want_lp, want_grads) = run(compiled, rows, with_grad), run(eager, rows, with_grad)
-            torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
-            for name, grad in want_grads.items():
-                torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    compiled_graphs = counters["stats"]["unique_graphs"] - graphs
-    assert 1 <= compiled_graphs <= 4, compiled_graphs  # a graph per layer would be twice as many

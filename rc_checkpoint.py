@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -454,15 +456,84 @@ def check_run_dir(run_dir: str, resume: bool, overwrite: bool, world: int = 1, m
                 f"run has --max-staleness {max_staleness}: resume with the same bound"
             )
     if exists and not (resume or overwrite):
+        if ended_before_training(run_dir):
+            return True  # a run that never trained: emptied and started again, once claim_run_dir holds its lock
         raise FileExistsError(f"run folder {run_dir!r} exists; pass --overwrite to replace it or --resume")
     return exists and overwrite and not resume
+
+
+BEFORE_TRAINING = re.compile(r"config\.yaml(\.tmp)?|engine\d*\.log|metrics\.jsonl|eval_samples\.jsonl")
+
+
+def ended_before_training(run_dir: str) -> bool:
+    """The folder of a run that ended (killed, crashed) before its first training step: made by a run (its lock file
+    is there) and holding only what a run writes before that step (config.yaml, the engines' logs, at most the
+    evaluation before training: metrics.jsonl lines of step -1 and their eval_samples.jsonl), so no step, no
+    checkpoint, no final model. A next run of its name starts it again instead of refusing it. Whether its run is
+    still alive is for the lock to say: only claim_run_dir, holding it, acts on this."""
+    try:
+        names = os.listdir(run_dir)
+        if rc_run.LOCK_FILE not in names or not all(
+            n == rc_run.LOCK_FILE or BEFORE_TRAINING.fullmatch(n) for n in names
+        ):
+            return False
+        if "metrics.jsonl" in names:
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                for line in f:
+                    if line.strip() and json.loads(line).get("step", 0) >= 0:
+                        return False
+    except (OSError, ValueError, AttributeError, TypeError):  # unreadable, a torn line, not a step record
+        return False
+    return True
+
+
+ABANDONED_AFTER_S = 60.0  # a lock-only run folder this old whose lock is free was left by a killed start
+LOCK_TEXT = re.compile(r"(\d+ \S+\n)?")  # what rc_run.RunLock writes in its file: "PID HOST", or nothing yet
+
+
+def remove_abandoned_claims(output_dir: str, keep: str) -> list[str]:
+    """Remove the run folders under `output_dir` that hold nothing but a free lock file at least ABANDONED_AFTER_S old
+    (besides `keep`, the caller's own), and return them. Such a folder is a start that was killed before it wrote
+    anything, typically during the base-model build (rc_run.RunLock removes its own at a normal exit; a SIGKILL
+    skips that). A lock that some process holds, one that RunLock did not write, or any other file: the folder stays."""
+    removed = []
+    try:
+        entries = sorted(os.listdir(output_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        folder = os.path.join(output_dir, entry)
+        lock_path = os.path.join(folder, rc_run.LOCK_FILE)
+        try:
+            if (
+                os.path.samefile(folder, keep)
+                or os.path.islink(folder)
+                or os.listdir(folder) != [rc_run.LOCK_FILE]
+                or time.time() - os.lstat(lock_path).st_mtime < ABANDONED_AFTER_S
+            ):
+                continue
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live process holds it
+                holder = os.pread(fd, 300, 0).decode(errors="replace")
+                if LOCK_TEXT.fullmatch(holder) and os.listdir(folder) == [rc_run.LOCK_FILE]:
+                    os.unlink(lock_path)
+                    os.rmdir(folder)
+                    removed.append(folder)
+            finally:
+                os.close(fd)
+        except OSError:  # not a folder, gone meanwhile, held, not ours to remove
+            continue
+    return removed
 
 
 def claim_run_dir(run_dir: str, args, host: rc_run.HostGroup, main: bool) -> tuple[rc_run.RunLock | None, bool]:
     """Before any rank writes to the run folder: the main process checks it (check_run_dir: an existing run that
     must not be touched is refused before it gets a lock file), takes its lock (rc_run.RunLock), checks it again now
     that no other process can change it (two fresh starts of one name cannot both pass), and on --resume checks the
-    newest checkpoint (check_resume: complete and intact; its settings later, agree_settings). Every rank learns the
+    newest checkpoint (check_resume: complete and intact; its settings later, agree_settings). A folder whose run ended
+    before its first step (ended_before_training) is taken over and emptied, as --overwrite would, and the folders of
+    starts killed before they wrote anything are removed beside it (remove_abandoned_claims). Every rank learns the
     outcome: a refusal raises RunError on each. Returns (the lock, held by the main process, None on the others;
     whether the folder must be emptied). Here rather than in rc_run because a resume's claim needs the checkpoint."""
     lock, replace, error = None, False, None
@@ -473,6 +544,10 @@ def claim_run_dir(run_dir: str, args, host: rc_run.HostGroup, main: bool) -> tup
             replace = check_run_dir(run_dir, args.resume, args.overwrite, host.world, args.max_staleness)
             if args.resume:
                 check_resume(run_dir, args)
+            elif replace and not args.overwrite:
+                print(f"run folder {run_dir!r}: its last run ended before its first step; starting afresh", flush=True)
+            for folder in remove_abandoned_claims(os.path.dirname(run_dir) or ".", run_dir):
+                print(f"removed {folder!r}: a run killed before it wrote anything (only its lock file)", flush=True)
         except (ValueError, FileNotFoundError, FileExistsError) as e:
             error = str(e)
         except OSError as e:

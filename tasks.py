@@ -20,6 +20,7 @@ factory in TASKS (README "Fork it").
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -473,13 +474,59 @@ def _cached(path: str) -> bool:
         return False
 
 
+STALE_BUILD = re.compile(r"(?P<name>.+)\.tmp(?P<pid>\d+)")  # cache/name.tmpPID: a build under way, or a killed one's
+
+
+def _gone(pid: int) -> bool:
+    """No process has this id (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: someone else's process
+        return False
+    return False
+
+
+def remove_stale_builds(held: str, log: Callable[[str], None]) -> list[str]:
+    """Remove the folders that killed builds left in the cache (cache/name.tmpPID: a SIGKILL, a power cut; a build
+    that fails or is interrupted removes its own) and return them. A build holds cache/name.lock for as long as its
+    folder is unfinished, so a name.tmpPID is stale when that lock is free: `held`, the name whose lock the caller
+    holds, or any other whose lock this process can take for a moment. The lock, not the PID, decides: a PID can be
+    reused by an unrelated process, or belong to another machine sharing the cache. Without a lock file (never made by
+    cached_build) the PID decides: gone, the folder goes."""
+    root, removed = cache_root(), []
+    for entry in sorted(os.listdir(root)):
+        match, folder = STALE_BUILD.fullmatch(entry), os.path.join(root, entry)
+        if match is None or not os.path.isdir(folder) or os.path.islink(folder):
+            continue
+        name, pid = match["name"], int(match["pid"])
+        lock_path = os.path.join(root, f"{name}.lock")
+        with contextlib.ExitStack() as held_lock:
+            if name != held and os.path.exists(lock_path):
+                try:
+                    lock = held_lock.enter_context(open(lock_path, "a"))  # closing it releases the lock
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:  # BlockingIOError: being built now; or not ours to open
+                    continue
+            elif name != held and not _gone(pid):
+                continue
+            if not os.path.isdir(folder):  # finished or removed meanwhile
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        log(f"model cache: removed {folder}, left by a build that was stopped (pid {pid})")
+    return removed
+
+
 def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], None]) -> str:
     """cache/name, built once by build(tmp_dir) and renamed into place (atomic: a half-built model is never
     picked up). A complete build holds build.json with the SHA-256 of its files; a folder whose files no longer
     match it (corrupt, truncated, edited) is moved aside and rebuilt, never loaded. Two processes that want the same
     model at once (two runs, or the test suite's workers, on a fresh machine) build it once: the second waits on the
     first's lock (cache/name.lock, an empty file that stays; flock, so the kernel releases it if its holder dies)
-    and then finds the model cached."""
+    and then finds the model cached. A build that fails or is interrupted removes its folder; one that was killed
+    leaves it, and the next build removes it (remove_stale_builds)."""
     path = os.path.join(cache_root(), name)
     if _cached(path):
         log(f"model: {path} (cached)")
@@ -501,7 +548,7 @@ def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], N
             broken = f"{path}.corrupt{time.time_ns()}"
             os.rename(path, broken)
             log(f"cached model {path} failed its checksum: moved to {broken}, rebuilding")
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale_builds(name, log)
         os.makedirs(tmp)
         info = build(tmp)
         with open(os.path.join(tmp, "build.json"), "w") as f:
@@ -513,6 +560,9 @@ def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], N
             f"the model cache {cache_root()!r} (RC_CACHE_DIR) cannot be written: {e.strerror} "
             f"({e.filename or tmp}); set RC_CACHE_DIR to a writable folder"
         ) from None
+    except BaseException:  # a failed build, Ctrl-C: nothing half-built stays (a SIGKILL's: remove_stale_builds)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         if lock is not None:
             lock.close()  # releases the flock
@@ -649,35 +699,122 @@ def warm_start_corpus(task: Task, mini: MiniGSMArgs) -> tuple[list[str], list[st
     return [prompt_text(task, row) for row in train], solutions
 
 
-def busy_cores(seconds: float = 0.3) -> float | None:
-    """Cores the machine's other processes keep busy, sampled from /proc/stat over `seconds` (None where there is no
-    /proc/stat, e.g. macOS)."""
-
-    def sample():
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
-
+def _cpu_ticks() -> tuple[int, int, int] | None:
+    """(all, idle + iowait, cores) CPU ticks since boot of the cores this process may run on (its affinity: in a
+    container pinned to some cores of a bigger machine, those), from /proc/stat; None where there is none (macOS)."""
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    total = idle = cores = 0
     try:
-        all0, idle0 = sample()
-        time.sleep(seconds)
-        all1, idle1 = sample()
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or (mine is not None and int(name[3:]) not in mine):
+                    continue
+                ticks = [int(x) for x in fields]
+                total, idle, cores = total + sum(ticks), idle + ticks[3] + ticks[4], cores + 1
     except (OSError, ValueError, IndexError):
         return None
-    return (1.0 - (idle1 - idle0) / max(1, all1 - all0)) * (os.cpu_count() or 1)
+    return (total, idle, cores) if cores else None
 
 
-def build_threads(environ=os.environ, busy=busy_cores) -> int:
-    """Threads of a base-model build: every core on an idle machine; on a busy one OMP_NUM_THREADS when it is set
-    (rc_config.check_environment checked it). Beside one busy process two OpenMP threads spin-wait for each other: a
-    step of the minigsm build went from 0.45 s (alone, 2 threads) to 4.3 s (py-spy: 75 % of samples in libgomp), and
-    0.75 s at one thread. The test suite sets OMP_NUM_THREADS=1 for the trainer but builds when nothing else runs."""
-    cores = os.cpu_count() or 1
+def _busy(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
+    """Cores kept busy on average between two _cpu_ticks samples."""
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return (1.0 - idle / max(1, total)) * after[2]
+
+
+def busy_cores(seconds: float = 0.3) -> float | None:
+    """Cores the machine's other processes keep busy, sampled from /proc/stat over `seconds` while this process waits
+    (None where there is no /proc/stat, e.g. macOS)."""
+    before = _cpu_ticks()
+    time.sleep(seconds)
+    after = _cpu_ticks()
+    return None if before is None or after is None else _busy(before, after)
+
+
+class OtherLoad:
+    """Cores the machine's other processes kept busy since the last call (or since it was made), without waiting: the
+    machine's busy time (/proc/stat) less this process's own CPU time, all its threads, spinning ones included. A
+    loop that works between calls samples the others' load as it goes. None where there is no /proc/stat."""
+
+    def __init__(self, ticks=_cpu_ticks, cpu_time=time.process_time, clock=time.monotonic):
+        self.ticks, self.cpu_time, self.clock = ticks, cpu_time, clock
+        self.last = self._sample()
+
+    def _sample(self):
+        return self.ticks(), self.cpu_time(), self.clock()
+
+    def __call__(self) -> float | None:
+        (t0, cpu0, wall0), now = self.last, self._sample()
+        (t1, cpu1, wall1), self.last = now, now
+        if t0 is None or t1 is None or t1[0] <= t0[0] or t1[2] != t0[2]:
+            return None
+        return max(0.0, _busy(t0, t1) - (cpu1 - cpu0) / max(1e-6, wall1 - wall0))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def build_threads(environ=os.environ, busy=busy_cores, cores: int | None = None) -> int:
+    """Threads of a base-model build: every core while the other processes leave them idle (under half a core busy);
+    beside busy ones, the cores they leave free (at least one; at most OMP_NUM_THREADS when it is set, rc_config.
+    check_environment checked it); without /proc/stat, OMP_NUM_THREADS or every core. Measured on the 2-core machine
+    (docs/running.md "The miniature GSM8K"): with spinning OpenMP threads (OMP_WAIT_POLICY unset) a step went from
+    0.45 s alone to 4-7 s beside busy processes at 2 threads, 1.0-1.2 s at one; sleeping threads (the policy this
+    module sets) bound the loss between re-checks (BuildThreads), and one thread leaves the others their share."""
+    cores = cores or usable_cores()
     value = environ.get("OMP_NUM_THREADS", "").strip()
-    if not (value.isdigit() and int(value) > 0):
-        return cores
+    cap = int(value) if value.isdigit() and int(value) > 0 else cores
     others = busy()
-    return cores if others is not None and others < 0.5 else int(value)
+    if others is None:
+        return min(cap, cores)
+    if others < 0.5:
+        return cores
+    return max(1, min(cap, cores, round(cores - others)))
+
+
+class BuildThreads:
+    """torch's threads for a long build loop on a machine others share, re-decided as they start and stop: set from
+    build_threads at the start (a short sample of the load, busy_cores), then every `every` seconds (at the next call
+    of `recheck`, between steps) from what the others kept busy since the last decision (OtherLoad). `restore` puts
+    the caller's thread count back."""
+
+    def __init__(self, every=5.0, environ=os.environ, set_threads=None, clock=time.monotonic, first=None, load=None):
+        self.every, self.environ, self.clock = every, environ, clock
+        self.set_threads = set_threads or torch.set_num_threads
+        self.before = torch.get_num_threads()
+        self.threads = build_threads(environ, busy=first or busy_cores)
+        self.used = {self.threads}
+        self.set_threads(self.threads)
+        self.load = load or OtherLoad(clock=clock)
+        self.due = clock() + every
+
+    def recheck(self) -> int:
+        """The threads now: unchanged until `every` seconds have passed since the last decision."""
+        if self.clock() >= self.due:
+            self.due = self.clock() + self.every
+            threads = build_threads(self.environ, busy=self.load)
+            if threads != self.threads:
+                self.threads = threads
+                self.used.add(threads)
+                self.set_threads(threads)
+        return self.threads
+
+    def restore(self) -> None:
+        self.set_threads(self.before)
+
+
+ESTIMATE_AFTER = 5  # the build's step after which it says how long it will take (step 0 warms up, not counted)
+
+
+def build_estimate(name: str, steps: int, seconds: list[float], threads: int) -> str:
+    """The one line that says how long a build of `steps` steps will take, from the seconds of its first steps."""
+    per = sum(seconds) / max(1, len(seconds))
+    total = per * steps
+    about = f"{total:.0f} s" if total < 90 else f"{total / 60:.0f} min"
+    return f"building the {name} base model (once): ~{about} ({steps} steps, {per:.2f} s each on {threads} thread(s))"
 
 
 def build_warm_base(
@@ -689,12 +826,15 @@ def build_warm_base(
     log: Callable[[str], None],
     show_progress: bool = False,
     router_scale: float | None = None,
+    step_times: list[float] | None = None,
 ) -> dict:
     """Tokenizer (trained on the task's prompts and solutions, warm_start_corpus) + a 1M-parameter Qwen2 (4 layers,
     hidden 128), warm-started by supervised fine-tuning on the train split: loss on the solution tokens and EOS only,
     the prompt built exactly as rc_train.py builds it. Sizing and measurements of the minigsm base: docs/running.md
     "The miniature GSM8K". With `router_scale`: the tiny Qwen3-MoE (make_qwen3_moe, 4 layers) by the same loop, plus
-    Qwen3-MoE's own load-balancing loss (router_aux_loss_coef) so that the experts share the tokens (docs/moe.md)."""
+    Qwen3-MoE's own load-balancing loss (router_aux_loss_coef) so that the experts share the tokens (docs/moe.md).
+    Threads: BuildThreads. After the first steps `log` gets one line saying how long it will take (build_estimate).
+    `step_times` (a list) receives each step's seconds (benchmarks/bench_build.py)."""
     t0 = time.time()
     tokenizer = make_tokenizer(prompts + solutions, 512)
     eos = tokenizer.eos_token_id
@@ -713,14 +853,15 @@ def build_warm_base(
     optimizer = torch.optim.AdamW(model.parameters(), lr=mini.sft_learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
     order = torch.Generator().manual_seed(mini.model_seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(build_threads())
+    threads = BuildThreads()  # every idle core, re-decided as other processes start and stop
     model.train()
-    loss = float("nan")
+    loss, times = float("nan"), [] if step_times is None else step_times
+    first = len(times)
     desc = f"building the {task.name} base model (once)"
     bar = tqdm(range(mini.sft_steps), desc=desc, disable=not show_progress, leave=False, dynamic_ncols=True)
     try:
         for step in bar:
+            t_step = time.perf_counter()
             idx = torch.randint(len(examples), (mini.sft_batch_size,), generator=order).tolist()
             input_ids, labels = sft_batch([examples[i] for i in idx], eos)
             out = model(input_ids=input_ids, labels=labels, **moe)  # right padding: causal attention never sees it
@@ -730,11 +871,16 @@ def build_warm_base(
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             loss = out.loss.item()
+            times.append(time.perf_counter() - t_step)
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{loss:.3f}")
+            if step == ESTIMATE_AFTER and mini.sft_steps > 2 * ESTIMATE_AFTER:
+                with tqdm.external_write_mode():  # one line above the bar
+                    log(build_estimate(task.name, mini.sft_steps, times[first + 1 :], threads.threads))
+            threads.recheck()
     finally:
         bar.close()
-        torch.set_num_threads(threads)
+        threads.restore()
     log(f"warm start: {mini.sft_steps} steps, final loss {loss:.3f}, {time.time() - t0:.0f} s")
     if not math.isfinite(loss) and mini.sft_steps:
         raise RuntimeError(f"warm start diverged (loss {loss})")
@@ -745,6 +891,7 @@ def build_warm_base(
         "settings": asdict(mini) if router_scale is None else {**asdict(mini), "router_scale": router_scale},
         "sft_final_loss": loss,
         "build_seconds": round(time.time() - t0, 1),
+        "threads": sorted(threads.used),
     }
 
 

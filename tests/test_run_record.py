@@ -143,6 +143,102 @@ def test_the_lock_names_its_holder_and_never_outlives_it(tmp_path):
     assert probe.returncode == 3 and not (tmp_path / "gone").exists()
 
 
+def _died_before_training(run_dir, *, metrics='{"step": -1, "eval/accuracy_strict": 0.1}\n'):
+    """A run folder as a run killed before its first step leaves it: lock, config, engine log, the eval at step -1."""
+    run_dir.mkdir()
+    for name, text in ((".lock", "999 host\n"), ("config.yaml", "args: {}\n"), ("engine.log", "...\n")):
+        (run_dir / name).write_text(text)
+    if metrics is not None:
+        (run_dir / "metrics.jsonl").write_text(metrics)
+        (run_dir / "eval_samples.jsonl").write_text('{"step": -1}\n')
+    return run_dir
+
+
+def _claim(run_dir, **changes):
+    """claim_run_dir by this process (one rank); the lock released again. (whether to empty, None) or (None, the
+    refusal)."""
+    try:
+        lock, replace = rc_checkpoint.claim_run_dir(str(run_dir), _args(**changes), rc_run.HostGroup(1), True)
+    except rc_run.RunError as e:
+        return None, str(e)
+    os.close(lock.fd)
+    return replace, None
+
+
+def test_a_run_that_died_before_its_first_step_is_started_again(tmp_path, capsys):
+    """A run killed (or crashed) before its first training step (during the base-model build or the engine's start)
+    left a folder with its config, engine log and at most the evaluation at step -1: the next run of that name takes
+    it over and empties it, saying so, instead of refusing it. Anything a step writes (a metrics line of step >= 0, a
+    checkpoint, final/), any other file, a torn line, or no lock file (not a run's folder): refused as before."""
+    for metrics in (None, "", '{"step": -1, "x": 1}\n'):
+        run_dir = _died_before_training(tmp_path / f"r{len(os.listdir(tmp_path))}", metrics=metrics)
+        assert rc_checkpoint.ended_before_training(str(run_dir))
+        assert _claim(run_dir, run_name=run_dir.name) == (True, None)
+        assert (run_dir / ".lock").read_text().split()[0] == str(os.getpid())  # ours now
+        assert "ended before its first step" in capsys.readouterr().out
+    refusals = {
+        "a step": lambda d: (d / "metrics.jsonl").write_text('{"step": -1}\n{"step": 0, "x": 1}\n'),
+        "a torn line": lambda d: (d / "metrics.jsonl").write_text('{"step": -1}\n{"st'),
+        "a checkpoint": lambda d: (d / "checkpoints" / "step_000000.tmp").mkdir(parents=True),
+        "final": lambda d: (d / "final").mkdir(),
+        "another file": lambda d: (d / "notes.txt").write_text("mine"),
+        "no lock file": lambda d: (d / ".lock").unlink(),
+    }
+    for what, change in refusals.items():
+        run_dir = _died_before_training(tmp_path / what.replace(" ", "_"))
+        change(run_dir)
+        assert not rc_checkpoint.ended_before_training(str(run_dir)), what
+        before = sorted(os.listdir(run_dir))
+        replace, error = _claim(run_dir, run_name=run_dir.name)
+        assert "exists; pass --overwrite to replace it" in error, what
+        assert sorted(os.listdir(run_dir)) == before
+    assert _claim(tmp_path / "a_step", run_name="a_step", overwrite=True) == (True, None)  # --overwrite still does
+
+
+def test_a_folder_whose_run_is_alive_is_never_taken_over(tmp_path):
+    """A run before its first step (building its base model, starting its engine) holds its folder's lock: a start of
+    the same name is refused naming it, and the folder is left exactly as it was."""
+    run_dir = _died_before_training(tmp_path / "live")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import rc_run, time; rc_run.RunLock({str(run_dir)!r}); print('held', flush=True); "
+         "time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+        replace, error = _claim(run_dir, run_name="live")
+        assert f"in use by pid {holder.pid}" in error
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _claim(run_dir, run_name="live") == (True, None)  # its holder gone: started again
+
+
+def test_starts_killed_before_they_wrote_anything_leave_no_folder(tmp_path, capsys):
+    """A start killed during the base-model build (the default run name has a timestamp, so no later run reuses it)
+    leaves a folder holding only its lock file: the next run's claim removes it, once it is ABANDONED_AFTER_S old and
+    its lock free. A held lock, a recent one (a start under way), a .lock RunLock did not write, another file: kept."""
+    import fcntl
+
+    old = time.time() - 2 * rc_checkpoint.ABANDONED_AFTER_S
+    for name in ("killed", "held", "recent", "with_config", "not_a_run"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".lock").write_text("999 host\n" if name != "not_a_run" else "my notes")
+        if name != "recent":
+            os.utime(tmp_path / name / ".lock", (old, old))
+    (tmp_path / "with_config" / "config.yaml").write_text("args: {}\n")
+    (tmp_path / "a_file").write_text("x")
+    with open(tmp_path / "held" / ".lock") as holder:  # another open file: flock refuses this process too
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert _claim(tmp_path / "new", run_name="new") == (False, None)
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "held", "new", "not_a_run", "recent", "with_config"]
+    assert f"removed {str(tmp_path / 'killed')!r}" in capsys.readouterr().out
+    os.utime(tmp_path / "new" / ".lock", (old, old))  # the caller's own folder is never removed
+    assert rc_checkpoint.remove_abandoned_claims(str(tmp_path), str(tmp_path / "new")) == [str(tmp_path / "held")]
+
+
 def test_two_processes_hold_and_refuse_together(tmp_path):
     """Under two processes rank 0 holds the lock and every rank learns a refusal, with no hang and nothing written:
     a folder another process holds, and a resume whose damage only rank 1 sees (its batches in flight), which rank 0

@@ -139,9 +139,11 @@ def test_cache_is_reused_and_never_loads_half_written_or_corrupt(tmp_path, monke
     path = tasks.cached_build("m", build, logs.append)
     assert tasks.cached_build("m", build, logs.append) == path and len(calls) == 1  # reused
     assert calls[0] != path and ".tmp" in calls[0]  # built aside, then renamed into place
-    # A half-written build (a crash before the rename) is never picked up: only the complete folder is.
+    # A half-written build (a crash before the rename) is never picked up: only the complete folder is (and the
+    # half-written one is removed: tasks.remove_stale_builds).
     (tmp_path / "m2.tmp999").mkdir()
     assert tasks.cached_build("m2", build, logs.append) == str(tmp_path / "m2") and len(calls) == 2
+    assert not (tmp_path / "m2.tmp999").exists()
     # A corrupt file (or a folder without its build stamp) fails the checksum: moved aside and rebuilt.
     with open(os.path.join(path, "model.safetensors"), "r+b") as f:
         f.write(b"\0\0\0\0")
@@ -151,6 +153,44 @@ def test_cache_is_reused_and_never_loads_half_written_or_corrupt(tmp_path, monke
     os.remove(os.path.join(path, "build.json"))
     tasks.cached_build("m", build, logs.append)
     assert len(calls) == 4
+
+
+DEAD_PID = 1 << 22  # above the kernel's largest pid (pid_max <= 2**22): no process ever has it
+
+
+def test_a_killed_build_s_folder_is_removed_by_the_next_build_never_a_live_one(tmp_path, monkeypatch):
+    """A SIGKILLed build leaves cache/name.tmpPID: the next build removes it, of its own name or any other whose lock
+    is free (the lock decides, not the PID, which can be reused). A folder whose lock a live build holds stays; so
+    does one without a lock file whose process is alive. A build that fails or is interrupted removes its own."""
+    import fcntl
+
+    monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path))
+    for name in ("m", "other", "busy"):
+        (tmp_path / f"{name}.lock").touch()
+    (tmp_path / f"m.tmp{DEAD_PID}").mkdir()  # killed builds
+    (tmp_path / f"other.tmp{os.getpid()}").mkdir()  # a live PID (reused, say), but its lock is free: stale
+    (tmp_path / f"busy.tmp{DEAD_PID}" / "sub").mkdir(parents=True)  # its lock is held: being built now
+    (tmp_path / f"nolock.tmp{DEAD_PID}").mkdir()  # no lock file: its PID decides (gone)
+    (tmp_path / f"alive.tmp{os.getppid()}").mkdir()  # no lock file, its process alive
+    (tmp_path / "not-a-build.tmpfile").mkdir()
+    logs, calls = [], []
+    with open(tmp_path / "busy.lock") as holder:  # another open file: flock refuses this process too
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert tasks.cached_build("m", _counting_build(calls), logs.append) == str(tmp_path / "m")
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
+    assert left == [f"alive.tmp{os.getppid()}", f"busy.tmp{DEAD_PID}", "m", "not-a-build.tmpfile"]
+    said = [m for m in logs if m.startswith("model cache: removed")]
+    assert len(said) == 3 and any(f"m.tmp{DEAD_PID}" in m and f"pid {DEAD_PID}" in m for m in said)
+
+    def interrupted(path):
+        (tmp_path / "seen").write_text(path)
+        raise KeyboardInterrupt
+
+    for fault in (interrupted, lambda path: 1 / 0):
+        with pytest.raises((KeyboardInterrupt, ZeroDivisionError)):
+            tasks.cached_build("n", fault, logs.append)
+        assert not any(p.name.startswith("n.tmp") for p in tmp_path.iterdir())  # nothing half-built stays
+    assert ".tmp" in (tmp_path / "seen").read_text()
 
 
 def _slow_build_in_a_process(cache, together, out):
@@ -495,13 +535,76 @@ def test_readme_task_recipe_trains(tmp_path):
     tasks.check_coverage(tokenizer, texts)
 
 
-def test_a_base_build_takes_every_idle_core_and_keeps_to_omp_num_threads_beside_others():
-    """Every core on an idle machine or without OMP_NUM_THREADS; its value when other processes are busy (two OpenMP
-    threads beside a busy process made a build step 10x slower, tasks.build_threads)."""
+def test_a_base_build_takes_every_idle_core_and_the_free_ones_beside_others():
+    """Every core while the others leave them idle (under half a core busy); beside busy processes the cores they
+    leave free, at least one and at most OMP_NUM_THREADS; without /proc/stat, OMP_NUM_THREADS or every core (two
+    spinning OpenMP threads beside a busy process made a build step 10x slower, tasks.build_threads)."""
+    threads = tasks.build_threads
+    assert threads({}, busy=lambda: 0.4, cores=2) == threads({"OMP_NUM_THREADS": "1"}, busy=lambda: 0.1, cores=2) == 2
+    assert threads({}, busy=lambda: 0.6, cores=2) == threads({}, busy=lambda: 1.4, cores=2) == 1
+    assert threads({}, busy=lambda: 2.0, cores=2) == threads({}, busy=lambda: 7.0, cores=2) == 1  # never none
+    assert threads({}, busy=lambda: 3.0, cores=16) == 13
+    assert threads({"OMP_NUM_THREADS": " 3 "}, busy=lambda: 3.0, cores=16) == 3  # the setting caps a busy machine
+    assert threads({"OMP_NUM_THREADS": "1"}, busy=lambda: None, cores=4) == 1  # no /proc/stat: the setting
+    assert threads({}, busy=lambda: None, cores=4) == threads({"OMP_NUM_THREADS": "0"}, busy=lambda: None, cores=4) == 4
     cores = os.cpu_count() or 1
-    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}, busy=lambda: 1.0) == 1
-    assert tasks.build_threads({"OMP_NUM_THREADS": " 3 "}, busy=lambda: 0.9) == 3
-    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}, busy=lambda: 0.1) == cores
-    assert tasks.build_threads({"OMP_NUM_THREADS": "1"}, busy=lambda: None) == 1  # no /proc/stat: the setting
-    assert tasks.build_threads({}, busy=lambda: 2.0) == tasks.build_threads({"OMP_NUM_THREADS": "0"}) == cores
     assert 0.0 <= tasks.busy_cores(0.05) <= cores + 0.01
+
+
+def test_the_load_of_the_other_processes_is_the_machine_s_less_this_one_s():
+    """OtherLoad, sampled between steps without waiting: the machine's busy cores (/proc/stat) less this process's
+    CPU time over the same wall time; None without /proc/stat."""
+    ticks, cpu, wall = iter([(0, 0, 2), (400, 100, 2), (800, 400, 2)]), iter([0.0, 3.0, 3.0]), iter([0.0, 2.0, 4.0])
+    load = tasks.OtherLoad(ticks=lambda: next(ticks), cpu_time=lambda: next(cpu), clock=lambda: next(wall))
+    assert load() == pytest.approx(0.0)  # 1.5 cores busy, all of them this process's (3 s of CPU in 2 s)
+    assert load() == pytest.approx(0.5)  # 0.5 busy, none of it ours: another process
+    assert tasks.OtherLoad(ticks=lambda: None)() is None
+    total, idle, cores = tasks._cpu_ticks()  # this process's cores only
+    assert cores == tasks.usable_cores() and 0 <= idle <= total
+
+
+def test_a_build_re_decides_its_threads_as_others_start_and_stop():
+    """BuildThreads: every core on an idle machine; within `every` seconds of a process starting beside it, the cores
+    left free; all of them again once it stops; the caller's thread count back at the end."""
+    now, loads, set_to = [0.0], iter([1.2, 1.1, 0.2]), []
+    threads = tasks.BuildThreads(
+        every=5.0,
+        environ={},
+        set_threads=set_to.append,
+        clock=lambda: now[0],
+        first=lambda: 0.0,
+        load=lambda: next(loads),
+    )
+    full = tasks.usable_cores()
+    assert threads.threads == full and set_to == [full]
+    now[0] = 4.9
+    assert threads.recheck() == full  # not due yet: no sample taken
+    now[0] = 5.0
+    assert threads.recheck() == max(1, round(full - 1.2))  # a process started beside the build
+    now[0] = 10.0
+    threads.recheck()
+    now[0] = 15.0
+    assert threads.recheck() == full  # it stopped
+    assert threads.used == {full, max(1, round(full - 1.2))}
+    threads.restore()
+    assert set_to[-1] == threads.before
+
+
+def test_a_build_says_how_long_it_will_take_after_its_first_steps(tmp_path):
+    """One line after the first steps (step 0 warms up, not counted): the estimate, the steps, the time of one; every
+    step's seconds go to `step_times`; the threads used are in build.json's info."""
+    mini = dataclasses.replace(MINI, train_size=200, test_size=20, sft_steps=11, sft_batch_size=4)
+    task = tasks.make_task("minigsm", mini)
+    prompts, solutions = tasks.warm_start_corpus(task, mini)
+    logs, times = [], []
+    info = tasks.build_warm_base(task, mini, prompts, solutions, str(tmp_path), logs.append, step_times=times)
+    assert len(times) == 11 and all(t > 0 for t in times)
+    [line] = [m for m in logs if m.startswith("building")]
+    assert re.fullmatch(
+        r"building the minigsm base model \(once\): ~\d+ s \(11 steps, [\d.]+ s each on \d+ thread\(s\)\)", line
+    )
+    assert info["threads"] and all(1 <= n <= tasks.usable_cores() for n in info["threads"])
+    assert tasks.build_estimate("minigsm", 900, [0.45, 0.45], 2) == (
+        "building the minigsm base model (once): ~7 min (900 steps, 0.45 s each on 2 thread(s))"
+    )
+    assert "~45 s" in tasks.build_estimate("x", 100, [0.45], 1)

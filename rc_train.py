@@ -400,8 +400,18 @@ class Learner:
     scheduler: Any
 
 
-def update_policy(args: Args, correction, learner: Learner, batch, tensors, *, generator, batch_correction,
-                  log_ratios=None, routing=None):  # fmt: skip
+def update_policy(
+    args: Args,
+    correction,
+    learner: Learner,
+    batch,
+    tensors,
+    *,
+    generator,
+    batch_correction,
+    log_ratios=None,
+    routing=None,
+):
     """The update on one rollout batch: epochs x minibatches x micro-batches."""
     model, world = learner.model, learner.accelerator.num_processes
     mask, bypass = tensors["response_mask"], correction.bypass_mode

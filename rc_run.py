@@ -590,8 +590,10 @@ def write_config(run_dir: str, accelerator, args, correction, **facts) -> None:
             for f in dataclasses.fields(correction)
             if f.init
         }  # loss_type is a str subclass
+        fields = dataclasses.asdict(args)
+        own = [k for k in vars(type(args)).get("__annotations__", {}) if k in fields]  # the class's own fields first
         config = {
-            "args": dataclasses.asdict(args),
+            "args": {**{k: fields[k] for k in own}, **fields},  # then the groups it inherits
             "world_size": accelerator.num_processes,
             "distributed_type": str(accelerator.distributed_type),
             "model_path": facts.pop("model_path"),

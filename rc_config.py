@@ -115,10 +115,8 @@ def parse_cli(cls, load_defaults, gpu_config: str | None = None):
             config = a.split("=", 1)[1]
     if config is None and gpu_config and torch.cuda.is_available() and "--model" not in argv:
         config = gpu_config
-    try:
+    with rc_run.refused(ValueError, TypeError, FileNotFoundError):  # a bad config file: one line
         default = load_defaults(config) if config else cls()
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        sys.exit(f"rc_train.py: error: {e}")
     return tyro.cli(cls, default=default, args=argv)
 
 

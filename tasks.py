@@ -761,9 +761,9 @@ def build_threads(environ=os.environ, busy=busy_cores, cores: int | None = None)
     """Threads of a base-model build: every core while the other processes leave them idle (under half a core busy);
     beside busy ones, the cores they leave free (at least one; at most OMP_NUM_THREADS when it is set, rc_config.
     check_environment checked it); without /proc/stat, OMP_NUM_THREADS or every core. Measured on the 2-core machine
-    (docs/running.md "The miniature GSM8K"): with spinning OpenMP threads (OMP_WAIT_POLICY unset) a step went from
-    0.45 s alone to 4-7 s beside busy processes at 2 threads, 1.0-1.2 s at one; sleeping threads (the policy this
-    module sets) bound the loss between re-checks (BuildThreads), and one thread leaves the others their share."""
+    (docs/running.md "The miniature GSM8K"): with spinning OpenMP threads (libgomp's default) a step went from
+    0.45 s alone to 4-7 s beside busy processes at 2 threads, 1.0-1.2 s at one; re-deciding every few seconds
+    (BuildThreads) follows the others as they start and stop, and one thread leaves them their share."""
     cores = cores or usable_cores()
     value = environ.get("OMP_NUM_THREADS", "").strip()
     cap = int(value) if value.isdigit() and int(value) > 0 else cores

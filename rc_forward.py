@@ -4,12 +4,13 @@ What belongs here turns a micro-batch of the trainer's padded batch into the log
 response tokens, and makes that cheap: micro-batches sorted by length and cut to a token budget, each trimmed to its
 own longest prompt and response, each distinct prompt forwarded once (--share-prompt-prefix), compiled decoder layers
 (--compile), and the chunked log-prob and entropy kernels. None of it changes a number beyond float rounding: the
-plain definition is rc_train.sequence_log_probs, and tests/test_forward.py proves these passes equal to one plain
-forward over the untrimmed rows.
+plain definition is log_softmax(logits / temperature) of one forward over the untrimmed rows, and
+tests/test_forward.py proves sequence_log_probs and no_grad_pass equal to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
 from dataclasses import dataclass
@@ -210,6 +211,26 @@ def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.
 # ---------------------------------------------------------------------------------------------
 # Kernels: per-token log-probability and entropy from logits, chunked over rows
 # ---------------------------------------------------------------------------------------------
+
+
+def sequence_log_probs(model, batch: dict, rows, args, with_grad: bool, with_entropy=False, routing=None):
+    """log pi(y_t | y_<t) of `rows`' responses at the sampling temperature (docs/corrections.md §1), their entropy,
+    and the pass's size. `routing` (rc_moe.StepRouting) replays or records an MoE's routing during the forward."""
+    micro = micro_inputs(batch, rows, shares_prefix(args), next(model.parameters()).device)
+    with torch.set_grad_enabled(with_grad), routing.forward(model, micro) if routing else contextlib.nullcontext():
+        logits = response_logits(model, micro, args.train_dtype)  # logits[:, t] predicts y_t
+        log_prob = log_probs_from_logits(logits, micro.input_ids[:, -micro.T :], args.temperature)
+        entropy = entropy_from_logits(logits, args.temperature) if with_entropy else None  # no grad
+    return micro.pad(log_prob), micro.pad(entropy), micro.size
+
+
+def no_grad_pass(model, batch: dict, args, routing=None) -> tuple[torch.Tensor, Counter]:
+    """Log-probs of every row without gradients (pi_old, the reference model), on the host."""
+    out, size = torch.zeros(len(batch["group"]), response_width(batch)), Counter()
+    for rows in micro_batches(torch.arange(out.shape[0]), batch, args):
+        log_prob, _, micro_size = sequence_log_probs(model, batch, rows, args, False, routing=routing)
+        out[rows], size = log_prob.cpu(), size + micro_size
+    return out, size
 
 
 def log_probs_from_logits(

@@ -31,6 +31,7 @@ import torch
 
 import rc_config
 import rc_core
+import rc_forward
 import rc_rollout
 
 
@@ -265,9 +266,9 @@ def plan(args, bypass_mode: bool, model, batch: dict) -> StepRouting:
     return step
 
 
-def routing_pass(args, model, batch: dict, tensors: dict, step: StepRouting, no_grad_pass) -> tuple[dict, Counter]:
+def routing_pass(args, model, batch: dict, tensors: dict, step: StepRouting) -> tuple[dict, Counter]:
     """After the correction, the trainer's own routing of the batch: recorded by the pi_old pass (plan), or by one
-    more unreplayed no-grad pass (`no_grad_pass`, rc_train's), whose log-probs also give the mismatch that replay
+    more unreplayed no-grad pass (rc_forward.no_grad_pass), whose log-probs also give the mismatch that replay
     hides from the loss (rollout_corr/unreplayed_*: replay rewrites the surrogate, it does not shrink the mismatch).
     reference: the update's pi_theta passes replay it from here on. Returns the routing metrics (none without the
     engine's routing) and the size of the extra pass. `model`: the unwrapped policy (no gradient, no collective)."""
@@ -276,7 +277,7 @@ def routing_pass(args, model, batch: dict, tensors: dict, step: StepRouting, no_
     if own is None:  # r3 replayed pi_old, or bypass mode: the extra pass
         replay, step.replay, step.record = step.replay, None, step.buffer(model)
         model.eval()
-        own_log_prob, size = no_grad_pass(model, batch, args, step)
+        own_log_prob, size = rc_forward.no_grad_pass(model, batch, args, step)
         own, step.record, step.replay = step.record, None, replay
     if args.routing_replay == "reference":
         step.replay = own

@@ -282,7 +282,7 @@ def replay_metrics(replayed: int, rows: int, held: int, evicted: int) -> dict:
 
 def pass_metrics(size: Counter, seconds: float) -> dict:
     """perf/* of the trainer's forward passes this step (pi_old, reference, update): `size` as
-    rc_train.sequence_log_probs counts it, `seconds` their wall time."""
+    rc_forward.sequence_log_probs counts it, `seconds` their wall time."""
     return {
         "perf/padding_fraction": 1.0 - size["tokens"] / max(1, size["positions"]),
         "perf/train_tokens_per_s": size["tokens"] / max(1e-9, seconds),

@@ -7,7 +7,6 @@ Formulas: rc_core.py. `ALGO LOGIC` marks what a fork edits; the plumbing lives b
 (docs/README.md). Commands: docs/running.md.
 """
 
-import contextlib
 import os
 import random
 import sys
@@ -288,36 +287,13 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
 
 
 # ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: log pi (rc_forward makes it fast)
-# ---------------------------------------------------------------------------------------------
-def sequence_log_probs(model, batch: dict, rows, args: Args, with_grad: bool, with_entropy=False, routing=None):
-    """log pi(y_t | y_<t) of `rows`' responses at the sampling temperature (§1), their entropy."""
-    share = rc_forward.shares_prefix(args)
-    micro = rc_forward.micro_inputs(batch, rows, share, next(model.parameters()).device)
-    with torch.set_grad_enabled(with_grad), routing.forward(model, micro) if routing else contextlib.nullcontext():
-        logits = rc_forward.response_logits(model, micro, args.train_dtype)  # logits[:, t] predicts y_t
-        log_prob = rc_forward.log_probs_from_logits(logits, micro.input_ids[:, -micro.T :], args.temperature)
-        entropy = rc_forward.entropy_from_logits(logits, args.temperature) if with_entropy else None  # no grad
-    return micro.pad(log_prob), micro.pad(entropy), micro.size
-
-
-def no_grad_pass(model, batch: dict, args: Args, routing=None) -> tuple[torch.Tensor, Counter]:
-    """Log-probs of every row without gradients (pi_old, the reference model)."""
-    out, size = torch.zeros(len(batch["group"]), rc_forward.response_width(batch)), Counter()
-    for rows in rc_forward.micro_batches(torch.arange(out.shape[0]), batch, args):
-        log_prob, _, micro_size = sequence_log_probs(model, batch, rows, args, False, routing=routing)
-        out[rows], size = log_prob.cpu(), size + micro_size
-    return out, size
-
-
-# ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: correction and loss
 # ---------------------------------------------------------------------------------------------
 def decoupled_correction(args: Args, correction, model, batch: dict, tensors: dict, log_ratios=None, routing=None):
     """Decoupled mode (§5, §7.2): pi_old scored once per batch; its IS weights and rejection mask
     join `tensors`, frozen for every epoch."""
     model.eval()
-    old_log_prob, size = no_grad_pass(model, batch, args, routing)
+    old_log_prob, size = rc_forward.no_grad_pass(model, batch, args, routing)
     rollout_log_prob, mask = tensors["rollout_log_prob"], tensors["response_mask"]
     is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
         old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=mask, config=correction
@@ -428,7 +404,8 @@ def update_policy(
             for j, micro_rows in enumerate(micro):
                 # the forward inside too: DDP decides there whether the backward reduces
                 with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
-                    log_prob, entropy, micro_size = sequence_log_probs(
+                    # log pi(y_t | y_<t) = log_softmax(logits / temperature)[y_t] (§1), fast in rc_forward
+                    log_prob, entropy, micro_size = rc_forward.sequence_log_probs(
                         model, batch, micro_rows, args, True, True, routing=routing
                     )
                     part = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
@@ -601,13 +578,11 @@ if __name__ == "__main__":
                 counters["old_log_prob_passes"] += 1
         if moe and (args.routing_metrics or args.routing_replay == "reference"):  # our own routing
             with timer("timing/routing_s"):
-                routing_metrics, routing_size = rc_moe.routing_pass(
-                    args, unwrapped, batch, tensors, routing, no_grad_pass
-                )
+                routing_metrics, routing_size = rc_moe.routing_pass(args, unwrapped, batch, tensors, routing)
                 batch_correction, size = {**batch_correction, **routing_metrics}, size + routing_size
         with timer("timing/ref_log_prob_s"):
             if ref_model is not None:
-                tensors["ref_log_prob"], ref_size = no_grad_pass(ref_model, batch, args)
+                tensors["ref_log_prob"], ref_size = rc_forward.no_grad_pass(ref_model, batch, args)
                 size += ref_size
 
         # ALGO LOGIC: update

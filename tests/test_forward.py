@@ -42,7 +42,7 @@ def response_log_probs(model, input_ids, attention_mask, T: int, temperature: fl
 
 # ---- the trainer's pass against the definition ----------------------------------------------------------------------
 def test_the_trainers_log_probs_are_one_plain_forward_at_the_temperature():
-    """rc_train.sequence_log_probs as the trainer runs it over a whole batch -- micro-batches cut from the Args
+    """rc_forward.sequence_log_probs as the trainer runs it over a whole batch -- micro-batches cut from the Args
     (rc_forward.micro_batches: by prompt group, at most 5 rows and 60 padded tokens), each trimmed, each distinct
     prompt forwarded once, the chunked kernels -- against the definition: one forward of the float64 model over the
     untrimmed batch, log_softmax(logits / 0.7) gathered at the response tokens, and the entropy of that softmax. Equal
@@ -82,7 +82,7 @@ def test_the_trainers_log_probs_are_one_plain_forward_at_the_temperature():
     for with_grad in (False, True):
         got, entropy, positions = torch.zeros(B, T, dtype=F64), torch.zeros(B, T, dtype=F64), 0
         for rows in micro:
-            log_prob, ent, size = rc_train.sequence_log_probs(model, batch, rows, args, with_grad, with_entropy=True)
+            log_prob, ent, size = rc_forward.sequence_log_probs(model, batch, rows, args, with_grad, with_entropy=True)
             assert log_prob.shape == ent.shape == (len(rows), T) and log_prob.requires_grad == with_grad
             got[rows], entropy[rows], positions = log_prob.detach(), ent, positions + size["positions"]
         torch.testing.assert_close(got[mask], want[mask], rtol=1e-10, atol=1e-12)

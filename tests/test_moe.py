@@ -83,7 +83,7 @@ def replaying(batch, replay):
 
 
 def log_probs_and_grads(model, batch, args, rows=None, replay=None):
-    """rc_train.sequence_log_probs over `rows` (default: all, in rc_forward's micro-batches of args) with gradients,
+    """rc_forward.sequence_log_probs over `rows` (default: all, in rc_forward's micro-batches of args) with gradients,
     replaying `replay` (None: the model's own routing): the log-probs (B, T) and the gradient of their sum, per
     parameter name."""
     model.zero_grad()
@@ -91,7 +91,7 @@ def log_probs_and_grads(model, batch, args, rows=None, replay=None):
     rows = torch.arange(len(out)) if rows is None else rows
     routing = replaying(batch, replay)
     for micro in rc_forward.micro_batches(rows, batch, args):
-        log_prob, _, _ = rc_train.sequence_log_probs(model, batch, micro, args, True, routing=routing)
+        log_prob, _, _ = rc_forward.sequence_log_probs(model, batch, micro, args, True, routing=routing)
         (log_prob * batch["response_mask"][micro]).sum().backward()
         out[micro] = log_prob.detach()
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -102,7 +102,7 @@ def own_routing(model, batch, args):
     routing = rc_moe.StepRouting(batch)
     routing.record = routing.buffer(model)
     for micro in rc_forward.micro_batches(torch.arange(len(batch["group"])), batch, args):
-        rc_train.sequence_log_probs(model, batch, micro, args, False, routing=routing)
+        rc_forward.sequence_log_probs(model, batch, micro, args, False, routing=routing)
     return routing.record
 
 
@@ -371,8 +371,8 @@ def test_weight_push_and_routing_capture_on_the_cpu_engine(tmp_path, monkeypatch
     own = own_routing(model, batch, args)
     metrics = rc_moe.routing_metrics(own, batch["rollout_routing"], batch["response_mask"])
     assert metrics["rollout_corr/routing_agreement"] == 1.0 and metrics["rollout_corr/routing_flip_token_fraction"] == 0
-    plain, _ = rc_train.no_grad_pass(model, batch, args)
-    replayed, _ = rc_train.no_grad_pass(model, batch, args, replaying(batch, batch["rollout_routing"]))
+    plain, _ = rc_forward.no_grad_pass(model, batch, args)
+    replayed, _ = rc_forward.no_grad_pass(model, batch, args, replaying(batch, batch["rollout_routing"]))
     assert torch.equal(plain, replayed)
     mask = batch["response_mask"] > 0
     torch.testing.assert_close(replayed[mask], batch["rollout_log_prob"][mask], rtol=0, atol=1e-5)

@@ -586,7 +586,7 @@ def _loaded(path: str, load):
 @dataclasses.dataclass
 class Resumed:
     """What a resume loaded and checked: the checkpoint, the first step to run, the counters, this rank's batches in
-    flight ({step: Result}) and RNG states (set_rng, once the engine has started)."""
+    flight ({step: Result}) and RNG states (for set_rng)."""
 
     path: str
     start_step: int
@@ -690,7 +690,7 @@ def load_rng(path: str, rank: int) -> dict:
 
 
 def set_rng(rng: dict) -> None:
-    """Set the global generators (after the engine has started: vLLM seeds them when it starts)."""
+    """Set the global generators (rc_rollout.start_engine keeps them as they were when the engine starts)."""
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])

@@ -46,6 +46,7 @@ import hashlib
 import logging
 import os
 import queue
+import random
 import sys
 import time
 import warnings
@@ -164,7 +165,7 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
     else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
         kwargs.update(enforce_eager=True)
-    with engine_output_to(log_path):
+    with engine_output_to(log_path), kept_global_rng():
         from vllm import LLM
 
         llm = LLM(**kwargs)
@@ -172,6 +173,24 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
     moe, on_gpu = llm.llm_engine.model_config.is_moe, torch.cuda.is_available()  # on GPU: vLLM's own update path
     llm.rc_moe = MoEEngine(llm, rc_config.routing_capture(args)) if moe and not on_gpu else None
     return llm
+
+
+@contextlib.contextmanager
+def kept_global_rng():
+    """Python's, numpy's and torch's global generators (CUDA's too) as they were before: vLLM seeds them all with
+    its engine's seed when the engine starts in this process, and the trainer's seeds (or a resumed run's states)
+    must survive it. Checked at start-up: tests/test_train.py runs a resumed and an uninterrupted run alike."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if cuda_state is not None:
+            torch.cuda.set_rng_state_all(cuda_state)
 
 
 @contextlib.contextmanager

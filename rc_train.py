@@ -502,15 +502,15 @@ if __name__ == "__main__":
         model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight, kept = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}, ()
-    if args.resume:  # all loaded and checked before the run folder is touched
+    if args.resume:  # all loaded and checked (RNG states too) before the run folder is touched
         with rc_run.refused(rc_run.RunError):
             resumed = rc_checkpoint.load_resume(
                 run_dir, model, optimizer, scheduler, accelerator, host=host, counters=counters, args=args
             )
-        start_step, counters, in_flight, kept = resumed.start_step, resumed.counters, resumed.in_flight, resumed.replay
-    engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)
-    if args.resume:  # after the engine: vLLM in this process reseeds the global RNGs
         rc_checkpoint.set_rng(resumed.rng)
+        start_step, counters, in_flight, kept = resumed.start_step, resumed.counters, resumed.in_flight, resumed.replay
+    engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # keeps the RNG states
+    if args.resume:  # the engine is up: the resume takes the run folder over
         rc_checkpoint.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)
     prompts_per_rank = rc_config.prompts_per_rank(args, world)
     replay = rc_rollout.ReplayBuffer(args, prompts_per_rank, rc_config.replay_groups(args, world), rank, kept)

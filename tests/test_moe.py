@@ -11,6 +11,7 @@ end-to-end runs start the real script.
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -323,7 +324,12 @@ def test_weight_push_and_routing_capture_on_the_cpu_engine(tmp_path, monkeypatch
     path = tasks.base_model_path(tasks.make_task("add"), tasks.MiniGSMArgs(), seed=1, log=None, router_scale=0.3)
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).float()
     limits = dict(max_num_seqs=64, max_num_batched_tokens=512, enable_chunked_prefill=False)
+    random.seed(42), np.random.seed(6789), torch.manual_seed(12345)  # not the engine's seed (0)
+    rng = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     llm = rc_rollout.start_engine(engine_args(), path, 0, limits, str(tmp_path / "engine.log"), {})
+    # vLLM seeds the global generators with its own seed as it starts: start_engine gives the trainer's back
+    assert random.getstate() == rng[0] and (np.random.get_state()[1] == rng[1]).all()
+    assert torch.equal(torch.get_rng_state(), rng[2])
     assert isinstance(llm.rc_moe, rc_rollout.MoEEngine) and len(llm.rc_moe.layers) == LAYERS
     prompts = [tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a in range(4) for b in range(3)]
 

@@ -71,9 +71,10 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def load_yaml_defaults(cls, path: str, **extra):
+def load_yaml_defaults(cls, path: str, *, ignore_unknown: bool = False, **extra):
     """An instance of the dataclass `cls` whose values come from a YAML file: flat keys, plus one mapping per nested
-    dataclass field (e.g. `rc:`). Values are handed over as YAML typed them (numbers as numbers); unknown keys fail."""
+    dataclass field (e.g. `rc:`). Values are handed over as YAML typed them (numbers as numbers); unknown keys fail,
+    or with `ignore_unknown` the top-level keys `cls` lacks are skipped (a benchmark that reads part of a config)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path!r}")
     try:
@@ -92,6 +93,8 @@ def load_yaml_defaults(cls, path: str, **extra):
         raise ValueError(f"config {path!r} must hold a mapping, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     nested = {k: f.default_factory for k, f in fields.items() if dataclasses.is_dataclass(f.default_factory)}
+    if ignore_unknown:
+        raw = {k: v for k, v in raw.items() if k in fields}
     bad = sorted(set(raw) - set(fields))
     for key, sub in nested.items():
         if not isinstance(raw.get(key) or {}, dict):
@@ -120,7 +123,7 @@ def parse_cli(cls, load_defaults, gpu_config: str | None = None):
     return tyro.cli(cls, default=default, args=argv)
 
 
-def _check_field_types(obj, prefix: str = "") -> None:
+def check_field_types(obj, prefix: str = "") -> None:
     """Raise ValueError naming the first field of the dataclass `obj` whose value does not have its annotated type
     (int, float, bool, str, None, Literal choices, a nested dataclass). tyro checks the command line, but YAML
     values reach the fields as YAML typed them ('ten' steps, reward_mode 'strik'), so they are checked here."""
@@ -187,8 +190,8 @@ def validate_args(args, world_size: int) -> tasks.Task:
     --reward-mode, --format-bonus) by tasks.make_task and tasks.check_reward_settings, the loss settings by
     rc_core.check_loss_settings. Types first (YAML values arrive unchecked), so every later comparison compares
     numbers."""
-    _check_field_types(args)
-    _check_field_types(args.mini, prefix="mini.")
+    check_field_types(args)
+    check_field_types(args.mini, prefix="mini.")
     _check_names_and_paths(args)
     _check_trackers(args)
     task = _check_data_and_task(args, world_size)

@@ -1,12 +1,18 @@
-"""Training side of one GRPO update at the real GSM8K shape, without vLLM: rc_train.py's own update path.
+"""Training side of one GRPO update at the real GSM8K shape, without vLLM: the trainer's update, from its modules.
 
 Builds a randomly initialised Qwen2.5 (0.5B, 1.5B or 7B) from its published shape (nothing is downloaded) and a
 synthetic rollout batch shaped like the trainer's (each rank's share of num_prompts_per_step x num_samples_per_prompt
 sequences: left-padded prompts, right-padded responses, rollout log-probs, GRPO advantages from 0/1 rewards), then
-runs what rc_train.py runs on it: for a decoupled preset the no-grad pi_old pass and the correction
-(rc_train.decoupled_correction), then rc_train.update_policy (epochs x minibatches x micro-batches, the shared-prompt
-pass, global denominators, gradient accumulation, clipping, AdamW). One warm-up update, then --repeats timed
-updates. Prints peak memory, seconds per update and per optimizer step, and tokens per second.
+runs on it what a step of rc_train.py runs after the rollout, composed here from the modules that own each part (this
+file does not import rc_train.py, a script): for a decoupled preset the no-grad pi_old pass (rc_forward.no_grad_pass)
+and the correction (rc_core.compute_rollout_correction_and_rejection_mask), then the update's loop: epochs x
+minibatches x micro-batches (rc_forward.micro_batches), the shared-prompt pass (rc_forward.sequence_log_probs), global
+denominators, the loss (rc_core.compute_policy_loss_bypass_mode / compute_policy_loss_vanilla), gradient accumulation
+(rc_run.accumulating), clipping and AdamW (rc_run.clip_and_step). tests/test_bench_gpu_step.py::
+test_the_update_equals_rc_train_update_policy proves it equal to rc_train.update_policy (with
+rc_train.decoupled_correction) on the same batch: the same loss, gradient norm and weights, bit for bit. A config's
+KL penalty (kl_coef) is not run: no reference model is built. One warm-up update, then --repeats timed updates.
+Prints peak memory, seconds per update and per optimizer step, and tokens per second.
 
     python -m benchmarks.bench_gpu_step                     # one GPU: Qwen2.5-0.5B, configs/gsm8k_qwen0.5b_bypass.yaml
     python -m benchmarks.bench_gpu_step --config configs/gsm8k_qwen1.5b_bypass.yaml
@@ -15,24 +21,25 @@ updates. Prints peak memory, seconds per update and per optimizer step, and toke
     python -m benchmarks.bench_gpu_step --tiny              # CPU: a 2-layer model, 8 short sequences, seconds
 
 The batch settings (prompts, samples, minibatches, micro-batch, gradient checkpointing, dtype, fsdp, maximum response
-length, learning rate, loss and correction settings) come from the trainer's YAML config and are checked as
-rc_train.py checks them. Also reported: peak allocated and reserved CUDA memory, the allocator's device allocations
-per update, the padding the update computes, and MFU (6 x parameters x update tokens + 2 x parameters x pi_old-pass
-tokens per second, against --peak-tflops or, on a GPU, a bf16 8192^3 matmul measured first). The last line printed
-is one JSON object with the figures.
+length, learning rate, loss and correction settings) come from the trainer's YAML config (UpdateSettings: the keys
+the update reads, with the trainer's defaults; the config's other keys are not the update's and are ignored) and are
+checked as rc_train.py checks them. Also reported: peak allocated and reserved CUDA memory, the allocator's device
+allocations per update, the padding the update computes, and MFU (6 x parameters x update tokens + 2 x parameters x
+pi_old-pass tokens per second, against --peak-tflops or, on a GPU, a bf16 8192^3 matmul measured first). The last
+line printed is one JSON object with the figures.
 
 --breakdown (one process) then looks inside one micro-batch, on the update's own micro-batches (the first optimizer
-step's, as rc_train.update_policy cuts them from the same seed):
+step's, cut from the same seed):
 
   * phases, timed with CUDA events on a GPU (perf_counter on a CPU, where every op is synchronous) and on the host
     clock: forward (the model's logits), log-prob, entropy, loss (the micro-batch's tensors to the device and
-    rc_train.policy_loss), backward (the model's) and the log-prob's own backward (rc_forward._ChunkedTokenLogProb),
-    metrics (rc_train.micro_batch_metrics), the optimizer step (clip + AdamW + zero_grad), median of --repeats
-    passes. The loop is rc_train.update_policy's micro-batch loop with marks between its calls (the trainer's own
-    functions; rc_forward's log-prob, entropy and log-prob backward are wrapped for the time of the pass); the phases
-    partition the pass, and the gap to the timed update's seconds per micro-batch is what the loop misses;
+    policy_loss), backward (the model's) and the log-prob's own backward (rc_forward._ChunkedTokenLogProb),
+    metrics (micro_batch_metrics), the optimizer step (clip + AdamW + zero_grad), median of --repeats passes. The
+    pass is the update's own optimizer step (run_step) with marks between its calls (rc_forward's log-prob, entropy
+    and log-prob backward are wrapped for the time of the pass); the phases partition the pass, and the gap to the
+    timed update's seconds per micro-batch is what the marks miss;
   * the same pass without the shared-prompt pass, and the no-grad pass (the decoupled pi_old pass), for comparison;
-  * the aten ops and the host synchronisations per micro-batch of rc_train.update_policy itself (one update under a
+  * the aten ops and the host synchronisations per micro-batch of the update itself (one unmarked update under a
     TorchFunctionMode and a TorchDispatchMode): a value read to the host (.item(), float(), bool(), .tolist()),
     a tensor copied to the host, a blocking copy to the device, an op whose output size depends on the data
     (nonzero, unique, boolean-mask indexing), each with its call site. On a CPU the tensors a GPU run would hold on
@@ -63,7 +70,9 @@ import sys
 import time
 import warnings
 from collections import Counter
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,7 +83,6 @@ import rc_config
 import rc_core
 import rc_forward
 import rc_run
-import rc_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 _THIS_FILE = os.path.abspath(__file__)
@@ -146,11 +154,107 @@ MAX_TRACE_BYTES = 12 * 2**20  # a larger gzipped trace is not kept
 
 
 @dataclasses.dataclass
+class UpdateSettings(rc_forward.ForwardArgs):
+    """The trainer's settings that one update reads, each with rc_train.Args' name, type and default (the forward's
+    own group, rc_forward.ForwardArgs, inherited as Args inherits it; tests/test_bench_gpu_step.py checks the rest
+    against Args). The KL penalty's settings are not here: the benchmark builds no reference model."""
+
+    model: str = "tiny"  # names the Qwen2.5 shape to build (--model-size), nothing else
+    max_model_len: int = 512
+    num_prompts_per_step: int = 32
+    num_samples_per_prompt: int = 16
+    max_response_length: int = 64
+    temperature: float = 1.0
+    train_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    ppo_epochs: int = 1
+    num_minibatches: int = 4
+    micro_batch_size: int = 32
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    routing_replay: Literal["none", "r3", "reference"] = "none"  # rc_forward.shares_prefix reads these two
+    routing_metrics: bool | None = None
+    rc: rc_config.CorrectionArgs = dataclasses.field(default_factory=rc_config.CorrectionArgs)
+
+
+def load_settings(path: str) -> UpdateSettings:
+    """UpdateSettings from the trainer's YAML config, read by the trainer's own loader: the keys the update reads; the
+    others (engine, evaluation, logging, ...) are skipped. The rc: section is the whole rc_config.CorrectionArgs, so
+    an unknown key in it is refused."""
+    return rc_config.load_yaml_defaults(UpdateSettings, path, ignore_unknown=True)
+
+
+def check_settings(args: UpdateSettings, world: int) -> None:
+    """rc_config.validate_args' checks of the settings the update reads, with its messages (it needs the whole
+    rc_train.Args); the correction settings are checked when their config is built (build_correction_config)."""
+    rc_config.check_field_types(args)
+    batch = args.num_prompts_per_step // world * args.num_samples_per_prompt
+    checks = [
+        (args.num_samples_per_prompt >= 2, f"--num-samples-per-prompt must be >= 2, got {args.num_samples_per_prompt}"),
+        (
+            args.num_prompts_per_step >= 1 and args.num_prompts_per_step % world == 0,
+            f"--num-prompts-per-step ({args.num_prompts_per_step}) must be a positive multiple of the world size "
+            f"({world})",
+        ),
+        (
+            args.num_minibatches >= 1 and batch % args.num_minibatches == 0,
+            f"--num-minibatches ({args.num_minibatches}) must divide the per-rank rollout batch ({batch})",
+        ),
+        (args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}"),
+        (
+            args.max_tokens_per_micro_batch is None or args.max_tokens_per_micro_batch >= 1,
+            f"--max-tokens-per-micro-batch must be >= 1, got {args.max_tokens_per_micro_batch}",
+        ),
+        (args.max_response_length >= 1, f"--max-response-length must be >= 1, got {args.max_response_length}"),
+        (
+            args.max_model_len > args.max_response_length,
+            f"--max-model-len must be > --max-response-length ({args.max_response_length}), got {args.max_model_len}",
+        ),
+        (
+            args.temperature > 0 and math.isfinite(args.temperature),
+            f"--temperature must be > 0, got {args.temperature}",
+        ),
+        (args.train_dtype != "float16", f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}"),
+        (
+            args.learning_rate > 0 and math.isfinite(args.learning_rate),
+            f"--learning-rate must be a finite number > 0, got {args.learning_rate}",
+        ),
+        (
+            args.weight_decay >= 0 and math.isfinite(args.weight_decay),
+            f"--weight-decay must be a finite number >= 0, got {args.weight_decay}",
+        ),
+        (args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}"),
+        (not (args.compile and args.fsdp), "--compile with --fsdp: not built or verified here; drop one of them"),
+        (
+            args.adv_estimator in rc_core.ADVANTAGE_ESTIMATORS,
+            f"--adv-estimator must be one of {', '.join(rc_core.ADVANTAGE_ESTIMATORS)}, got {args.adv_estimator!r}",
+        ),
+        (
+            args.routing_replay == "none" and not args.routing_metrics,
+            "--routing-replay / --routing-metrics need a Mixture-of-Experts model: the benchmark builds a dense one",
+        ),
+    ]
+    for ok, message in checks:
+        rc_config.need(ok, message)
+    low, high = rc_config.clip_bounds(args)
+    rc_core.check_loss_settings(low, high, args.clip_ratio_c, args.loss_agg_mode, args.loss_scale_factor)
+
+
+@dataclasses.dataclass
 class Plan:
     """Everything the benchmark runs with, checked before any model is built."""
 
     config_path: str
-    train: rc_train.Args  # the trainer's settings from the YAML config (shrunk by --tiny)
+    train: UpdateSettings  # the trainer's settings from the YAML config (shrunk by --tiny)
     model_size: str  # a key of MODEL_SHAPES
     prompt_len: int
     response_len: int
@@ -257,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="after the timed updates (one process): the phases of a micro-batch (forward, log-prob, entropy, loss, "
         "backward, metrics, optimizer step; CUDA events on a GPU), the same without the shared-prompt pass, the "
-        "no-grad pass, and rc_train.update_policy's aten ops and host synchronisations per micro-batch with their "
+        "no-grad pass, and the update's aten ops and host synchronisations per micro-batch with their "
         "call sites",
     )
     p.add_argument(
@@ -293,18 +397,18 @@ def resolve_config_path(path: str) -> str:
 def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     """Read and check the config and the flags; raises ValueError / FileNotFoundError naming the bad value."""
     path = resolve_config_path(ns.config)
-    train = rc_train.load_yaml_defaults(path)  # FileNotFoundError / ValueError (unknown keys) name the file
+    train = load_settings(path)  # FileNotFoundError / ValueError name the file
     named = next((k for k in ("7b", "1.5b", "0.5b") if k in str(train.model).lower()), "0.5b")
     if ns.tiny:
         train = dataclasses.replace(train, **TINY_ARGS)
-    train = dataclasses.replace(train, model="tiny", fsdp=train.fsdp or ns.fsdp)  # the shape is built here
+    train = dataclasses.replace(train, fsdp=train.fsdp or ns.fsdp)
     if ns.micro_batch_size is not None:
         train = dataclasses.replace(train, micro_batch_size=ns.micro_batch_size)
     if ns.no_share_prompt_prefix:
         train = dataclasses.replace(train, share_prompt_prefix=False)
     compile_mode = ns.compile or ("layers" if train.compile else "off")
     train = dataclasses.replace(train, compile=compile_mode == "layers")  # shares_prefix reads it
-    rc_config.validate_args(train, world_size=world)  # the trainer's own checks of the config
+    check_settings(train, world)  # the trainer's own checks of these settings
     if train.fsdp and world < 2:
         raise ValueError(
             "--fsdp (or fsdp: true in the config) shards over several processes: run under torchrun --nproc_per_node N"
@@ -390,7 +494,9 @@ def build_model(plan: Plan, device: torch.device):
 
 
 def make_rollout(plan: Plan, rank: int = 0) -> dict:
-    """A synthetic rollout batch in the trainer's layout (rc_train.make_batch) plus GRPO advantages.
+    """A synthetic rollout batch in the trainer's layout (rc_train.make_batch's, built here; the tests compare the two)
+    plus GRPO advantages: input_ids (B, P + T) with each prompt left-padded to column P and its response right-padded
+    after it, attention_mask, rollout_log_prob and response_mask (B, T), prompt_len, response_len, group.
 
     Token ids are uniform below the pad id.  Rollout log-probs are uniform in log(1/V) +- 1, the range a
     freshly initialised model gives, so the PPO ratios are of order 1 and both clip branches run.
@@ -408,34 +514,59 @@ def make_rollout(plan: Plan, rank: int = 0) -> dict:
     def randint(lo, hi, size=()):
         return torch.randint(lo, hi + 1, size, generator=gen)
 
-    prompts, responses, group_ids, rewards = [], [], [], []
+    samples, rewards = [], []  # (prompt ids, response ids, rollout log-probs, group) per sequence
     for g in range(n_prompts):
-        prompt = randint(0, pad_id - 1, (int(randint(p_lo, p_hi)),)).tolist()
+        prompt = randint(0, pad_id - 1, (int(randint(p_lo, p_hi)),))
         wins = (torch.rand(n_samples, generator=gen) < 0.5).float()
         if n_samples >= 2:
             wins[0], wins[1] = 1.0, 0.0
         for k in range(n_samples):
             length = int(randint(r_lo, r_hi))
-            ids = randint(0, pad_id - 1, (length,)).tolist()
-            lps = (centre + 2 * torch.rand(length, generator=gen) - 1).tolist()
-            prompts.append(prompt)
-            responses.append((ids, lps, ""))
-            group_ids.append(g)
+            ids = randint(0, pad_id - 1, (length,))
+            samples.append((prompt, ids, centre + 2 * torch.rand(length, generator=gen) - 1, g))
             rewards.append(float(wins[k]))
-    batch = rc_train.make_batch(prompts, responses, pad_id, group_ids)
-    batch["advantages"] = rc_core.compute_grpo_outcome_advantage(
-        torch.tensor(rewards),
-        torch.tensor(group_ids),
-        norm_adv_by_std=plan.train.norm_adv_by_std,
-        response_mask=batch["response_mask"],
+    B, P, T = len(samples), max(len(s[0]) for s in samples), max(len(s[1]) for s in samples)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    rollout_log_prob, mask = torch.zeros((B, T)), torch.zeros((B, T))
+    for i, (prompt, ids, lps, _) in enumerate(samples):
+        input_ids[i, P - len(prompt) : P + len(ids)] = torch.cat([prompt, ids])
+        attention[i, P - len(prompt) : P + len(ids)] = 1
+        rollout_log_prob[i, : len(ids)], mask[i, : len(ids)] = lps, 1.0
+    group = torch.tensor([s[3] for s in samples])
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention,
+        rollout_log_prob=rollout_log_prob,
+        response_mask=mask,
+        prompt_len=attention[:, :P].sum(-1),
+        response_len=attention[:, P:].sum(-1),
+        group=group,
+        advantages=rc_core.compute_advantage(
+            plan.train.adv_estimator,
+            torch.tensor(rewards),
+            group,
+            response_mask=mask,
+            norm_adv_by_std=plan.train.norm_adv_by_std,
+        ),
     )
-    return batch
+
+
+@dataclasses.dataclass
+class Learner:
+    """What every update works on (the fields of rc_train.Learner)."""
+
+    accelerator: Any
+    host: rc_run.HostGroup
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
 
 
 @dataclasses.dataclass
 class Bench:
     plan: Plan
-    learner: rc_train.Learner  # accelerator, host group, model, optimizer, scheduler: as rc_train.py makes them
+    learner: Learner  # accelerator, host group, model, optimizer, scheduler: as rc_train.py makes them
     batch: dict
 
     @property
@@ -444,31 +575,46 @@ class Bench:
 
     def prepare(self) -> tuple[dict, dict, Counter]:
         """The update's inputs as rc_train.py's step builds them after the rollout: the step's (B, T) tensors, the
-        decoupled correction's batch metrics, and the size of the pi_old pass (decoupled presets only:
-        rc_train.decoupled_correction; bypass: none)."""
+        decoupled correction's batch metrics, and the size of the pi_old pass. Decoupled presets (§7.2): pi_old
+        scored once per batch without gradients, its IS weights and rejection mask frozen for the update (what
+        rc_train.decoupled_correction does); bypass: none."""
         args, batch, correction, learner = self.plan.train, self.batch, self.plan.correction, self.learner
         tensors = {k: batch[k] for k in ("response_mask", "advantages", "rollout_log_prob")}
-        batch_correction, size = {}, Counter()
-        if not correction.bypass_mode:
-            unwrapped = learner.accelerator.unwrap_model(learner.model)
-            batch_correction, size = rc_train.decoupled_correction(args, correction, unwrapped, batch, tensors)
+        if correction.bypass_mode:
+            return tensors, {}, Counter()
+        unwrapped = learner.accelerator.unwrap_model(learner.model)
+        unwrapped.eval()
+        old_log_prob, size = rc_forward.no_grad_pass(unwrapped, batch, args)
+        is_weights, keep_mask, batch_correction = rc_core.compute_rollout_correction_and_rejection_mask(
+            old_log_prob=old_log_prob,
+            rollout_log_prob=tensors["rollout_log_prob"],
+            response_mask=tensors["response_mask"],
+            config=correction,
+        )
+        weights = {} if is_weights is None else {"rollout_is_weights": is_weights}
+        tensors.update(old_log_prob=old_log_prob, **weights, keep_mask=keep_mask)
         return tensors, batch_correction, size
 
     def policy_update(self, tensors: dict, batch_correction: dict):
-        """rc_train.update_policy on the batch: (micro-batch metrics, actor/* figures, size of its passes)."""
-        return rc_train.update_policy(
-            self.plan.train,
-            self.plan.correction,
-            self.learner,
-            self.batch,
-            tensors,
-            generator=torch.Generator().manual_seed(self.plan.seed),
-            batch_correction=batch_correction,
-        )
+        """The update on the batch (rc_train.update_policy's loop): epochs x minibatches (update_schedule), one
+        optimizer step each (run_step). Returns (micro-batch metrics, actor/* figures, size of its passes)."""
+        world, metrics, size = self.learner.accelerator.num_processes, rc_run.MetricSum(), Counter()
+        loss_sums, grad_norms = [], []
+        for i, (rows, micro) in enumerate(update_schedule(self)):
+            loss_sum, grad_norm, step_size = run_step(
+                self, tensors, batch_correction, rows, micro, first=i == 0, metrics=metrics
+            )
+            loss_sums, grad_norms, size = loss_sums + [loss_sum], grad_norms + [grad_norm], size + step_size
+        actor = {
+            "actor/pg_loss": float(np.mean(loss_sums)) * world,
+            "actor/grad_norm": float(np.mean(grad_norms)),
+            "actor/lr": self.learner.scheduler.get_last_lr()[0],
+        }
+        return metrics, actor, size
 
     def update(self) -> dict:
         """One update of the rollout batch, as rc_train.py's step runs it after the rollout: the decoupled pi_old
-        pass and correction (decoupled presets only), then rc_train.update_policy."""
+        pass and correction (decoupled presets only), then the update's loop."""
         tensors, batch_correction, size = self.prepare()
         _, actor, update_size = self.policy_update(tensors, batch_correction)
         # the trainer's perf/* counts the same; summed over the ranks
@@ -495,7 +641,7 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     model = build_model(plan, accelerator.device)
     if plan.compile == "model":
         model = torch.compile(model, dynamic=True, backend=plan.compile_backend)
-    elif plan.compile == "layers":  # the trainer's --compile (the Args say so: no shared-prompt pass)
+    elif plan.compile == "layers":  # the trainer's --compile (the settings say so: no shared-prompt pass)
         rc_forward.compile_layers(model, backend=plan.compile_backend)
     if args.fsdp:
         model = rc_run.shard_model(model, accelerator.device.type)
@@ -503,7 +649,7 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if not args.fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
-    learner = rc_train.Learner(accelerator, rc_run.HostGroup(accelerator.num_processes), model, optimizer, scheduler)
+    learner = Learner(accelerator, rc_run.HostGroup(accelerator.num_processes), model, optimizer, scheduler)
     return Bench(plan, learner, make_rollout(plan, accelerator.process_index))
 
 
@@ -538,7 +684,7 @@ SYNC_KINDS = ("read", "to_host", "to_device", "data_dependent")
 
 def update_schedule(bench: Bench) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Each optimizer step of one update as rc_train.update_policy cuts it: (the step's rows, its micro-batches),
-    from the same permutation (the generator seeded as Bench.policy_update seeds it)."""
+    each epoch a permutation of the rows from a generator seeded with --seed, cut into num_minibatches steps."""
     args, batch = bench.plan.train, bench.batch
     B = batch["response_mask"].shape[0]
     per_minibatch = B // args.num_minibatches
@@ -619,70 +765,121 @@ def phase_hooks(marks: Marks):
         rc_forward._ChunkedTokenLogProb.backward = backward
 
 
+def policy_loss(args, correction, log_prob, micro: dict, denominators: dict, *, first: bool, check: bool):
+    """The policy-gradient loss of a micro-batch (rc_train.policy_loss): bypass corrects inside rc_core (§7.3/§7.4),
+    decoupled (§7.2) takes the frozen weights and rejection mask of Bench.prepare."""
+    mask = micro["response_mask"]
+    if mask.sum() == 0:  # every response dropped: nothing to learn
+        return (log_prob * 0).sum(), {}
+    low, high = rc_config.clip_bounds(args)
+    common = dict(
+        log_prob=log_prob,
+        rollout_log_prob=micro["rollout_log_prob"],
+        advantages=micro["advantages"],
+        response_mask=mask,
+        loss_agg_mode=args.loss_agg_mode,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=args.clip_ratio_c,
+        config=correction,
+        validate=check,
+        **denominators,
+    )
+    if correction.bypass_mode:
+        return rc_core.compute_policy_loss_bypass_mode(**common, with_correction_metrics=first)
+    return rc_core.compute_policy_loss_vanilla(
+        **common,
+        old_log_prob=micro["old_log_prob"],
+        keep_mask=micro["keep_mask"],
+        rollout_is_weights=micro.get("rollout_is_weights"),
+    )
+
+
+def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, micro: dict, *, bypass: bool, first: bool, skip: dict):
+    """Loss metrics, approx_kl, entropy; rollout_corr/* from the first minibatch only (rc_train.micro_batch_metrics)."""
+    mask = micro["response_mask"]
+    if mask.sum() == 0:
+        return {}
+    prox = micro["rollout_log_prob"] if bypass else micro["old_log_prob"]
+    with torch.no_grad():
+        k3 = rc_core.kl_penalty(prox, log_prob.detach(), "low_var_kl")
+        out = {
+            **loss_metrics,
+            "actor/ppo_kl_k3": float(k3[mask > 0].mean()),
+            "actor/entropy": float(entropy[mask > 0].mean()),
+        }
+    return {k: v for k, v in out.items() if k not in skip and (first or not k.startswith("rollout_corr/"))}
+
+
+def _unmarked(phase: str) -> None:
+    """The marks of an update that is not broken down: none."""
+
+
 def run_step(
     bench: Bench,
     tensors: dict,
     batch_correction: dict,
     rows: torch.Tensor,
     micro: list[torch.Tensor],
-    marks: Marks,
-    share_prefix: bool,
-) -> None:
-    """One optimizer step over `micro` (micro-batches of the step's `rows`), first minibatch of the update: the
-    body of rc_train.update_policy's loop, call for call, with a mark between the calls (keep it in step with that
-    loop; tests/test_bench_gpu_step.py checks the two give the same gradients). `share_prefix` False runs the same
-    step without the shared-prompt pass."""
+    marks: Marks | None = None,
+    share_prefix: bool = True,
+    *,
+    first: bool = True,
+    metrics: rc_run.MetricSum | None = None,
+) -> tuple[float, float, Counter]:
+    """One optimizer step of the update over `micro` (micro-batches of the step's `rows`): the body of
+    rc_train.update_policy's loop, call for call (tests/test_bench_gpu_step.py proves the update equal to it), with a
+    mark between the calls when `marks` is given (--breakdown). `first`: the update's first step (its correction
+    metrics; the loss inputs checked); `share_prefix` False runs the step without the shared-prompt pass. Returns the
+    step's loss (summed over its micro-batches), its gradient norm before clipping and the size of its passes; the
+    micro-batch metrics go to `metrics`."""
     args = bench.plan.train if share_prefix else dataclasses.replace(bench.plan.train, share_prompt_prefix=False)
-    correction, learner = bench.plan.correction, bench.learner
+    correction, learner, batch = bench.plan.correction, bench.learner, bench.batch
     accelerator, model = learner.accelerator, learner.model
     world, mask = accelerator.num_processes, tensors["response_mask"]
+    mark = _unmarked if marks is None else marks.mark
+    metrics = rc_run.MetricSum() if metrics is None else metrics
     model.train()
-    marks.mark("other")
+    mark("other")
+    # the loss denominators of the step's rows over all ranks, pre-rejection (§7.5; rc_train.global_denominators)
     n_tok, n_seq = learner.host.sum([float(mask[rows].sum()), float((mask[rows].sum(-1) > 0).sum())])
     scale_k = args.loss_scale_factor or float(args.max_response_length)
     denominators = dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k)
-    step_metrics, loss_sum = rc_run.MetricSum(), 0.0
+    loss_sum, size = 0.0, Counter()
     for j, micro_rows in enumerate(micro):
-        # forward, loss and backward inside the accumulation context, as update_policy runs them
+        # the forward inside too: DDP decides there whether the backward reduces
         with rc_run.accumulating(accelerator, model, j == len(micro) - 1, args.fsdp):
-            marks.mark("forward")
-            log_prob, entropy, _ = rc_train.sequence_log_probs(model, bench.batch, micro_rows, args, True, True)
-            marks.mark("loss")
-            micro_tensors = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
-            loss, loss_metrics = rc_train.policy_loss(
-                args, correction, log_prob, micro_tensors, denominators, first=True, check=j == 0
+            mark("forward")
+            log_prob, entropy, micro_size = rc_forward.sequence_log_probs(model, batch, micro_rows, args, True, True)
+            mark("loss")
+            part = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
+            loss, loss_metrics = policy_loss(
+                args, correction, log_prob, part, denominators, first=first, check=first and j == 0
             )
-            loss_sum += float(loss.detach())
-            marks.mark("backward")
-            accelerator.backward(loss * world)
-        marks.mark("metrics")
-        step_metrics.add(
-            rc_train.micro_batch_metrics(
-                loss_metrics,
-                log_prob,
-                entropy,
-                micro_tensors,
-                bypass=correction.bypass_mode,
-                first=True,
-                skip=batch_correction,
-            ),
-            weight=float(micro_tensors["response_mask"].sum()),
+            loss_sum, size = loss_sum + float(loss.detach()), size + micro_size
+            mark("backward")
+            accelerator.backward(loss * world)  # DDP averages over ranks
+        mark("metrics")
+        part_metrics = micro_batch_metrics(
+            loss_metrics, log_prob, entropy, part, bypass=correction.bypass_mode, first=first, skip=batch_correction
         )
-    marks.mark("optimizer")
-    rc_run.clip_and_step(accelerator, model, learner.optimizer, args.max_grad_norm)
+        metrics.add(part_metrics, weight=float(part["response_mask"].sum()))
+    mark("optimizer")
+    grad_norm = rc_run.clip_and_step(accelerator, model, learner.optimizer, args.max_grad_norm)
     learner.scheduler.step()
     learner.optimizer.zero_grad(set_to_none=True)
-    marks.mark("end")
+    mark("end")
+    return loss_sum, grad_norm, size
 
 
 def run_no_grad(bench: Bench, micro: list[torch.Tensor], marks: Marks) -> None:
-    """The no-grad pass over `micro`, as rc_train.no_grad_pass runs it (the decoupled pi_old pass)."""
+    """The no-grad pass over `micro`, as rc_forward.no_grad_pass runs it (the decoupled pi_old pass)."""
     net = bench.learner.accelerator.unwrap_model(bench.learner.model)
     net.eval()
     out = torch.zeros(bench.batch["response_mask"].shape)
     for rows in micro:
         marks.mark("forward")
-        log_prob, _, _ = rc_train.sequence_log_probs(net, bench.batch, rows, bench.plan.train, False)
+        log_prob, _, _ = rc_forward.sequence_log_probs(net, bench.batch, rows, bench.plan.train, False)
         out[rows] = log_prob.cpu()
     marks.mark("end")
     bench.learner.model.train()
@@ -1014,7 +1211,7 @@ def breakdown(bench: Bench, seconds_per_update: float) -> dict:
     with counted, phase_hooks(marks):
         run_step(bench, tensors, batch_correction, rows, micro, marks, bench.share_prefix)
     _sync(device)
-    # rc_train.update_policy itself, counted (with CUDA's own sync warnings on a GPU)
+    # the update itself (unmarked), counted (with CUDA's own sync warnings on a GPU)
     update_counter = OpCounter(device, resident=_device_tensors(bench))
     with sync_debug_warnings(device) as cuda_warnings, update_counter:
         bench.policy_update(tensors, batch_correction)
@@ -1053,7 +1250,7 @@ def breakdown(bench: Bench, seconds_per_update: float) -> dict:
         "phase_compute_ops": counts["compute_ops"],
         "phase_host_syncs": counts["syncs"],
         "log_prob_backward_calls": marks.calls["log_prob_backward"],
-        # rc_train.update_policy itself
+        # the update itself
         "aten_ops_per_micro_batch": sum(update_counter.ops.values()) * scale,
         "aten_compute_ops_per_micro_batch": sum(update_counter.compute_ops.values()) * scale,
         "host_syncs_per_micro_batch": sum(update_counter.syncs.values()) * scale,
@@ -1231,10 +1428,11 @@ def breakdown_rows(b: dict, cuda: bool) -> list[str]:
     total += f" {_fmt_ms(b['unshared_sum_ms'])}" if unshared is not None else ""
     lines += [
         total,
-        f"    {'rc_train.update_policy (timed updates: s / update / micro-batches)':<66} {_fmt_ms(b['update_ms'])}",
-        f"    {'gap (update_policy - sum): what the phase loop does not see':<66} {_fmt_ms(b['gap_ms'])}",
+        f"    {'the update (timed updates: s / update / micro-batches)':<66} {_fmt_ms(b['update_ms'])}",
+        f"    {'gap (update - sum): what the phase loop does not see':<66} {_fmt_ms(b['gap_ms'])}",
         f"    {'no-grad sequence_log_probs (the decoupled pi_old pass)':<66} {_fmt_ms(b['no_grad_forward_ms'])}",
-        f"  rc_train.update_policy, counted over one update: {b['aten_ops_per_micro_batch']:.1f} aten ops per "
+        "  the update (rc_train.update_policy's loop), counted over one update: "
+        f"{b['aten_ops_per_micro_batch']:.1f} aten ops per "
         f"micro-batch ({b['aten_compute_ops_per_micro_batch']:.1f} not views), "
         f"{b['host_syncs_per_micro_batch']:.2f} host synchronisations per micro-batch "
         f"({b['host_syncs_per_update']} per update: "

@@ -1,21 +1,27 @@
 """Tests of benchmarks/bench_gpu_step.py: the --tiny run reports sane figures (one process, and two under torchrun
-with DDP and FSDP2), bad flags fail before any model is built, and the benchmarked update (rc_train.update_policy
-itself) really trains (the weights move). --breakdown: its phases partition the pass, its op and host-sync counts
-are there and positive, its micro-batches are the update's own, and its sync counter counts what a GPU would
-synchronise on (no timing is asserted)."""
+with DDP and FSDP2), bad flags fail before any model is built, and the benchmarked update really trains (the weights
+move). The benchmark does not import rc_train.py: its update, composed from rc_core, rc_forward and rc_run, is proven
+equal to rc_train.update_policy (and rc_train.decoupled_correction) here, its settings are rc_train.Args' own fields
+with their defaults, read from the configs as rc_train reads them, and its synthetic batch is rc_train.make_batch's.
+--breakdown: its phases partition the pass, its op and host-sync counts are there and positive, its micro-batches are
+the update's own, and its sync counter counts what a GPU would synchronise on (no timing is asserted)."""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import math
 import os
 import shlex
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
 
+import rc_config
 import rc_forward
 import rc_train
 from benchmarks import bench_gpu_step as bench
@@ -63,6 +69,7 @@ def _no_model(*_args, **_kwargs):
         (["--repeats", "0"], "--repeats"),
         (["--tiny", "--breakdown-micro-batches", "0"], "--breakdown-micro-batches"),
         (["--tiny", "--peak-tflops", "0"], "--peak-tflops"),
+        (["--tiny", "--micro-batch-size", "0"], "--micro-batch-size"),  # the trainer's check, as validate_args words it
     ],
 )
 def test_bad_values_exit_nonzero_naming_them_before_any_model(monkeypatch, capsys, argv, named):
@@ -108,7 +115,7 @@ def test_tiny_breakdown_reports_phases_ops_and_syncs(capsys, tmp_path):
     assert b["gap_ms"] == pytest.approx(b["update_ms"] - b["sum_ms"])
     assert b["unshared_sum_ms"] > 0 and b["no_grad_forward_ms"] > 0  # the default config shares prompts
     assert b["log_prob_backward_calls"] == b["micro_batches_timed"]  # one chunked log-prob backward per micro-batch
-    # op and sync counts: the pass by phase, and rc_train.update_policy itself
+    # op and sync counts: the pass by phase, and the (unmarked) update itself
     for phase in ("forward", "loss", "backward", "optimizer"):
         assert b["phase_aten_ops"][phase] > 0, phase
     assert b["phase_host_syncs"]["loss"] > 0 and b["phase_host_syncs"]["optimizer"] > 0  # float(loss), float(norm)
@@ -119,7 +126,8 @@ def test_tiny_breakdown_reports_phases_ops_and_syncs(capsys, tmp_path):
     assert kinds["read"] > 0 and kinds["to_device"] > 0 and kinds["data_dependent"] > 0
     sites = b["sync_sites_per_update"]
     assert sum(s["count"] for s in sites) <= b["host_syncs_per_update"]
-    assert any(s["site"].startswith("rc_train.py:") for s in sites) and any("rc_core.py:" in s["site"] for s in sites)
+    assert any(s["site"].startswith("benchmarks/bench_gpu_step.py:") for s in sites)  # the update's loop
+    assert any("rc_core.py:" in s["site"] for s in sites) and any("rc_forward.py:" in s["site"] for s in sites)
     assert b["cuda_sync_warnings_per_micro_batch"] is None  # CUDA's own count: a GPU only
     profile = result["profile"]
     assert "error" not in profile, profile
@@ -186,34 +194,141 @@ def test_tiny_run_with_compiled_layers_reports_the_compilation(capsys):
 def test_breakdown_cuts_the_updates_own_micro_batches(monkeypatch):
     plan = bench.parse_plan(["--tiny"])
     b = bench.setup(plan)
-    seen, forward = [], rc_train.sequence_log_probs
+    seen, forward = [], rc_forward.sequence_log_probs
 
     def record(net, batch, rows, *args, **kwargs):
         seen.append(rows.tolist())
         return forward(net, batch, rows, *args, **kwargs)
 
-    monkeypatch.setattr(rc_train, "sequence_log_probs", record)
+    monkeypatch.setattr(rc_forward, "sequence_log_probs", record)  # the update's forward (bypass: no pi_old pass)
     b.update()
     assert seen == [rows.tolist() for _, micro in bench.update_schedule(b) for rows in micro]
 
 
-def test_breakdown_step_trains_as_update_policy_does():
-    """run_step mirrors update_policy's micro-batch loop with marks between the calls: with one epoch and one
-    minibatch, one run_step over the update's own micro-batches leaves the same weights as the update itself."""
-    import dataclasses
-
+def test_marked_breakdown_step_trains_as_the_unmarked_update():
+    """--breakdown times run_step, the update's own optimizer step, with marks between its calls and rc_forward's
+    kernels wrapped (phase_hooks): with one epoch and one minibatch, one marked step over the update's micro-batches
+    leaves the very weights the unmarked update leaves."""
     plan = bench.parse_plan(["--tiny", "--config", "configs/gsm8k_qwen0.5b_token_tis.yaml"])
     plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, ppo_epochs=1, num_minibatches=1))
-    torch.manual_seed(0)
-    a = bench.setup(plan)
-    torch.manual_seed(0)
-    b = bench.setup(plan)
+    a, b = bench.setup(plan), bench.setup(plan)
     a.update()
     tensors, batch_correction, _ = b.prepare()
     ((rows, micro),) = bench.update_schedule(b)
-    bench.run_step(b, tensors, batch_correction, rows, micro, bench.Marks(torch.device("cpu")), b.share_prefix)
+    marks = bench.Marks(torch.device("cpu"))
+    with bench.phase_hooks(marks):
+        bench.run_step(b, tensors, batch_correction, rows, micro, marks, b.share_prefix)
+    assert marks.calls["log_prob"] == len(micro)  # the hooks were on
     for (name, p), q in zip(a.learner.model.named_parameters(), b.learner.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(p, q), name
+
+
+def _trainer_args(plan):
+    """rc_train.Args as rc_train.py reads the plan's config, with --tiny's and the plan's own changes."""
+    args = rc_train.load_yaml_defaults(plan.config_path)
+    changed = {**bench.TINY_ARGS, "ppo_epochs": plan.train.ppo_epochs, "train_dtype": plan.train.train_dtype}
+    return dataclasses.replace(args, **changed)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "configs/gsm8k_qwen0.5b_bypass.yaml",  # bypass PPO-clip: the correction inside the loss
+        "configs/gsm8k_qwen0.5b_token_tis.yaml",  # decoupled, token IS weights
+        "configs/gsm8k_qwen0.5b_seq_mis.yaml",  # decoupled, sequence IS and rejection: the keep mask rejects rows
+    ],
+)
+def test_the_update_equals_rc_train_update_policy(config):
+    """The benchmark's update (Bench.prepare, then Bench.policy_update) against rc_train.decoupled_correction and
+    rc_train.update_policy, each on its own copy of the same model, optimizer and batch, with the generator seeded
+    alike: bypass and decoupled presets, two epochs of two minibatches of micro-batches, float32 (the master weights'
+    dtype). torch.equal and ==, not a tolerance: both run the same torch ops in the same order on the same inputs on
+    one CPU, which is bitwise reproducible, so any difference at all would mean the benchmark computes something else
+    (a tolerance would let a changed denominator or a dropped term of order 1e-7 through)."""
+    plan = bench.parse_plan(["--tiny", "--config", config])
+    plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, ppo_epochs=2, train_dtype="float32"))
+    args = _trainer_args(plan)
+    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(plan.train)} == vars(plan.train)
+    ours, theirs = bench.setup(plan), bench.setup(plan)
+    for p, q in zip(ours.learner.model.parameters(), theirs.learner.model.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(ours.batch["input_ids"], theirs.batch["input_ids"])
+
+    tensors, batch_correction, size = ours.prepare()
+    metrics, actor, update_size = ours.policy_update(tensors, batch_correction)
+
+    their_tensors = {k: theirs.batch[k] for k in ("response_mask", "advantages", "rollout_log_prob")}
+    their_correction, their_size = {}, Counter()
+    if not plan.correction.bypass_mode:
+        unwrapped = theirs.learner.accelerator.unwrap_model(theirs.learner.model)
+        their_correction, their_size = rc_train.decoupled_correction(
+            args, plan.correction, unwrapped, theirs.batch, their_tensors
+        )
+    learner = rc_train.Learner(**vars(theirs.learner))
+    generator = torch.Generator().manual_seed(plan.seed)
+    their_metrics, their_actor, their_update_size = rc_train.update_policy(
+        args,
+        plan.correction,
+        learner,
+        theirs.batch,
+        their_tensors,
+        generator=generator,
+        batch_correction=their_correction,
+    )
+
+    assert set(tensors) == set(their_tensors) and ("keep_mask" in tensors) != plan.correction.bypass_mode
+    for key in tensors:
+        assert torch.equal(tensors[key], their_tensors[key]), key
+    assert batch_correction == their_correction and size == their_size
+    assert actor == their_actor and actor["actor/grad_norm"] > 0
+    assert metrics.sums == their_metrics.sums and update_size == their_update_size
+    for (name, p), q in zip(ours.learner.model.named_parameters(), theirs.learner.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_settings_are_rc_train_args_fields_read_as_rc_train_reads_them():
+    """Every field of bench.UpdateSettings is a field of rc_train.Args with the same default (and its rc, of
+    rc_config.CorrectionArgs); every config in configs/ gives them the values rc_train.load_yaml_defaults gives."""
+    trainer, ours = rc_train.Args(), bench.UpdateSettings()
+    names = [f.name for f in dataclasses.fields(bench.UpdateSettings)]
+    assert set(names) <= {f.name for f in dataclasses.fields(rc_train.Args)}
+    for name in names:
+        assert getattr(ours, name) == getattr(trainer, name), name
+    assert ours.rc == rc_config.CorrectionArgs() == trainer.rc
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configs = sorted(glob.glob(os.path.join(root, "configs", "*.yaml")))
+    assert len(configs) >= 5
+    for path in configs:
+        args, settings = rc_train.load_yaml_defaults(path), bench.load_settings(path)
+        assert {name: getattr(args, name) for name in names} == vars(settings), path
+
+
+def test_settings_ignore_the_keys_the_update_does_not_read_and_refuse_unknown_rc_keys(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "num_steps: 3\nvllm_gpu_memory_utilization: 0.2\nlearning_rate: 1e-5\nrc:\n  preset: bypass_ppo_clip\n"
+    )
+    settings = bench.load_settings(str(config))
+    assert settings.learning_rate == 1e-5 and settings.rc.preset == "bypass_ppo_clip"  # 1e-5 a number, as rc_config
+    config.write_text("rc:\n  preset: bypass_ppo_clip\n  rollout_iss: token\n")
+    with pytest.raises(ValueError, match="rc.rollout_iss"):
+        bench.load_settings(str(config))
+
+
+def test_rollout_batch_is_rc_train_make_batch():
+    """The synthetic batch, built in the benchmark, is the batch rc_train.make_batch makes of its rows."""
+    batch = bench.make_rollout(bench.parse_plan(["--tiny"]))
+    T = batch["response_mask"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    prompts, responses = [], []
+    for i in range(len(batch["group"])):
+        p, t = int(batch["prompt_len"][i]), int(batch["response_len"][i])
+        prompts.append(batch["input_ids"][i, P - p : P].tolist())
+        responses.append((batch["input_ids"][i, P : P + t].tolist(), batch["rollout_log_prob"][i, :t].tolist(), ""))
+    made = rc_train.make_batch(prompts, responses, bench.MODEL_SHAPES["tiny"]["pad_token_id"], batch["group"].tolist())
+    assert set(made) == set(batch) - {"advantages"}
+    for key, value in made.items():
+        assert value.dtype == batch[key].dtype and torch.equal(value, batch[key]), key
 
 
 def test_op_counter_counts_what_a_gpu_would_synchronise_on():

@@ -22,6 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 import rc_checkpoint
 import rc_config
@@ -376,6 +377,31 @@ class Learner:
     scheduler: Any
 
 
+def make_learner(args: Args, accelerator, host: rc_run.HostGroup, model_path: str, moe: bool):
+    """The policy in fp32 on this rank's device, AdamW with a linear warm-up, and the frozen reference model of the
+    KL penalty (--kl-coef > 0, else None)."""
+    load = dict(dtype="auto", device_map={"": accelerator.device})  # then fp32 on the device, not on the host
+    model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
+    if moe:  # the router hooks: replay and record
+        rc_moe.install(model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:  # in place: parameter names stay
+        rc_forward.compile_layers(model)
+    ref_model = None
+    if args.kl_coef > 0:  # the policy's own precision: KL is 0 at step 0
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
+        ref_model.eval().requires_grad_(False)
+    if args.fsdp:  # FSDP2: shard, then build the optimizer over the shards
+        model = rc_run.shard_model(model, accelerator.device.type)
+        ref_model = ref_model and rc_run.shard_model(ref_model, accelerator.device.type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    if not args.fsdp:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    return Learner(accelerator, host, model, optimizer, scheduler), ref_model
+
+
 def update_policy(
     args: Args,
     correction,
@@ -447,8 +473,6 @@ if __name__ == "__main__":
         sys.exit(rc_plot.main(sys.argv[2:]))
     # TRY NOT TO MODIFY: setup -- every check first, then the run folder, models, engine
     args = rc_config.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
-    from transformers import AutoModelForCausalLM
-
     t_start = time.time()
     rc_run.report_faults()  # a disk fault: one line, not a traceback
     with rc_run.refused():  # a bad value: one line naming it, before anything is written
@@ -480,26 +504,9 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
 
     # TRY NOT TO MODIFY: models, optimizer, resume, engine
-    device, moe = accelerator.device, args.routing_replay != "none" or bool(args.routing_metrics)
-    load = dict(dtype="auto", device_map={"": device})  # then fp32 on the device, not on the host
-    model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
-    if moe:  # the router hooks: replay and record
-        rc_moe.install(model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.compile:  # in place: parameter names stay
-        rc_forward.compile_layers(model)
-    ref_model = None
-    if args.kl_coef > 0:  # the policy's own precision: KL is 0 at step 0
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
-        ref_model.eval().requires_grad_(False)
-    if args.fsdp:  # FSDP2: shard, then build the optimizer over the shards
-        model = rc_run.shard_model(model, device.type)
-        ref_model = ref_model and rc_run.shard_model(ref_model, device.type)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if not args.fsdp:
-        model, optimizer = accelerator.prepare(model, optimizer)
+    moe = args.routing_replay != "none" or bool(args.routing_metrics)
+    learner, ref_model = make_learner(args, accelerator, host, model_path, moe)
+    model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight, kept = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}, ()
     if args.resume:  # all loaded and checked (RNG states too) before the run folder is touched
@@ -549,7 +556,6 @@ if __name__ == "__main__":
     health = rc_run.HealthWatch(bar.write if accelerator.is_main_process else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = TrainData(task, train_rows, train_prompts, pad_id)
-    learner = Learner(accelerator, host, model, optimizer, scheduler)
 
     for step in bar:
         # ALGO LOGIC: rollout -- the batch of step t, sampled by version max(0, t - k)

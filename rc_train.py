@@ -49,7 +49,7 @@ class Args(
 
     # General
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
+    """experiment name"""
     seed: int = 1
     """seed of the experiment"""
     config: str | None = None
@@ -71,7 +71,7 @@ class Args(
     dataset_config: str = "main"
     """HF dataset config name"""
     train_limit: int | None = None
-    """use only the first N training problems"""
+    """the first N training problems only"""
     reward_mode: str | None = None
     """a score key of the task (strict, flexible); None = the task's reward key"""
     format_bonus: float = 0.0
@@ -79,7 +79,7 @@ class Args(
     use_chat_template: bool = True
     """use the tokenizer's chat template when it has one"""
     max_model_len: int = 512
-    """context length of the engine; prompt + response must fit"""
+    """engine context length (prompt + response)"""
 
     # Rollout
     num_steps: int = 50
@@ -127,7 +127,7 @@ class Args(
     clip_ratio_low: float | None = None
     """PPO lower clip epsilon (default: clip_ratio)"""
     clip_ratio_high: float | None = None
-    """PPO upper clip epsilon (default: clip_ratio; DAPO uses 0.28)"""
+    """PPO upper clip epsilon (default: clip_ratio)"""
     clip_ratio_c: float = 3.0
     """dual-clip constant c > 1 (negative advantages only)"""
     loss_agg_mode: str = "token-mean"
@@ -154,7 +154,7 @@ class Args(
     """number of eval problems (None = whole split)"""
 
     rc: rc_config.CorrectionArgs = field(default_factory=rc_config.CorrectionArgs)
-    """rollout correction: a preset, then overrides ('none' switches an option off)"""
+    """rollout correction: a preset, then overrides"""
 
 
 def load_yaml_defaults(path: str) -> Args:
@@ -311,7 +311,7 @@ def policy_loss(args: Args, correction, log_prob, micro: dict, denominators: dic
     mask = micro["response_mask"]
     if mask.sum() == 0:  # every response dropped: nothing to learn
         return (log_prob * 0).sum(), {}
-    low, high = rc_config.clip_bounds(args)
+    low, high = (args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
     common = dict(
         log_prob=log_prob,
         rollout_log_prob=micro["rollout_log_prob"],
@@ -380,7 +380,7 @@ class Learner:
 def make_learner(args: Args, accelerator, host: rc_run.HostGroup, model_path: str, moe: bool):
     """The policy in fp32 on this rank's device, AdamW with a linear warm-up, and the frozen reference model of the
     KL penalty (--kl-coef > 0, else None)."""
-    load = dict(dtype="auto", device_map={"": accelerator.device})  # then fp32 on the device, not on the host
+    load = dict(dtype="auto", device_map={"": accelerator.device})  # fp32 on the device, not the host
     model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
     if moe:  # the router hooks: replay and record
         rc_moe.install(model)
@@ -430,7 +430,7 @@ def update_policy(
             for j, micro_rows in enumerate(micro):
                 # the forward inside too: DDP decides there whether the backward reduces
                 with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
-                    # log pi(y_t | y_<t) = log_softmax(logits / temperature)[y_t] (§1), fast in rc_forward
+                    # log pi(y_t | y_<t) = log_softmax(logits / temperature)[y_t] (§1)
                     log_prob, entropy, micro_size = rc_forward.sequence_log_probs(
                         model, batch, micro_rows, args, True, True, routing=routing
                     )
@@ -509,14 +509,14 @@ if __name__ == "__main__":
     model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight, kept = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}, ()
-    if args.resume:  # all loaded and checked (RNG states too) before the run folder is touched
+    if args.resume:  # all loaded and checked before the run folder is touched
         with rc_run.refused(rc_run.RunError):
             resumed = rc_checkpoint.load_resume(
                 run_dir, model, optimizer, scheduler, accelerator, host=host, counters=counters, args=args
             )
         rc_checkpoint.set_rng(resumed.rng)
         start_step, counters, in_flight, kept = resumed.start_step, resumed.counters, resumed.in_flight, resumed.replay
-    engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # keeps the RNG states
+    engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # RNG states kept
     if args.resume:  # the engine is up: the resume takes the run folder over
         rc_checkpoint.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)
     prompts_per_rank = rc_config.prompts_per_rank(args, world)

@@ -506,7 +506,7 @@ def test_wandb_run_id_survives_resume(tmp_path):
     assert rc_run.wandb_run_id(str(tmp_path), resume=False) != first  # a fresh run gets a fresh id
 
 
-def test_restore_rng_after_an_engine_reseeds(tmp_path):
+def test_restore_rng_from_a_checkpoint(tmp_path):
     import random
 
     import numpy as np
@@ -519,7 +519,7 @@ def test_restore_rng_after_an_engine_reseeds(tmp_path):
         tmp_path / "rng_rank0.pt",
     )
     expected = (torch.rand(3), random.random(), np.random.rand())
-    torch.manual_seed(1)  # what vLLM's start-up does to the global generators
+    torch.manual_seed(1)  # whatever ran in between
     rc_checkpoint.restore_rng(str(tmp_path), 0)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert np.random.rand() == expected[2]

@@ -296,17 +296,53 @@ def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
     """Yield ``("line N", record)`` for each non-blank line of a JSON-lines file."""
     seen_any = False
     with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            seen_any = True
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {line_number}: invalid JSON ({exc.msg})") from exc
-            yield f"line {line_number}", record
+        try:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                seen_any = True
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}: line {line_number}: invalid JSON ({exc.msg})") from exc
+                yield f"line {line_number}", record
+        except UnicodeDecodeError:  # decoded a chunk at a time: where the byte is, read from the file's bytes
+            raise _not_utf8(path) from None
     if not seen_any:
         raise ValueError(f"GSM8K file is empty: {path}")
+
+
+def _not_utf8(path: str) -> ValueError:
+    """The refusal of a JSON-lines file that is not UTF-8 text: the file, the first bad byte, its line and offset."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        return ValueError(
+            f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at byte offset {exc.start}: "
+            f"{exc.reason}); save the file as UTF-8"
+        )
+    return ValueError(f"{path}: not UTF-8 text; save the file as UTF-8")
+
+
+def _parquet_not_utf8(path: str, table) -> ValueError:
+    """The refusal of a parquet file whose text column holds a value that is not UTF-8: the file, row and column."""
+    import pyarrow as pa
+
+    for name in table.column_names:
+        column = table.column(name)
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            for index, raw in enumerate(column.cast(pa.large_binary()).to_pylist()):
+                try:
+                    (raw or b"").decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return ValueError(
+                        f"{path}: row {index}, column {name!r}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                        f"byte {exc.start} of the value: {exc.reason}); write the file with UTF-8 text"
+                    )
+    return ValueError(f"{path}: not UTF-8 text; write the file with UTF-8 text")
 
 
 def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
@@ -314,7 +350,11 @@ def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
 
-        records = pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
+        try:
+            records = table.to_pylist()
+        except UnicodeDecodeError:
+            raise _parquet_not_utf8(path, table) from None
     except ImportError:
         try:
             import pandas as pd

@@ -1,11 +1,12 @@
 """What outlives the process: save, verify, prune and resume a checkpoint.
 
 A checkpoint (checkpoints/step_N) holds everything a step needs to continue exactly: the model and optimizer (torch
-distributed checkpoint), every rank's RNG states, batches in flight and replay buffer, the scheduler, the SHA-256 of
-each file and trainer_state.json, written last before one rename. A resume checks before it touches anything: the run
-folder may be claimed (claim_run_dir, under rc_run.RunLock), the newest checkpoint is complete and intact and its
-settings are the run's (check_resume, agree_settings); then everything is loaded (load_resume) before the logs are cut
-back and config.yaml rewritten (commit_resume). Retention keeps the newest --keep-checkpoints. Every fault of a file is
+distributed checkpoint), every rank's RNG states, batches in flight and replay buffer, the scheduler,
+trainer_state.json and checksums.json (the SHA-256 of every other file, and of nothing else), written last before one
+rename. A resume checks before it touches anything: the run folder may be claimed (claim_run_dir, under
+rc_run.RunLock), the newest checkpoint is complete and intact (verify_checkpoint) and its settings are the run's
+(check_resume, agree_settings); then everything is loaded (load_resume) before the logs are cut back and config.yaml
+rewritten (commit_resume). Retention keeps the newest --keep-checkpoints. Every fault of a file is
 one line (rc_run.RunError). This module imports rc_run (the faults, the ranks' HostGroup, the lock, config.yaml);
 rc_run never imports it.
 Unit-tested on CPU (tests/test_run_record.py, tests/test_infra.py) and end to end (tests/test_train.py).
@@ -53,7 +54,12 @@ class CheckpointArgs:
 
 
 STEP_FOLDER = re.compile(r"step_(\d+)")  # checkpoints/step_N; step_N.tmp (cut off mid-write) and others never load
-CHECKSUMS = "checksums.json"  # in a checkpoint: SHA-256 of each of its files, written before trainer_state.json
+LEFTOVER = re.compile(r"step_\d+\.(deleting|replaced\d+)")  # a pruning or replacement cut short by a kill
+# In a checkpoint: the manifest, the SHA-256 of every other file, trainer_state.json included, and of nothing else;
+# written last. MANIFEST_VERSION 2 says it covers trainer_state.json; a manifest without "version" (checkpoints
+# written before) covers every file but trainer_state.json (verify_checkpoint).
+CHECKSUMS = "checksums.json"
+MANIFEST_VERSION = 2
 
 # The settings a --resume may change: where the run writes, what it logs, evaluates and keeps, how long it runs,
 # where the engine runs and how it uses memory. None of them changes what a step computes (the rollout worker at
@@ -115,7 +121,8 @@ def step_folders(run_dir: str) -> list[str]:
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first. A complete one was renamed from *.tmp after its last file."""
+    """Complete checkpoints, oldest first. A complete one was renamed from *.tmp after its last file (whether every
+    file is there and intact is verify_checkpoint's to say)."""
     return [d for d in step_folders(run_dir) if os.path.isfile(os.path.join(d, "trainer_state.json"))]
 
 
@@ -124,8 +131,13 @@ def newest_checkpoint_state(run_dir: str) -> dict | None:
     dirs = checkpoint_dirs(run_dir)
     if not dirs:
         return None
-    try:
-        return _read_json(os.path.join(dirs[-1], "trainer_state.json"))
+    try:  # its checksum checked first (cheap): an edited trainer_state.json is damage, not another run's settings
+        state_file = os.path.join(dirs[-1], "trainer_state.json")
+        if os.path.isfile(os.path.join(dirs[-1], CHECKSUMS)):
+            digest = _manifest(dirs[-1])[0].get("trainer_state.json")
+            if digest is not None:
+                _check_sum(state_file, digest)
+        return _read_json(state_file)
     except rc_run.RunError as e:
         raise _damaged(run_dir, dirs[-1], str(e)) from None
 
@@ -148,12 +160,17 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def files_under(folder: str) -> list[str]:
+    """Every file under `folder` (a link too), as sorted paths relative to it."""
+    return sorted(
+        os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names
+    )
+
+
 def checksum_files(folder: str) -> dict:
     """{path relative to `folder`: SHA-256} of every file under it. hashlib releases the GIL on large buffers, so
     threads read and hash several files at once (DCP writes one file per rank, and the RNG and batch files)."""
-    files = sorted(
-        os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names
-    )
+    files = files_under(folder)
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
         return dict(zip(files, pool.map(lambda rel: file_sha256(os.path.join(folder, rel)), files)))
 
@@ -189,17 +206,19 @@ def save_checkpoint(
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
     under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the batches it has in flight
     (--max-staleness k: those of the next k steps, sampled by older versions) and its replay buffer (--replay-window:
-    rc_rollout.ReplayBuffer.state), the scheduler, checksums.json (the SHA-256 of every file above) and
-    trainer_state.json (the step, the counters, the schedule and the settings that decide what a step computes:
-    run_settings). All of it goes into step_N.tmp, trainer_state.json last, then one rename: a process killed during
-    a save leaves a .tmp folder that --resume never loads. Then the older complete checkpoints beyond
-    --keep-checkpoints are deleted (prune_checkpoints). A full disk (or any file fault) removes the .tmp folder and
-    raises a RunError naming the file being written; the checkpoints before it are untouched."""
+    rc_rollout.ReplayBuffer.state), the scheduler, trainer_state.json (the step, the counters, the schedule and the
+    settings that decide what a step computes: run_settings) and checksums.json (the SHA-256 of every file above).
+    All of it goes into step_N.tmp, checksums.json last, then one rename: a process killed during a save leaves a .tmp
+    folder that --resume never loads. Then the older complete checkpoints beyond --keep-checkpoints are deleted
+    (prune_checkpoints); the leftovers of a pruning cut short by a kill are removed before the save begins
+    (remove_leftovers). A full disk (or any file fault) removes the .tmp folder and raises a RunError naming the file
+    being written; the checkpoints before it are untouched."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
     files, main = _Files(final + ".tmp"), accelerator.is_main_process
     tmp = files.folder
     try:
         if main:
+            remove_leftovers(run_dir)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         accelerator.wait_for_everyone()
@@ -240,16 +259,17 @@ def _write_rank_files(files: _Files, rank: int, args, model, optimizer, in_fligh
 
 
 def _write_main_files(files: _Files, step: int, world: int, args, scheduler, counters: dict, in_flight: dict) -> None:
-    """The main process's part, once every rank has written its own: the scheduler, checksums.json (every file so
-    far), then trainer_state.json, last: the file that makes the folder a complete checkpoint once renamed."""
+    """The main process's part, once every rank has written its own: the scheduler, trainer_state.json (which makes
+    the folder a complete checkpoint once renamed: checkpoint_dirs), then checksums.json, last, covering every file
+    before it. The manifest is written last so that it can cover trainer_state.json too (the reverse, trainer_state.json
+    last carrying the manifest's SHA-256, would leave trainer_state.json itself unchecked): an edited step or setting
+    is damage, refused as such. The folder's completeness does not hang on which file is last (the rename publishes
+    it whole); a folder that lost its manifest is refused, since its trainer_state.json names it (verify_checkpoint)."""
     path = files.at("scheduler.pt")
     torch.save(scheduler.state_dict(), path)
     if os.environ.get("RC_TRAIN_KILL_IN_CHECKPOINT") == str(step):  # test hook: SIGKILL mid-write
         os.kill(os.getpid(), signal.SIGKILL)
-    sums = checksum_files(files.folder)
-    with open(files.at(CHECKSUMS), "w") as f:
-        json.dump({"sha256": sums}, f, indent=1)
-    with open(files.at("trainer_state.json"), "w") as f:  # written last
+    with open(files.at("trainer_state.json"), "w") as f:
         json.dump(
             {
                 "step": step,
@@ -262,6 +282,9 @@ def _write_main_files(files: _Files, step: int, world: int, args, scheduler, cou
             },
             f,
         )
+    sums = checksum_files(files.folder)
+    with open(files.at(CHECKSUMS), "w") as f:  # written last: every other file, trainer_state.json included
+        json.dump({"version": MANIFEST_VERSION, "sha256": sums}, f, indent=1)
 
 
 def _write_fault(e: BaseException, tmp: str) -> OSError | None:
@@ -319,30 +342,85 @@ def prune_checkpoints(run_dir: str, keep: int, newest: str) -> list[str]:
     return deleted
 
 
+def remove_leftovers(run_dir: str) -> list[str]:
+    """Remove what a kill during a pruning (step_N.deleting) or a replacement (step_N.replaced<pid>, _replace_folder)
+    left under checkpoints/: folders already renamed out of the checkpoints, never loaded. Called by the main process
+    at each save and once a resume has loaded its checkpoint (commit_resume), under the run's lock; said on the
+    console. A step_N.tmp (a save cut short) is left alone: the next save of its step replaces it. Returns them."""
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        names = sorted(n for n in os.listdir(root) if LEFTOVER.fullmatch(n))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            print(f"removed {path}: left by a deletion of an old checkpoint cut short", flush=True)
+            removed.append(path)
+    return removed
+
+
 # ---------------------------------------------------------------------------------------------
 # Checking a start or a resume before anything is loaded or written: the files, the settings, the run folder
 # ---------------------------------------------------------------------------------------------
+def _manifest(path: str) -> tuple[dict, int]:
+    """The checksums.json of the checkpoint `path`: ({file: SHA-256}, its version), checked for form."""
+    file = os.path.join(path, CHECKSUMS)
+    sums = _read_json(file)
+    version = sums.get("version", 1) if isinstance(sums, dict) else None
+    listed = sums.get("sha256") if isinstance(sums, dict) else None
+    if version not in (1, MANIFEST_VERSION) or not isinstance(listed, dict):
+        raise rc_run.RunError(f"{file} holds no checksums this rc_train.py can read")
+    return listed, version
+
+
+def _check_sum(file: str, digest) -> None:
+    try:
+        actual = file_sha256(file)
+    except OSError as e:
+        raise rc_run.io_fault(e, "reading", file) from e
+    if actual != digest:
+        raise rc_run.RunError(
+            f"{file} does not match its checksum (SHA-256 {actual[:12]}..., written {str(digest)[:12]}...)"
+        )
+
+
 def verify_checkpoint(path: str, state: dict) -> str | None:
-    """Check every file of the checkpoint `path` against its checksums.json (state: its trainer_state.json). Raises
-    RunError naming the first file that is missing or whose SHA-256 differs; returns a note for a checkpoint written
-    before checkpoints carried checksums (loaded unchecked), else None."""
-    if "checksums" not in state:
+    """Check the checkpoint `path` against its checksums.json (state: its trainer_state.json): the files it lists are
+    exactly the files there (one present but not listed, or listed but missing, is named), then every SHA-256, before
+    anything is loaded. Raises RunError naming the first file at fault; returns a note for an older checkpoint, else
+    None. The checksums guard against damage (a torn copy, a flipped bit, a file lost, added or edited by hand), not
+    against forgery: whoever rewrites the manifest too is believed.
+    Older checkpoints still load: one written before checkpoints carried checksums (no checksums.json, none named in
+    trainer_state.json) loads unchecked, said; one whose manifest has no "version" (written before the manifest
+    covered trainer_state.json) has every other file checked exactly as above and trainer_state.json unchecked, said.
+    A checksums.json present is always checked, whatever trainer_state.json says."""
+    if "checksums" not in state and not os.path.lexists(os.path.join(path, CHECKSUMS)):
         return f"{path} carries no checksums (written before checkpoints had them): loaded unchecked"
-    sums = _read_json(os.path.join(path, state["checksums"]))
-    if not isinstance(sums, dict) or not isinstance(sums.get("sha256"), dict):
-        raise rc_run.RunError(f"{os.path.join(path, state['checksums'])} holds no checksums")
-    for rel, digest in sorted(sums["sha256"].items()):
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            raise rc_run.RunError(f"{file} is {'not a file' if os.path.exists(file) else 'missing'}")
-        try:
-            actual = file_sha256(file)
-        except OSError as e:
-            raise rc_run.io_fault(e, "reading", file) from e
-        if actual != digest:
-            raise rc_run.RunError(
-                f"{file} does not match its checksum (SHA-256 {actual[:12]}..., written {digest[:12]}...)"
-            )
+    manifest = os.path.join(path, CHECKSUMS)
+    if not os.path.isfile(manifest):
+        raise rc_run.RunError(f"{manifest} is {'not a file' if os.path.lexists(manifest) else 'missing'}")
+    listed, version = _manifest(path)
+    present = set(files_under(path)) - {CHECKSUMS}
+    unchecked = {"trainer_state.json"} - set(listed) if version == 1 else set()
+    unlisted, missing = sorted(present - set(listed) - unchecked), sorted(set(listed) - present)
+    if unlisted:
+        raise rc_run.RunError(
+            f"{os.path.join(path, unlisted[0])} is not listed in {manifest} (a file the checkpoint did not write, or "
+            f"one whose entry was removed)"
+        )
+    if missing:
+        file = os.path.join(path, missing[0])
+        raise rc_run.RunError(f"{file} is {'not a file' if os.path.lexists(file) else 'missing'}")
+    for rel, digest in sorted(listed.items()):
+        _check_sum(os.path.join(path, rel), digest)
+    if unchecked:
+        return (
+            f"{os.path.join(path, 'trainer_state.json')} carries no checksum (the checkpoint was written before "
+            f"checksums.json covered it): its other files checked"
+        )
     return None
 
 
@@ -730,10 +808,12 @@ def truncate_metrics(path: str, start_step: int, say=None) -> None:
 def commit_resume(run_dir: str, resumed: Resumed, accelerator, args, correction, **facts) -> None:
     """A resume that has loaded everything (load_resume) and started its engine takes the run folder over: the logs
     are cut back to the checkpoint (truncate_metrics: metrics.jsonl and eval_samples.jsonl by the main process, each
-    rank its ranks/rank{r}.jsonl) and config.yaml is rewritten (rc_run.write_config)."""
+    rank its ranks/rank{r}.jsonl), config.yaml is rewritten (rc_run.write_config) and the leftovers of a pruning cut
+    short are removed (remove_leftovers)."""
     main, rank = accelerator.is_main_process, accelerator.process_index
     say = (lambda m: print(m, flush=True)) if main else None
     if main:
+        remove_leftovers(run_dir)
         for name in ("metrics.jsonl", "eval_samples.jsonl"):
             truncate_metrics(os.path.join(run_dir, name), resumed.start_step, say)
     truncate_metrics(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), resumed.start_step, say)

@@ -54,7 +54,49 @@ Threshold = Annotated[
 class _YamlLoader(yaml.SafeLoader):
     """yaml.safe_load, with YAML 1.2 floats: '1e-4' is a number (YAML 1.1 reads it as a string) and '0.5_5' stays
     the string it is meant to be (YAML 1.1 drops the underscore and reads 0.55), so an IcePop bound 'L_U' or a
-    multi-option RS threshold may be written unquoted, and every number reaches its field as a number."""
+    multi-option RS threshold may be written unquoted, and every number reaches its field as a number.
+    A key given twice in one mapping is refused (_DuplicateKey), not settled silently by the last value."""
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        _refuse_duplicate_keys(node)
+        return node
+
+
+class _DuplicateKey(ValueError):
+    """A YAML mapping that names a key twice: the key (dotted, e.g. rc.preset), both values and their lines."""
+
+
+def _refuse_duplicate_keys(node, prefix: str = "", seen_nodes: set | None = None) -> None:
+    """Raise _DuplicateKey for the first key given twice in a mapping of the composed YAML `node` (merge keys `<<`
+    and what they merge in are the override YAML means, not a duplicate). An aliased node is looked at once."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{prefix[:-1]}[{i}].", seen_nodes)
+    if not isinstance(node, yaml.MappingNode):
+        return
+
+    def said(value) -> str:
+        if isinstance(value, yaml.ScalarNode):
+            return repr(value.value) if value.style or value.value == "" else value.value
+        return "a mapping" if isinstance(value, yaml.MappingNode) else "a list"
+
+    seen = {}
+    for key, value in node.value:
+        if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
+            continue
+        if (key.tag, key.value) in seen:
+            first = seen[(key.tag, key.value)]
+            raise _DuplicateKey(
+                f"{prefix}{key.value} is given twice: {said(first)} (line {first.start_mark.line + 1}) and "
+                f"{said(value)} (line {value.start_mark.line + 1}); keep one"
+            )
+        seen[(key.tag, key.value)] = value
+        _refuse_duplicate_keys(value, f"{prefix}{key.value}.", seen_nodes)
 
 
 _YamlLoader.yaml_implicit_resolvers = {
@@ -80,6 +122,8 @@ def load_yaml_defaults(cls, path: str, *, ignore_unknown: bool = False, **extra)
     try:
         with open(path, encoding="utf-8") as f:
             raw = yaml.load(f, Loader=_YamlLoader) or {}
+    except _DuplicateKey as e:
+        raise ValueError(f"config {path!r}: {e}") from None
     except OSError as e:
         raise ValueError(f"config {path!r} cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -120,13 +164,17 @@ def parse_cli(cls, load_defaults, gpu_config: str | None = None):
         config = gpu_config
     with rc_run.refused(ValueError, TypeError, FileNotFoundError):  # a bad config file: one line
         default = load_defaults(config) if config else cls()
+        if config:  # a YAML value of the wrong type, refused even where a flag overrides it: tyro misreads its flag
+            check_field_types(default, config=config)
     return tyro.cli(cls, default=default, args=argv)
 
 
-def check_field_types(obj, prefix: str = "") -> None:
+def check_field_types(obj, prefix: str = "", config: str | None = None) -> None:
     """Raise ValueError naming the first field of the dataclass `obj` whose value does not have its annotated type
     (int, float, bool, str, None, Literal choices, a nested dataclass). tyro checks the command line, but YAML
-    values reach the fields as YAML typed them ('ten' steps, reward_mode 'strik'), so they are checked here."""
+    values reach the fields as YAML typed them ('ten' steps, reward_mode 'strik'), so they are checked here.
+    With `config` (the YAML file `obj` was read from): the fields of its nested dataclasses too, each named as its
+    key in that file (`config 'f.yaml': rc.bypass_mode must be ...`) instead of as its flag."""
     import types
     import typing
 
@@ -170,8 +218,13 @@ def check_field_types(obj, prefix: str = "") -> None:
 
     for name, hint in typing.get_type_hints(type(obj)).items():
         value = getattr(obj, name)
-        if not fits(value, hint):
-            raise ValueError(f"--{prefix}{name.replace('_', '-')} must be {describe(hint)}, got {value!r}")
+        if config is not None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_field_types(value, f"{prefix}{name}.", config)
+        if fits(value, hint):
+            continue
+        if config is not None:
+            raise ValueError(f"config {config!r}: {prefix}{name} must be {describe(hint)}, got {value!r}")
+        raise ValueError(f"--{prefix}{name.replace('_', '-')} must be {describe(hint)}, got {value!r}")
 
 
 def _local_path(model: str) -> bool:
@@ -621,8 +674,8 @@ class CorrectionArgs:
     or --rc.loss-type) that differs is refused (docs/corrections.md §9.1)"""
     loss_mode: str | None = None
     """override: the policy objective, a name of rc_core.POLICY_LOSSES (verl's policy_loss.loss_mode): vanilla
-    (PPO-clip, the default), gspo, gspo_token, cispo, sapo, geo_mean, dppo_tv, dppo_kl, clip_cov, kl_cov
-    (docs/corrections.md §7.7); with loss_type ppo_clip, in decoupled or bypass mode"""
+    (PPO-clip, the default), gspo, gspo_token, cispo, cispo_verl, sapo, geo_mean, dppo_tv, dppo_kl, clip_cov,
+    kl_cov (docs/corrections.md §7.7); with loss_type ppo_clip, in decoupled or bypass mode"""
     clip_cov_ratio: float | None = None
     """override: clip_cov: share of tokens in (0, 1) whose covariance gets its gradient cut (verl: 0.0002)"""
     clip_cov_lb: float | None = None

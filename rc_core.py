@@ -716,17 +716,21 @@ def compute_m2_mask(
     arXiv 2510.01161, §4; AReaL ``m2_threshold``):
 
     M2 = <lambda^2>, lambda = clip_S(l).  If M2 > tau_M2, mask the tokens of largest lambda^2, the
-    fewest such that the kept tokens' <lambda^2> <= tau_M2.  Over the tensors passed (the batch in
-    decoupled mode, the micro-batch in bypass).  Metrics: rollout_m2 (M2 before),
-    rollout_m2_after (over the kept tokens), rollout_m2_masked_fraction.
+    fewest such that the kept tokens' <lambda^2> <= tau_M2, but never the last one: when every
+    lambda^2 exceeds tau_M2 the token of smallest lambda^2 stays, alone (AReaL's rule; the first in
+    row-major order among ties).  Over the tensors passed (the batch in decoupled mode, the
+    micro-batch in bypass).  Metrics: rollout_m2 (M2 before), rollout_m2_after (over the kept
+    tokens), rollout_m2_masked_fraction.
     """
     squares = safety_clip(log_ratio.detach()) ** 2
     flat = torch.where(mask, squares, torch.full_like(squares, math.inf)).flatten()
-    order = torch.argsort(flat)  # ascending; padding (inf) last
+    order = torch.argsort(flat, stable=True)  # ascending; padding (inf) last
     n = int(mask.sum())
     sorted_values = flat[order][:n]
     means = torch.cumsum(sorted_values, 0) / torch.arange(1, n + 1, dtype=squares.dtype, device=squares.device)
-    kept_count = int((means <= threshold).sum()) if float(means[-1]) > threshold else n  # means rise with count
+    kept_count = n
+    if n and float(means[-1]) > threshold:  # the means rise with the count: keep the longest prefix that fits
+        kept_count = max(int((means <= threshold).sum()), 1)
     keep = torch.zeros_like(flat, dtype=torch.bool)
     keep[order[:kept_count]] = True
     keep = keep.view_as(mask) & mask
@@ -877,14 +881,16 @@ HEALTH_CHECKS: dict[str, HealthCheck] = {
 def check_rollout_correction_health(metrics: Mapping[str, float]) -> dict[str, float]:
     """The checks of :data:`HEALTH_CHECKS` that fire on one step's metrics: health name -> the
     metric's value.  Strict comparisons (IS mean outside [0.5, 2], ESS < 0.3, IS std > 1,
-    |KL| > 0.1, chi2_token > 1); a metric that is absent (IS off) or NaN fires nothing."""
+    |KL| > 0.1, chi2_token > 1); a metric that is absent (IS off) fires nothing, a NaN or inf one
+    fires (a correction that computes no number is the worst health, not a missing one)."""
     fired = {}
     for name, check in HEALTH_CHECKS.items():
         value = metrics.get(check.metric)
-        if value is None or math.isnan(float(value)):
+        if value is None:
             continue
         x = abs(float(value)) if check.absolute else float(value)
-        if (check.low is not None and x < check.low) or (check.high is not None and x > check.high):
+        outside = (check.low is not None and x < check.low) or (check.high is not None and x > check.high)
+        if outside or not math.isfinite(x):
             fired[name] = float(value)
     return fired
 
@@ -1426,18 +1432,32 @@ def policy_loss_gspo_token(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str,
     return a.aggregate(a.weighted(phi), "seq-mean-token-mean"), metrics
 
 
-def policy_loss_cispo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, §3.1):
-
-    phi = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta,  r = exp(lambda_r).
-    The clipped weight is a stop-gradient: every token keeps its gradient -A clip(r) grad log pi
-    (no token is zeroed, unlike the PPO clip); only its size is bounded.
-    """
+def _cispo_loss(a: PolicyLossInputs, low: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """phi = -sg(clamp(r, low, 1 + eps_high)) * A * log pi_theta, r = exp(lambda_r), no floor when
+    ``low`` is None; actor/pg_clipfrac = share of kept tokens whose weight was clamped."""
     ratio = torch.exp(a.log_ratio())
-    clipped = torch.clamp(ratio, 1.0 - a.clip_ratio_low, 1.0 + a.clip_ratio_high)
+    clipped = torch.clamp(ratio, min=low, max=1.0 + a.clip_ratio_high)
     phi = -clipped.detach() * a.advantages * a.log_prob
     metrics = {"actor/pg_clipfrac": _fraction(ratio != clipped, a.keep, phi.dtype)}
     return a.aggregate(a.weighted(phi)), metrics
+
+
+def policy_loss_cispo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, MiniMax-M1, arXiv 2506.13585, §3.1; TRL ``loss_type="cispo"``):
+
+    phi = -sg(min(r, 1 + eps_high)) * A * log pi_theta,  r = exp(lambda_r).
+    The IS weight is capped from above only (the paper's runs set no lower bound; eps_low is
+    unused) and is a stop-gradient: every token keeps its gradient -A min(r, 1 + eps_high)
+    grad log pi (no token is zeroed, unlike the PPO clip); only its size is bounded.  verl's
+    two-sided clamp is :func:`policy_loss_cispo_verl`.
+    """
+    return _cispo_loss(a, None)
+
+
+def policy_loss_cispo_verl(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's ``cispo``: :func:`policy_loss_cispo` with the weight clamped from below as well,
+    phi = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta (docs/corrections.md §7.7)."""
+    return _cispo_loss(a, 1.0 - a.clip_ratio_low)
 
 
 def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
@@ -1507,18 +1527,25 @@ def dppo_tv_trust_region(a: PolicyLossInputs) -> torch.Tensor:
     return torch.where(a.advantages > 0, diff <= a.clip_ratio_high, diff >= -a.clip_ratio_low)
 
 
-def binary_kl(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """KL(Bern(q) || Bern(p)) = q log(q/p) + (1 - q) log((1 - q)/(1 - p)), the 1e-8 guard on
-    1 - q and 1 - p as in verl (DPPO-Binary-KL, arXiv 2602.04879)."""
-    return q * (torch.log(q) - torch.log(p)) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+def binary_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(q) || Bern(p)) = q (log q - log p) + (1 - q) log((1 - q)/(1 - p)) from the
+    log-probs log q, log p, the 1e-8 guard on 1 - q and 1 - p as in verl (DPPO-Binary-KL, arXiv
+    2602.04879).  log q enters as given (q = exp(log q) may underflow to 0, never log(0)) and
+    1 - q = -expm1(log q) keeps its digits for q near 1, so float32 gives the float64 value."""
+    q = torch.exp(log_q)
+    one_minus_q, one_minus_p = -torch.expm1(log_q), -torch.expm1(log_p)
+    return q * (log_q - log_p) + one_minus_q * (torch.log(one_minus_q + 1e-8) - torch.log(one_minus_p + 1e-8))
 
 
 def dppo_kl_trust_region(a: PolicyLossInputs) -> torch.Tensor:
     """DPPO-Binary-KL region: d = KL(Bern(q) || Bern(p)); inside iff d <= delta_high or p <= q
-    (A > 0), d <= delta_low or p >= q (A <= 0): only moves *towards* the advantage are bounded."""
-    p, q = torch.exp(a.log_prob), torch.exp(a.prox_log_prob)
-    d = binary_kl(q, p)
-    return torch.where(a.advantages > 0, (d <= a.clip_ratio_high) | (p <= q), (d <= a.clip_ratio_low) | (p >= q))
+    (A > 0), d <= delta_low or p >= q (A <= 0): only moves *towards* the advantage are bounded.
+    Computed from the log-probs (:func:`binary_kl`; p <= q as log p <= log q), so a pi_prox that
+    underflows in float32 (log q < ~-103) keeps its token, as verl does."""
+    log_p, log_q = a.log_prob.detach(), a.prox_log_prob
+    d = binary_kl(log_q, log_p)
+    below, above = log_p <= log_q, log_p >= log_q
+    return torch.where(a.advantages > 0, (d <= a.clip_ratio_high) | below, (d <= a.clip_ratio_low) | above)
 
 
 def policy_loss_dppo_tv(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -1535,7 +1562,9 @@ def policy_loss_dppo_kl(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, to
 def token_covariance(a: PolicyLossInputs) -> torch.Tensor:
     """c_t = (A_t - <A>_{m'}) (log pi_theta(y_t) - <log pi_theta>_{m'}), detached: each kept
     token's term of the covariance that drives entropy change (Cui et al. 2025, "The Entropy
-    Mechanism of RL for Reasoning LMs", arXiv 2505.22617, §3), over the tensors passed."""
+    Mechanism of RL for Reasoning LMs", arXiv 2505.22617, §3), over the tensors passed.  When A is
+    the same on every kept token, A_t - <A> is 0 or one shared float-rounding offset eps, and
+    c_t = eps (log pi - <log pi>) measures rounding, not covariance."""
     logp = a.log_prob.detach()
     return (a.advantages - masked_mean(a.advantages, a.keep)) * (logp - masked_mean(logp, a.keep))
 
@@ -1550,7 +1579,9 @@ def policy_loss_clip_cov(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, t
     clip), with the gradient detached on max(1, floor(rho N')) tokens drawn at random among the
     kept, unclipped tokens with lb < c_t < ub (rho = ``clip_cov_ratio``, [lb, ub] =
     ``clip_cov_lb/ub``).  Selection is per call, i.e. per micro-batch, as verl's is per its
-    micro-batch; the draw uses torch's global generator."""
+    micro-batch; the draw uses torch's global generator.  With A constant over the call (one
+    response, or equal advantages) c_t is rounding noise (:func:`token_covariance`), so which
+    tokens are candidates is too (with lb = 1.0, none), as in verl."""
     ratio = torch.exp(a.log_ratio())
     phi, clipped = _ratio_clip_loss(ratio, a.advantages, a.clip_ratio_low, a.clip_ratio_high)
     cov = token_covariance(a)
@@ -1568,7 +1599,10 @@ def policy_loss_clip_cov(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, t
 def policy_loss_kl_cov(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617, §4): phi = -A r, plus beta |log r| on the
     max(1, floor(rho N')) kept tokens of largest covariance c_t (rho = ``kl_cov_ratio``,
-    beta = ``ppo_kl_coef``); no clip.  Per micro-batch, like :func:`policy_loss_clip_cov`."""
+    beta = ``ppo_kl_coef``); no clip.  Per micro-batch, like :func:`policy_loss_clip_cov`.  With A
+    constant over the call (one response, or equal advantages) c_t is rounding noise
+    (:func:`token_covariance`): the top-k are the tokens of highest or lowest log pi as the noise's
+    sign falls, or topk's tie order when it is 0, as in verl (docs/corrections.md §7.7)."""
     ell = a.log_ratio()
     phi = -a.advantages * torch.exp(ell)
     cov = torch.where(a.keep, token_covariance(a), torch.full_like(ell, -math.inf))
@@ -1588,6 +1622,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "gspo": policy_loss_gspo,
     "gspo_token": policy_loss_gspo_token,
     "cispo": policy_loss_cispo,
+    "cispo_verl": policy_loss_cispo_verl,
     "sapo": policy_loss_sapo,
     "geo_mean": policy_loss_geo_mean,
     "dppo_tv": policy_loss_dppo_tv,

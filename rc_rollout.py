@@ -727,6 +727,11 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
     ("generate", tag, Request)      -> ("result", tag, Result)
     """
     exit_with_trainer()  # first: the engine's start alone takes ~15 s
+    import tqdm
+
+    # vLLM's bars here lock with threads only: tqdm's default multiprocessing lock, a named semaphore, would be left
+    # to the resource tracker if this process were killed ("There appear to be 1 leaked semaphore objects").
+    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
     torch.set_num_threads(rc_config.torch_threads(args.max_staleness))
     try:
         llm = start_engine(args, model_path, seed, limits, log_path, {})
@@ -801,9 +806,10 @@ class RolloutWorker:
         while True:
             try:
                 return self.results.get(timeout=5)
-            except queue.Empty:  # make sure the worker is alive, or say why not
+            except queue.Empty:  # make sure the worker is alive, or say why not: one line (rc_run.report_faults)
                 if not self.process.is_alive():
-                    raise RuntimeError(
+                    self.requests.cancel_join_thread()  # what is queued for it can never be read: exit without it
+                    raise rc_run.RunError(
                         f"the rollout worker died (exit code {self.process.exitcode}); "
                         f"see {getattr(self, 'log_path', 'the engine log')}"
                     ) from None

@@ -339,9 +339,10 @@ class LogRatioDump:
 class HealthWatch:
     """The usage guide's health check at run time (rc_core.HEALTH_CHECKS; docs/corrections.md §6.7): after each step,
     the checks on the step's reduced rollout_corr/* metrics. health/<check> is logged 1.0 on a step where it fires and
-    0.0 where its metric exists and passes (absent: the correction has no such metric, e.g. no IS); the console gets
-    one line when a check starts firing and one when it clears (`say`: the main process's writer, None elsewhere);
-    `fired` counts the steps each check fired on, for the closing summary."""
+    0.0 where its metric exists and passes (absent: the correction has no such metric, e.g. no IS; a NaN or inf
+    metric fires, rc_core.check_rollout_correction_health); the console gets one line when a check starts firing and
+    one when it clears (`say`: the main process's writer, None elsewhere); `fired` counts the steps each check fired
+    on, for the closing summary."""
 
     def __init__(self, say=None):
         self.say, self.firing, self.fired = say, set(), Counter()
@@ -351,13 +352,14 @@ class HealthWatch:
         out = {}
         for name, check in rc_core.HEALTH_CHECKS.items():
             value = metrics.get(check.metric)
-            if value is None or math.isnan(value):
+            if value is None:
                 continue
             out[name] = float(name in fired)
             if name in fired and name not in self.firing:
                 bounds = " or ".join(
                     f"{'<' if i == 0 else '>'} {b:g}" for i, b in enumerate((check.low, check.high)) if b is not None
                 )
+                bounds = bounds if math.isfinite(value) else "not a finite number"
                 what = f"|{check.metric}|" if check.absolute else check.metric
                 self._say(f"step {step}: {what} = {value:.4g}, {bounds}: {name} fires (docs/corrections.md §6.7)")
             elif name in self.firing and name not in fired:
@@ -429,8 +431,63 @@ def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, res
 # Faults of the record: one line each, naming the file and what to do (no traceback)
 # ---------------------------------------------------------------------------------------------
 class RunError(ValueError):
-    """A fault of the run folder or its checkpoints, told in one line: what is wrong, which file, what to do.
+    """A fault of the run folder or its checkpoints, or a rollout worker that died, told in one line: what is wrong,
+    which file, what to do.
     rc_train.py prints it as `rc_train.py: error: ...` and exits (report_faults for the ones met mid-run)."""
+
+
+class NonFinite(RunError):
+    """A NaN or inf where a step needs a number (a reward, a log-prob, a loss), told in one line: which, and where.
+    Raised before the step is logged or checkpointed: the record ends at the last good step, its checkpoint intact."""
+
+
+NOT_KEPT = "; nothing of this step is logged or saved (the last checkpoint is intact)"
+
+
+def check_rewards(task: str, rewards: list, rows: list[int], problems: list, step: int) -> None:
+    """Stop (NonFinite) on a reward that is NaN or inf, naming the task, the first such sample's training row (its
+    index in the train split and, if it has one, the start of its question) and the value. `rows[i]`: the row of
+    reward i. No host sync: the rewards are Python numbers."""
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if not bad:
+        return
+    i = bad[0]
+    row = problems[rows[i]]
+    question = row.get("question") if isinstance(row, dict) else None
+    said = "" if question is None else f" ({str(question)[:48]!r}{'...' * (len(str(question)) > 48)})"
+    raise NonFinite(
+        f"step {step}: task {task!r} scored reward {float(rewards[i])} for train row {rows[i]}{said}, sample {i} of "
+        f"the batch ({len(bad)} of {len(rewards)} rewards not finite): its scorer must return finite numbers{NOT_KEPT}"
+    )
+
+
+def check_finite(name: str, value, where: str, mask: torch.Tensor | None = None) -> None:
+    """Stop (NonFinite) if `value` holds a NaN or inf, naming `name` (log_prob, old_log_prob, loss, grad_norm) and
+    `where` (the step, the micro-batch): `value` a float (no host sync), or a tensor read at the valid positions of
+    `mask` (one sync), naming its rows."""
+    if isinstance(value, torch.Tensor):
+        bad = (mask > 0) & ~torch.isfinite(value.detach())
+        if not bool(bad.any()):
+            return
+        rows = bad.any(-1).nonzero().flatten().tolist()
+        rows_said = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        what = f"has {int(bad.sum())} non-finite value(s) at valid tokens, in row(s) {rows_said}"
+    elif math.isfinite(value):
+        return
+    else:
+        what = f"is {float(value)}"
+    raise NonFinite(f"{where}: {name} {what}{NOT_KEPT}")
+
+
+def check_loss(loss: float, where: str, mask: torch.Tensor, **log_probs) -> None:
+    """Stop (NonFinite) if a micro-batch's loss (the float the trainer already has: no host sync) is NaN or inf,
+    naming the first of `log_probs` (name -> tensor) that is not finite at a valid token as its cause, else the
+    loss itself. The log-probs are read only once the loss failed."""
+    if not math.isfinite(loss):
+        for name, log_prob in log_probs.items():
+            if log_prob is not None:
+                check_finite(name, log_prob, where, mask)
+        check_finite("loss", loss, where)
 
 
 # The OS errors that are the machine's, not the program's: said in words, with the file, instead of a traceback.
@@ -483,6 +540,26 @@ def writing(path: str, doing: str = "writing"):
         raise io_fault(e, doing, path) from e
 
 
+def append_lines(path: str, text: str) -> None:
+    """Append `text` (whole lines) to `path` in one write of an O_APPEND descriptor. A write that fails part way (a
+    full disk) is cut back to the file's size before it, then raised as a RunError naming `path`: the file never
+    ends in a fragment that a later line would join (a kill mid-write still can: a resume drops that one,
+    rc_checkpoint.truncate_metrics)."""
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            size, left = os.fstat(fd).st_size, memoryview(text.encode())
+            try:
+                while left:
+                    left = left[os.write(fd, left) :]
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+
+
 def fault_line(exc: BaseException) -> str | None:
     """The one line owed for `exc` (a RunError, or an OSError of FILE_FAULTS), or None: a fault of the program,
     whose traceback is the report."""
@@ -494,16 +571,30 @@ def fault_line(exc: BaseException) -> str | None:
     return None
 
 
+def _in_resource_sharer(tb) -> bool:
+    """The traceback passes through multiprocessing's resource sharer, the trainer's thread that hands file
+    descriptors (torch's shared tensors) to the rollout worker: a connection lost there is the worker's death, which
+    its RolloutWorker reports in one line as soon as the trainer waits on it (that thread calls sys.excepthook)."""
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def report_faults(program: str = "rc_train.py") -> None:
     """From now on an uncaught fault of the record or of the machine's files (fault_line) ends the process with one
     line `program: error: ...` on stderr and exit code 1; every other exception keeps its traceback."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        if isinstance(value, (ConnectionError, EOFError)) and _in_resource_sharer(tb):
+            return  # a rollout worker that died while it fetched shared tensors: its line comes from the next wait
         line = fault_line(value)
         if line is None:
             return previous(kind, value, tb)
-        sys.stderr.write(f"{program}: error: {line}\n")
+        # sys.__stderr__: once a process group is up, torch's own hook captures sys.stderr to prefix it "[rank0]: "
+        (sys.__stderr__ or sys.stderr).write(f"{program}: error: {line}\n")
 
     sys.excepthook = hook
 
@@ -610,11 +701,14 @@ class RunLog:
     """The run's logs, written by the main process only: metrics.jsonl (one line per step, keys sorted after step
     -1's evaluation line),
     eval_samples.jsonl, and the same figures to every tracker of --log-with through Accelerate (init_trackers /
-    accelerator.log, main process only). A W&B run keeps its id in wandb_id.txt, so --resume continues it."""
+    accelerator.log, main process only). A W&B run keeps its id in wandb_id.txt, so --resume continues it. Each record
+    is one write (append_lines): a full disk leaves no torn line behind."""
 
     def __init__(self, run_dir: str, accelerator):
         self.run_dir, self.accelerator, self.main = run_dir, accelerator, accelerator.is_main_process
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if self.main else None
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if self.main:
+            append_lines(self.path, "")  # made now, as the run starts
 
     def start_trackers(self, args, run_name: str) -> None:
         if not args.log_with:
@@ -639,23 +733,17 @@ class RunLog:
         if trackers:
             self.accelerator.log(metrics, step=step)
         if self.main:
-            with writing(self.file.name):
-                self.file.write(
-                    json.dumps({"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}) + "\n"
-                )
-                self.file.flush()
+            record = {"step": step, **(dict(sorted(metrics.items())) if trackers else metrics)}
+            append_lines(self.path, json.dumps(record) + "\n")
 
     def eval_samples(self, step: int, samples: list[dict]) -> None:
         if self.main:
             path = os.path.join(self.run_dir, "eval_samples.jsonl")
-            with writing(path), open(path, "a") as f:
-                f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples)
+            append_lines(path, "".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
 
     def close(self) -> None:
         for tracker in self.accelerator.trackers:  # end_training() would also destroy the process group, which the
             tracker.finish()  # engine (and exit_cleanly) still need
-        if self.main:
-            self.file.close()
 
 
 def flat_config(config: dict, prefix: str = "") -> dict:
@@ -706,19 +794,14 @@ def log_rank_checksums(run_dir: str, step: int, rank: int, world: int, token_ids
     weights must agree across ranks, the samples must not."""
     rollout = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
     os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
-    with open(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), "a") as f:
-        f.write(
-            json.dumps(
-                {
-                    "step": step,
-                    "rank": rank,
-                    "world_size": world,
-                    "rollout_sha256": rollout,
-                    "weights_sha256": weights_sha256(weights),
-                }
-            )
-            + "\n"
-        )
+    record = {
+        "step": step,
+        "rank": rank,
+        "world_size": world,
+        "rollout_sha256": rollout,
+        "weights_sha256": weights_sha256(weights),
+    }
+    append_lines(os.path.join(run_dir, "ranks", f"rank{rank}.jsonl"), json.dumps(record) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,13 +872,16 @@ def print_summary(
     health: str = "",
 ) -> None:
     """The closing lines on the console: greedy accuracy under the task's accuracy key (Task.accuracy_key) before ->
-    after, the health checks that fired (HealthWatch.summary), wall time, where the run is."""
+    after, the health checks that fired (HealthWatch.summary), wall time, where the run is. A run that evaluated
+    nothing (a resume of a finished run) says so rather than leave the line empty."""
     name = f"eval/accuracy_{accuracy_key}"
     line = f"eval accuracy ({accuracy_key}, greedy, {n_eval} problems): "
     if first_eval and last_eval:
         line += f"{first_eval[name]:.3f} before -> {last_eval[name]:.3f} after"
     elif last_eval:
         line += f"{last_eval[name]:.3f} after training"
+    else:
+        line = f"eval accuracy ({accuracy_key}, greedy): no evaluation in this run"
     print(line + (f"\n{health}" if health else ""))
     print(f"wall time: {seconds:.0f} s\nrun folder: {run_dir}\ndashboard: python rc_train.py plot {run_dir}")
 

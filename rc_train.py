@@ -267,6 +267,7 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
     """Reward and advantage of a step's samples: the batch, the update's tensors, the metrics."""
     scores = [data.task.score(s.response.text, data.rows[s.row]) for s in samples]
     rewards, corrects = [reward(args, data.task, x) for x in scores], [x[args.reward_mode] for x in scores]
+    rc_run.check_rewards(data.task.name, rewards, [s.row for s in samples], data.rows, step)  # a bug: stop, not drop
     prompts = [data.prompts[s.row] for s in samples]
     batch = make_batch(prompts, [s.response for s in samples], data.pad_id, [s.group for s in samples])
     mask, rollout_log_prob = batch.pop("response_mask"), batch.pop("rollout_log_prob")
@@ -290,12 +291,15 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: correction and loss
 # ---------------------------------------------------------------------------------------------
-def decoupled_correction(args: Args, correction, model, batch: dict, tensors: dict, log_ratios=None, routing=None):
+def decoupled_correction(
+    args: Args, correction, model, batch: dict, tensors: dict, log_ratios=None, routing=None, step=None
+):
     """Decoupled mode (§5, §7.2): pi_old scored once per batch; its IS weights and rejection mask
     join `tensors`, frozen for every epoch."""
     model.eval()
     old_log_prob, size = rc_forward.no_grad_pass(model, batch, args, routing)
     rollout_log_prob, mask = tensors["rollout_log_prob"], tensors["response_mask"]
+    rc_run.check_finite("old_log_prob", old_log_prob, f"step {step}, the pi_old pass", mask)
     is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
         old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=mask, config=correction
     )
@@ -333,17 +337,23 @@ def policy_loss(args: Args, correction, log_prob, micro: dict, denominators: dic
     )
 
 
-def micro_batch_loss(args: Args, correction, log_prob, micro: dict, denominators: dict, first: bool, check: bool):
-    """A micro-batch's loss: the policy gradient, plus the KL penalty to the initial model (§7.6)."""
+def micro_batch_loss(
+    args: Args, correction, log_prob, micro: dict, denominators: dict, first: bool, check: bool, where: str = ""
+):
+    """A micro-batch's loss: the policy gradient, plus the KL penalty to the initial model (§7.6). A NaN or inf
+    log-prob or loss stops the run, naming `where` (rc_run.NonFinite)."""
+    mask = micro["response_mask"]
+    if check:  # the step's first micro-batch: named before rc_core's own input check
+        rc_run.check_finite("log_prob", log_prob, where, mask)
     loss, loss_metrics = policy_loss(args, correction, log_prob, micro, denominators, first=first, check=check)
     pg_loss, kl_loss = float(loss.detach()), 0.0
     if "ref_log_prob" in micro:
         prox = micro["rollout_log_prob" if correction.bypass_mode else "old_log_prob"]
         old = prox if args.kl_is_corrected else None
         kl = rc_core.kl_penalty(log_prob, micro["ref_log_prob"], args.kl_estimator, old_log_prob=old)
-        mask = micro["response_mask"]
         kl_term = rc_core.agg_loss(kl, mask, args.loss_agg_mode, response_mask=mask, **denominators)
         loss, kl_loss = loss + args.kl_coef * kl_term, float(kl_term.detach())
+    rc_run.check_loss(pg_loss + kl_loss, where, mask, log_prob=log_prob, ref_log_prob=micro.get("ref_log_prob"))
     return loss, loss_metrics, pg_loss, kl_loss
 
 
@@ -413,6 +423,7 @@ def update_policy(
     batch_correction,
     log_ratios=None,
     routing=None,
+    step=None,
 ):
     """The update on one rollout batch: epochs x minibatches x micro-batches."""
     model, world = learner.model, learner.accelerator.num_processes
@@ -428,6 +439,7 @@ def update_policy(
             micro = rc_forward.micro_batches(rows, batch, args, learner.host)
             loss_sum = kl_sum = 0.0
             for j, micro_rows in enumerate(micro):
+                where = f"step {step}, epoch {epoch}, minibatch {minibatch}, micro-batch {j}"
                 # the forward inside too: DDP decides there whether the backward reduces
                 with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
                     # log pi(y_t | y_<t) = log_softmax(logits / temperature)[y_t] (§1)
@@ -436,7 +448,7 @@ def update_policy(
                     )
                     part = {k: v[micro_rows].to(log_prob.device) for k, v in tensors.items()}
                     loss, loss_metrics, pg_loss, kl_loss = micro_batch_loss(
-                        args, correction, log_prob, part, denominators, first, check=first and j == 0
+                        args, correction, log_prob, part, denominators, first, check=first and j == 0, where=where
                     )
                     learner.accelerator.backward(loss * world)  # DDP averages over ranks
                 size, loss_sum, kl_sum = size + micro_size, loss_sum + pg_loss, kl_sum + kl_loss
@@ -447,6 +459,7 @@ def update_policy(
                 if first and bypass and log_ratios is not None:
                     log_ratios.add(log_prob - part["rollout_log_prob"], part["response_mask"])
             grad_norms.append(rc_run.clip_and_step(learner.accelerator, model, learner.optimizer, args.max_grad_norm))
+            rc_run.check_finite("grad_norm", grad_norms[-1], f"step {step}, epoch {epoch}, minibatch {minibatch}")
             learner.scheduler.step()
             learner.optimizer.zero_grad(set_to_none=True)
             loss_sums, kl_sums = loss_sums + [loss_sum], kl_sums + [kl_sum]
@@ -579,7 +592,7 @@ if __name__ == "__main__":
         if not correction.bypass_mode:
             with timer("timing/old_log_prob_s"):
                 batch_correction, size = decoupled_correction(
-                    args, correction, unwrapped, batch, tensors, log_ratios=dump, routing=routing
+                    args, correction, unwrapped, batch, tensors, log_ratios=dump, routing=routing, step=step
                 )
                 counters["old_log_prob_passes"] += 1
         if moe and (args.routing_metrics or args.routing_replay == "reference"):  # our own routing
@@ -604,6 +617,7 @@ if __name__ == "__main__":
                 batch_correction=batch_correction,
                 log_ratios=dump,
                 routing=routing,
+                step=step,
             )
         dump.save()
         passes = ("timing/old_log_prob_s", "timing/routing_s", "timing/ref_log_prob_s", "timing/update_s")

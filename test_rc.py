@@ -1893,7 +1893,7 @@ def test_dppo_tv_and_kl_trust_regions():
     assert loss == pytest.approx(-1.2 * math.log(0.3) / 2)
     assert grad == pytest.approx([0.0, -1.2 / 2]) and met["actor/pg_clipfrac"] == 0.5
     # binary KL(0.2 || 0.5) = 0.2 log 0.4 + 0.8 log 1.6 = 0.1927 <= 0.2 -> inside for dppo_kl
-    d = rc.binary_kl(torch.tensor(0.2, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64))
+    d = rc.binary_kl(torch.tensor(math.log(0.2), dtype=torch.float64), torch.tensor(math.log(0.5), dtype=torch.float64))
     assert float(d) == pytest.approx(0.2 * math.log(0.4) + 0.8 * math.log(0.8 / 0.5), abs=1e-7)
     loss, met, _ = _one_row(lp, q, [1.0, 1.0], "dppo_kl")
     assert met["actor/pg_clipfrac"] == 0.0

@@ -165,6 +165,60 @@ def test_bad_yaml_values_name_the_key(tmp_path):
         assert flag in message and value in message, (text, message)
 
 
+def cli_refusal(monkeypatch, capsys, *argv) -> str:
+    """rc_train.py's command line parsed (rc_config.parse_cli) and refused: the one line it exits with."""
+    monkeypatch.setattr(sys, "argv", ["rc_train.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults)
+    message = str(info.value.code)
+    assert message.startswith("rc_train.py: error: ") and "\n" not in message, message
+    assert capsys.readouterr().err == ""  # nothing of tyro's
+    return message
+
+
+@pytest.mark.parametrize(
+    "text, flags, needle",
+    [
+        ("eval_before: maybe\n", ["--no-eval-before"], "eval_before must be true or false, got 'maybe'"),
+        ("num_steps: ten\n", ["--num-steps", "3"], "num_steps must be an integer, got 'ten'"),
+        ("rc:\n  bypass_mode: maybe\n", ["--rc.bypass-mode", "True"], "rc.bypass_mode must be true or false"),
+        ("mini:\n  max_steps: '3'\n", [], "mini.max_steps must be an integer, got '3'"),
+    ],
+    ids=["bool-over-flag", "int-over-flag", "nested", "mini"],
+)
+def test_bad_yaml_value_is_refused_even_under_a_flag(tmp_path, monkeypatch, capsys, text, flags, needle):
+    """A YAML value of the wrong type is one line naming the file, the key and the value, before tyro, even where a
+    flag overrides it (today: `eval_before: maybe` with --no-eval-before got tyro's box 'Unrecognized options:
+    --no-eval-before', and `num_steps: ten` with --num-steps 3 ran, after a tyro warning)."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    message = cli_refusal(monkeypatch, capsys, "--config", str(path), *flags)
+    assert f"config {str(path)!r}: {needle}" in message, message
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("num_steps: 10\nseed: 1\nnum_steps: 20\n", "num_steps is given twice: 10 (line 1) and 20 (line 3)"),
+        (
+            "rc:\n  preset: bypass_ppo_clip\n  preset: disabled\n",
+            "rc.preset is given twice: bypass_ppo_clip (line 2) and disabled (line 3)",
+        ),
+        ("rc:\n  preset: disabled\nseed: 1\nrc:\n  bypass_mode: true\n", "rc is given twice: a mapping (line 2) and"),
+    ],
+    ids=["top", "nested", "section"],
+)
+def test_duplicated_yaml_key_is_refused(tmp_path, monkeypatch, capsys, text, needle):
+    """A key given twice in a YAML config: one line naming the key, both values and their lines (today: accepted,
+    the last value winning)."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    message = cli_refusal(monkeypatch, capsys, "--config", str(path))
+    assert f"config {str(path)!r}: {needle}" in message, message
+    anchors = "base: &b {num_steps: 5}\n<<: *b\nnum_steps: 7\n"  # a merge key's values are overridden, not repeated
+    assert rc_config.yaml.load(anchors, Loader=rc_config._YamlLoader)["num_steps"] == 7
+
+
 @pytest.mark.parametrize(
     "changes, flag",
     [

@@ -116,3 +116,113 @@ def test_trainer_killed_mid_generation_leaves_no_process_behind(tmp_path, sig):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def worker_of(pid: int) -> int | None:
+    """The trainer's rollout worker: its child that multiprocessing spawned (not the resource tracker)."""
+    for child in descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read() and os.getppid() != child:
+                    with open(f"/proc/{child}/stat") as s:
+                        if int(s.read().rsplit(")", 1)[1].split()[1]) == pid:  # a direct child of the trainer
+                            return child
+        except FileNotFoundError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_dead_rollout_worker_ends_the_run_in_one_line(tmp_path, sig):
+    """The rollout worker killed mid-run (by any signal): the trainer ends with one line `rc_train.py: error: the
+    rollout worker died (exit code -N); see .../engine.log`, exit code 1, and no traceback (today: a traceback of
+    RolloutWorker._receive's RuntimeError, that line its last; sometimes a second one, of multiprocessing's resource
+    sharer thread, killed mid-handshake; and the resource tracker's warning of the worker's leaked semaphore)."""
+    flags = [*ADD, "--num-steps", "200", "--max-staleness", "1", "--max-response-length", "1", "--no-save-final"]
+    cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "run"]
+    err = tmp_path / "stderr.txt"  # a file, not a pipe that nobody reads until the end
+    with open(err, "w") as f:
+        proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.DEVNULL, stderr=f, env=train_env(tmp_path), cwd=ROOT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    worker = None
+    try:
+        deadline = time.time() + 240
+        while proc.poll() is None and time.time() < deadline and not (metrics.exists() and logged(metrics) >= 2):
+            time.sleep(0.05)
+        assert proc.poll() is None, f"rc_train.py ended early ({proc.returncode})"
+        worker = worker_of(proc.pid)
+        assert worker is not None, "no rollout worker"
+        os.kill(worker, sig)
+        proc.wait(timeout=60)  # the trainer looks at its worker every 5 s while it waits for a result
+        stderr = err.read_text()
+        assert proc.returncode == 1, stderr[-3000:]
+        assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr[-3000:]
+        errors = [line for line in stderr.splitlines() if line.startswith("rc_train.py: error:")]
+        assert errors == [
+            f"rc_train.py: error: the rollout worker died (exit code {-sig}); see {tmp_path / 'run' / 'engine.log'}"
+        ], stderr[-3000:]
+    finally:  # never leave an orphan on the machine, whatever failed
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in descendants(proc.pid) | ({worker} if worker else set()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_worker_that_exits_with_an_error_is_one_line(tmp_path):
+    """A worker process that ends by itself with a non-zero exit code: RolloutWorker's wait for a result raises
+    rc_run.RunError naming the code and the engine log, the one line rc_run.report_faults prints (today: a
+    RuntimeError, printed with its traceback)."""
+    import multiprocessing
+
+    import rc_rollout
+    import rc_run
+
+    ctx = multiprocessing.get_context("spawn")
+    worker = object.__new__(rc_rollout.RolloutWorker)
+    worker.requests, worker.results = ctx.Queue(), ctx.Queue()
+    worker.process = ctx.Process(target=os._exit, args=(3,), daemon=True)
+    worker.process.start()
+    worker.process.join(timeout=60)
+    worker.log_path = str(tmp_path / "engine.log")
+    worker.kept = {}
+    worker.requests.put(("generate", 0, "a request nobody will read"))
+    with pytest.raises(rc_run.RunError) as info:
+        worker.result(0)
+    line = rc_run.fault_line(info.value)
+    assert line == f"the rollout worker died (exit code 3); see {tmp_path / 'engine.log'}"
+
+
+def test_a_connection_lost_in_the_resource_sharer_is_silent(monkeypatch, capsys):
+    """A worker that dies while it fetches a shared tensor's file descriptor from the trainer breaks the handshake
+    of multiprocessing's resource sharer thread, which hands its exception to sys.excepthook: rc_run.report_faults's
+    hook says nothing of it (the worker's death gets its own line at the trainer's next wait; today: a traceback)."""
+    import socket
+    from multiprocessing import resource_sharer
+
+    import rc_run
+
+    passed_on = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: passed_on.append(a[1]))
+    rc_run.report_faults()
+    hook, seen = sys.excepthook, []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: (seen.append(a[1]), hook(*a)))
+    r, w = os.pipe()
+    try:
+        resource_sharer.DupFd(r)  # starts the sharer's listener thread, as torch's first shared tensor does
+        with socket.socket(socket.AF_UNIX) as peer:
+            peer.connect(resource_sharer._resource_sharer._address)
+        deadline = time.time() + 10  # then gone, mid-handshake, like a killed worker
+        while not seen and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        resource_sharer.stop(timeout=10)
+        os.close(r)
+        os.close(w)
+    assert seen and isinstance(seen[0], (ConnectionError, EOFError)), seen
+    assert passed_on == [] and capsys.readouterr().err == ""
+    hook(ValueError, ValueError("a bug"), None)  # any other exception still reaches the previous hook
+    assert [type(e) for e in passed_on] == [ValueError]

@@ -419,6 +419,36 @@ def test_invalid_json_line_names_file_and_line(tmp_path):
         load_gsm8k(str(tmp_path))
 
 
+def one_line_error(path) -> str:
+    """load_gsm8k's refusal of `path`: a plain ValueError whose message is one line."""
+    with pytest.raises(ValueError) as info:
+        load_gsm8k(str(path))
+    assert type(info.value) is ValueError and "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    """A latin-1 byte in a JSON-lines file (--dataset PATH): a ValueError naming the file, the line, the byte and its
+    offset (today: Python's 'utf-8' codec can't decode byte 0xe9 in position N, position in a chunk, no file)."""
+    path = tmp_path / "train.jsonl"
+    path.write_bytes((json.dumps(GOOD_ROWS[0]) + "\n").encode() + b'{"question": "caf\xe9?", "answer": "#### 3"}\n')
+    offset = len(json.dumps(GOOD_ROWS[0])) + 1 + len('{"question": "caf')
+    message = one_line_error(tmp_path)
+    assert message.startswith(f"{path}: line 2: not UTF-8 text (byte 0xe9 at byte offset {offset}"), message
+
+
+def test_a_parquet_value_that_is_not_utf8_is_named(tmp_path):
+    """A parquet text column holding a latin-1 byte: the file, the row and the column named (today: Python's
+    'utf-8' codec error, without the file)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    questions = pa.array([b"q?", b"caf\xe9?"], pa.binary()).view(pa.string())  # not validated: a foreign writer's
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"question": questions, "answer": ["#### 5", "#### 3"]}), path)
+    message = one_line_error(path)
+    assert message.startswith(f"{path}: row 1, column 'question': not UTF-8 text (byte 0xe9"), message
+
+
 def test_unsupported_file_type(tmp_path):
     path = tmp_path / "train.csv"
     path.write_text("question,answer\n")

@@ -41,7 +41,7 @@ def test_objectives_equal_verls(tmp_path):
         "vanilla",
         "gspo",
         "gspo_token",
-        "cispo",
+        "cispo_verl",
         "sapo",
         "geo_mean",
         "dppo_tv",

@@ -68,14 +68,15 @@ def newest(run_dir):
 
 
 def rewrite_checksums(ckpt):
-    """Make checksums.json agree with the files again: a checkpoint whose damage its checksums cannot see."""
+    """Make checksums.json agree with the files again (every file but itself, trainer_state.json included; its other
+    keys kept): a checkpoint whose damage its checksums cannot see."""
     import hashlib
 
     manifest = ckpt / "checksums.json"  # rc_checkpoint.CHECKSUMS (spelt out: these tests also run against older code)
     if manifest.exists():
-        files = [p for p in ckpt.rglob("*") if p.is_file() and p.name not in (manifest.name, "trainer_state.json")]
+        files = [p for p in ckpt.rglob("*") if p.is_file() and p != manifest]
         sums = {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-        manifest.write_text(json.dumps({"sha256": sums}))
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "sha256": sums}))
 
 
 # ---- 1. The run folder is owned: a lock for the life of a run ------------------------------------------------
@@ -340,6 +341,58 @@ def test_a_last_line_without_its_newline_is_repaired_on_resume(copy_of):
     assert [r["step"] for r in read_jsonl(metrics)] == [-1, 0, 1, 2]
 
 
+def test_a_failed_write_leaves_no_torn_line(tmp_path):
+    """The disk fills in the middle of a record of metrics.jsonl or eval_samples.jsonl (a file size limit here: the
+    write stops part way, then fails): RunError, and the file ends at its last whole line (today: a fragment stayed
+    until a resume dropped it); once there is room again the next record starts a line of its own."""
+    script = f"""
+import json, os, resource, signal, sys, types
+sys.path.insert(0, {ROOT!r})
+import rc_run
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit: EFBIG, not a signal
+run_dir = sys.argv[1]
+log = rc_run.RunLog(run_dir, types.SimpleNamespace(is_main_process=True, log=lambda *a, **k: None, trackers=[]))
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+for name, write in (("metrics.jsonl", log.log), ("eval_samples.jsonl", lambda s, m: log.eval_samples(s, [m, m]))):
+    path = os.path.join(run_dir, name)
+    write(0, {{"a": 1.0}})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 10, hard))  # full 10 bytes into the record
+    try:
+        write(1, {{"a": 2.0}})
+        raise SystemExit("no fault")
+    except rc_run.RunError as e:
+        print(name, "refused:", e, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    with open(path, "rb") as f:
+        print(name, "after the fault:", json.dumps(f.read().decode()), flush=True)
+    write(2, {{"a": 3.0}})
+log.close()
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, lines in (("metrics.jsonl", 1), ("eval_samples.jsonl", 2)):
+        assert f"{name} refused:" in proc.stdout and str(tmp_path / name) in proc.stdout, proc.stdout
+        after = json.loads(proc.stdout.split(f"{name} after the fault: ")[1].splitlines()[0])
+        assert after.endswith("\n") and after.count("\n") == lines, after  # whole lines only: step 0's
+        assert [r["step"] for r in read_jsonl(tmp_path / name)] == [0] * lines + [2] * lines
+
+
+def test_resuming_a_finished_run_prints_no_empty_line_and_clears_leftovers(copy_of):
+    """--resume of a run that has finished (its checkpoint at its last step) runs no step and no evaluation: its
+    console holds no empty line (today: 'eval accuracy (...): ' and nothing after). A step_N.deleting folder left by
+    a kill during pruning is removed once the resume has loaded its checkpoint."""
+    leftover = copy_of / "checkpoints" / "step_000000.deleting"
+    shutil.copytree(copy_of / "checkpoints" / "step_000000", leftover)
+    _, proc = run_train(copy_of.parent, *FLAGS, "--num-steps", "2", "--resume", name="run", timeout=300)
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("eval accuracy") for line in lines), proc.stdout
+    assert all(line.strip() and not line.rstrip().endswith(":") for line in lines), proc.stdout
+    assert not leftover.exists()
+    assert sorted(p.name for p in (copy_of / "checkpoints").iterdir()) == ["step_000000", "step_000001"]
+
+
 # ---- 3. A resume is exact or refused ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "flags, needles",
@@ -438,6 +491,96 @@ def test_a_checkpoint_without_trainer_state_is_refused_and_never_breaks_a_save(t
     assert rc_checkpoint.check_resume(str(tmp_path), _args(resume=True, run_name="x")).endswith("step_000001")
 
 
+def _edit_manifest(ckpt, change):
+    manifest = ckpt / "checksums.json"
+    sums = json.loads(manifest.read_text())
+    change(sums)
+    manifest.write_text(json.dumps(sums))
+
+
+def _entry_removed_and_file_damaged(ckpt):
+    data = max((ckpt / "state").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _edit_manifest(ckpt, lambda sums: sums["sha256"].pop(str(data.relative_to(ckpt))))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    return [str(data), "is not listed in", str(ckpt / "checksums.json")]
+
+
+def _unlisted_file(ckpt):
+    shutil.copy(ckpt / "rng_rank0.pt", ckpt / "rng_rank1.pt")  # a stray file from a run of two processes
+    return [str(ckpt / "rng_rank1.pt"), "is not listed in"]
+
+
+def _listed_file_missing(ckpt):
+    (ckpt / "state" / ".metadata").unlink()
+    return [str(ckpt / "state" / ".metadata"), "is missing"]
+
+
+def _trainer_state_edited(ckpt):
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["step"] = 0
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    return [str(ckpt / "trainer_state.json"), "does not match its checksum"]
+
+
+@pytest.mark.parametrize(
+    "damage", [_entry_removed_and_file_damaged, _unlisted_file, _listed_file_missing, _trainer_state_edited]
+)
+def test_the_manifest_covers_every_file_of_a_checkpoint(copy_of, damage):
+    """checksums.json lists every file of a checkpoint, trainer_state.json included, and nothing else: a file whose
+    entry was removed (and which was then damaged), a file present but not listed, a listed file missing, an edited
+    trainer_state.json: the resume is refused in one line naming the file and the checkpoint before it, and nothing
+    is touched (today's main loaded the unlisted damaged weights, cut metrics.jsonl, rewrote config.yaml and crashed;
+    the edited step was refused by luck, blaming an old rc_train.py)."""
+    ckpt = newest(copy_of)
+    needles = damage(ckpt)
+    before = record(copy_of)
+    _, proc = run_train(copy_of.parent, *FLAGS, "--num-steps", "4", "--resume", name="run", check=False, timeout=300)
+    refused(proc, f"{ckpt} is damaged", *needles, "step_000000")
+    assert ENGINE_STARTED not in proc.stdout + proc.stderr
+    assert record(copy_of) == before
+
+
+def test_checkpoints_written_before_the_manifest_covered_everything_still_load(tmp_path, capsys):
+    """A manifest of the previous format (every file but itself and trainer_state.json, no "version") still loads,
+    every other file checked exactly (an unlisted one refused) and trainer_state.json said to be unchecked; a
+    checkpoint written before checksums existed loads unchecked, said; a checksums.json present is checked even when
+    trainer_state.json no longer names it."""
+    _save(tmp_path, 0, _tiny(), _args())
+    ckpt = tmp_path / "checkpoints" / "step_000000"
+    resume = _args(resume=True, run_name="x")
+    assert json.loads((ckpt / "checksums.json").read_text())["version"] == 2
+    assert "trainer_state.json" in json.loads((ckpt / "checksums.json").read_text())["sha256"]
+    _edit_manifest(ckpt, lambda sums: (sums.pop("version"), sums["sha256"].pop("trainer_state.json")))
+    assert rc_checkpoint.check_resume(str(tmp_path), resume) == str(ckpt)
+    assert f"{ckpt / 'trainer_state.json'} carries no checksum" in capsys.readouterr().out
+    (ckpt / "notes.txt").write_text("mine")
+    with pytest.raises(rc_run.RunError, match="notes.txt is not listed in"):
+        rc_checkpoint.check_resume(str(tmp_path), resume)
+    (ckpt / "notes.txt").unlink()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["checksums"]  # as if written before checksums existed, but checksums.json is there: checked
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "scheduler.pt").write_bytes(b"damaged")
+    with pytest.raises(rc_run.RunError, match="scheduler.pt does not match its checksum"):
+        rc_checkpoint.check_resume(str(tmp_path), resume)
+    (ckpt / "checksums.json").unlink()
+    assert rc_checkpoint.check_resume(str(tmp_path), resume) == str(ckpt)
+    assert "carries no checksums (written before checkpoints had them): loaded unchecked" in capsys.readouterr().out
+
+
+def test_an_edited_trainer_state_is_damage_before_any_of_its_fields_is_read(tmp_path):
+    """The first reads of trainer_state.json (the world size and staleness bound a resume must match, the default
+    --max-staleness) check its checksum first: an edited field is refused as damage, not as another run's setting."""
+    _save(tmp_path, 0, _tiny(), _args())
+    state_file = tmp_path / "checkpoints" / "step_000000" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "world_size": 2}))
+    with pytest.raises(rc_run.RunError, match="trainer_state.json does not match its checksum"):
+        rc_checkpoint.check_run_dir(str(tmp_path), resume=True, overwrite=False, world=2)
+
+
 # ---- 5. Every fault a line ----------------------------------------------------------------------------------------
 def _tiny():
     model = torch.nn.Linear(4, 3)
@@ -513,31 +656,31 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(tmp_path, monkeyp
     assert rc_run.fault_line(info.value) == line  # what rc_train.py prints
 
 
+def run_patched(tmp_path, patch: str, flags: list[str]) -> subprocess.CompletedProcess:
+    """The real rc_train.py run by a wrapper script that first executes `patch` (Python source: a fault injected,
+    a task replaced as a fork would), with `flags`."""
+    wrapper = tmp_path / "patched_rc_train.py"
+    script = os.path.join(ROOT, "rc_train.py")
+    run = f"sys.argv = ['rc_train.py', *sys.argv[1:]]\nrunpy.run_path({script!r}, run_name='__main__')\n"
+    wrapper.write_text(f"import runpy, sys\nsys.path.insert(0, {ROOT!r})\n" + patch + run)
+    cmd = [sys.executable, str(wrapper), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, env=train_env(tmp_path), cwd=ROOT, timeout=600)
+
+
 def test_a_full_disk_during_a_real_run_is_one_line(tmp_path):
     """The real script, ENOSPC injected into the first checkpoint's batches-in-flight file: one line on stderr naming
     it, exit code 1, no traceback."""
-    wrapper = tmp_path / "full_disk.py"
-    wrapper.write_text(
-        "import errno, os, runpy, sys, torch\n"
+    patch = (
+        "import errno, os, torch\n"
         "save = torch.save\n"
         "def full(obj, f, *a, **k):\n"
         "    if 'in_flight' in str(f):\n"
         "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
         "    return save(obj, f, *a, **k)\n"
         "torch.save = full\n"
-        f"sys.path.insert(0, {ROOT!r})\n"
-        "sys.argv = ['rc_train.py', *sys.argv[1:]]\n"
-        f"runpy.run_path({os.path.join(ROOT, 'rc_train.py')!r}, run_name='__main__')\n"
     )
     flags = [*QUICK, "--num-steps", "2", "--checkpoint-every", "1", "--output-dir", str(tmp_path), "--run-name", "r"]
-    proc = subprocess.run(
-        [sys.executable, str(wrapper), *flags],
-        capture_output=True,
-        text=True,
-        env=train_env(tmp_path),
-        cwd=ROOT,
-        timeout=600,
-    )
+    proc = run_patched(tmp_path, patch, flags)
     refused(proc, "no space left on device while writing", "step_000000.tmp/in_flight_rank0.pt")
     assert not (tmp_path / "r" / "checkpoints" / "step_000000.tmp").exists()
 
@@ -629,3 +772,18 @@ def test_checkpoints_are_kept_to_the_newest_n(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002.tmp", "step_000005"]
     with pytest.raises(ValueError, match=r"--keep-checkpoints must be >= 1 .*got 0"):
         rc_config.validate_args(_args(keep_checkpoints=0), world_size=1)
+
+
+def test_a_pruning_cut_short_is_finished_by_the_next_save(tmp_path, capsys):
+    """A kill during pruning leaves step_N.deleting (renamed out of the checkpoints, partly deleted): the next save
+    removes it (today: nothing ever did), and says so; incomplete step_N.tmp folders are still left alone."""
+    tiny = _tiny()
+    for step in (0, 1):
+        _save(tmp_path, step, tiny, _args(keep_checkpoints=5))
+    root = tmp_path / "checkpoints"
+    os.replace(root / "step_000000", root / "step_000000.deleting")
+    shutil.rmtree(root / "step_000000.deleting" / "state")
+    (root / "step_000003.tmp").mkdir()
+    _save(tmp_path, 2, tiny, _args(keep_checkpoints=5))
+    assert sorted(os.listdir(root)) == ["step_000001", "step_000002", "step_000003.tmp"]
+    assert str(root / "step_000000.deleting") in capsys.readouterr().out

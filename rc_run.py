@@ -410,6 +410,8 @@ def evaluate(task, rollouts, prompts, rows, rank, world, host, version: int, res
         response = group[0]  # an rc_rollout.Response
         ids, text = response.token_ids, response.text
         scores = task.score(text, rows[i])
+        for key in task.score_keys:  # a NaN would vanish into eval/accuracy_*
+            check_rewards(task.name, [scores[key]], [i], rows, f"the eval of version {version}", "test", key)
         samples.append(
             {
                 "index": i,
@@ -444,10 +446,13 @@ class NonFinite(RunError):
 NOT_KEPT = "; nothing of this step is logged or saved (the last checkpoint is intact)"
 
 
-def check_rewards(task: str, rewards: list, rows: list[int], problems: list, step: int) -> None:
-    """Stop (NonFinite) on a reward that is NaN or inf, naming the task, the first such sample's training row (its
-    index in the train split and, if it has one, the start of its question) and the value. `rows[i]`: the row of
-    reward i. No host sync: the rewards are Python numbers."""
+def check_rewards(
+    task: str, rewards: list, rows: list[int], problems: list, step, split: str = "train", key: str = "reward"
+) -> None:
+    """Stop (NonFinite) on a reward (or an eval score: `key`) that is NaN or inf, naming the task, the first such
+    sample's row (its index in the `split` and, if it has one, the start of its question) and the value. `rows[i]`:
+    the row of reward i; `step`: the step, or what else names the moment. No host sync: the rewards are numbers."""
+    where = f"step {step}" if isinstance(step, int) else step
     bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
     if not bad:
         return
@@ -456,8 +461,8 @@ def check_rewards(task: str, rewards: list, rows: list[int], problems: list, ste
     question = row.get("question") if isinstance(row, dict) else None
     said = "" if question is None else f" ({str(question)[:48]!r}{'...' * (len(str(question)) > 48)})"
     raise NonFinite(
-        f"step {step}: task {task!r} scored reward {float(rewards[i])} for train row {rows[i]}{said}, sample {i} of "
-        f"the batch ({len(bad)} of {len(rewards)} rewards not finite): its scorer must return finite numbers{NOT_KEPT}"
+        f"{where}: task {task!r} scored {key} {float(rewards[i])} for {split} row {rows[i]}{said}, sample {i} of "
+        f"the batch ({len(bad)} of {len(rewards)} not finite): its scorer must return finite numbers{NOT_KEPT}"
     )
 
 

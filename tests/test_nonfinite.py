@@ -197,7 +197,33 @@ def test_a_nan_reward_stops_the_run_naming_the_task_row_and_value(tmp_path):
     proc = run_patched(tmp_path, patch, flags)
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = refused(proc, "step 1: task 'add' scored reward nan", f"train row {row} ({question!r})")
-    assert "rewards not finite): its scorer must return finite numbers" in line, line
+    assert "rewards not finite" not in line and "not finite): its scorer must return finite numbers" in line, line
     run = tmp_path / "r"
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000"]
+
+
+def test_a_nan_eval_score_stops_the_run_naming_the_test_row():
+    """An eval score that is NaN: before, it vanished into eval/accuracy_* (a NaN accuracy, logged, no word); now
+    rc_run.evaluate stops in one line naming the eval, the score key, the test row and its question."""
+    from types import SimpleNamespace
+
+    import rc_rollout
+
+    task = tasks.make_task("add")
+    rows, _ = task.problems("test")
+    bad = rows[2]["question"]
+
+    def score(text, row):
+        return {**task.score(text, row), "strict": NAN if row["question"] == bad else 1.0}
+
+    nan_task = dataclasses.replace(task, score=score)
+    prompts = [[1, 2]] * 4
+    rollouts = SimpleNamespace(evaluate=lambda p, version, restore: [[rc_rollout.Response([3], [], "7")] for _ in p])
+    with pytest.raises(rc_run.NonFinite) as info:
+        rc_run.evaluate(nan_task, rollouts, prompts, rows[:4], 0, 1, rc_run.HostGroup(1), version=5)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("the eval of version 5: task 'add' scored strict nan for test row 2")
+    assert repr(bad[:48]) in line
+    metrics, _ = rc_run.evaluate(task, rollouts, prompts, rows[:4], 0, 1, rc_run.HostGroup(1), version=5)
+    assert math.isfinite(metrics["eval/accuracy_strict"])  # a finite scorer passes

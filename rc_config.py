@@ -675,7 +675,8 @@ class CorrectionArgs:
     loss_mode: str | None = None
     """override: the policy objective, a name of rc_core.POLICY_LOSSES (verl's policy_loss.loss_mode): vanilla
     (PPO-clip, the default), gspo, gspo_token, cispo, cispo_verl, sapo, geo_mean, dppo_tv, dppo_kl, clip_cov,
-    kl_cov (docs/corrections.md §7.7); with loss_type ppo_clip, in decoupled or bypass mode"""
+    kl_cov, luspo, vespo, dro, gpg, ipo (docs/corrections.md §7.7); with loss_type ppo_clip, in decoupled or bypass
+    mode"""
     clip_cov_ratio: float | None = None
     """override: clip_cov: share of tokens in (0, 1) whose covariance gets its gradient cut (verl: 0.0002)"""
     clip_cov_lb: float | None = None
@@ -701,6 +702,18 @@ class CorrectionArgs:
     """override: two-sided worst-token rejection: a response with a token ratio below this is rejected (§4.8)"""
     rollout_outlier_threshold_high: float | Literal["none"] | None = None
     """override: two-sided worst-token rejection: a response with a token ratio above this is rejected (§4.8)"""
+    vespo_k_pos: float | None = None
+    """override: vespo: power k of its gate W^k e^(lambda (1 - W)) for A >= 0 (TRL: 2.0)"""
+    vespo_lambda_pos: float | None = None
+    """override: vespo: decay lambda > 0 of its gate for A >= 0 (TRL: 3.0)"""
+    vespo_k_neg: float | None = None
+    """override: vespo: power k of its gate for A < 0 (TRL: 3.0)"""
+    vespo_lambda_neg: float | None = None
+    """override: vespo: decay lambda > 0 of its gate for A < 0 (TRL: 2.0)"""
+    dro_beta: float | None = None
+    """override: dro: beta > 0 of its penalty (beta/2)(log pi_theta - log pi_prox)^2 (ours 0.1; verl has no default)"""
+    rollout_sq_log_ratio_coef: float | None = None
+    """override: tau >= 0 of tau (log pi_theta - log mu)^2, mu the rollout's (Kimi-K2.5; corrections §7.9); 0 = off"""
 
 
 SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)

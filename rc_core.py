@@ -1131,7 +1131,8 @@ def compute_policy_loss_vanilla(
     actor/pg_clipfrac_lower, actor/ppo_kl = <-lambda_r>, and with ``rollout_log_prob``
     actor/tv_update, the alpha_0 estimate (§12.6-§12.7).  ``config`` (optional) selects the
     objective ``config.loss_mode`` of :data:`POLICY_LOSSES` (§7.7; None: "vanilla", phi_PPO) and
-    turns on OPSM (``rollout_opsm_threshold``, §4.6), which needs ``rollout_log_prob``.
+    turns on OPSM (``rollout_opsm_threshold``, §4.6) and the penalty tau (log pi_theta - log mu)^2
+    (``rollout_sq_log_ratio_coef``, §7.9), which need ``rollout_log_prob``.
 
     ``validate=False`` skips the checks of §10 -- loss settings, equal 2-D shapes, 0/1 masks, a valid
     token, finite values at valid positions -- and their host syncs, trusting that they hold: a
@@ -1161,7 +1162,12 @@ def compute_policy_loss_vanilla(
     )
     inputs, rollout_metrics = _decoupled_rollout_terms(inputs, rollout_log_prob)
     loss, mode_metrics = POLICY_LOSSES[inputs.config.loss_mode](inputs)
-    return loss, _to_floats({**_actor_metrics(inputs, loss, mode_metrics), **rollout_metrics})
+    counts = {"global_token_count": global_token_count, "global_seq_count": global_seq_count}
+    counts["loss_scale_factor"] = loss_scale_factor
+    loss, penalty = _add_rollout_penalty(
+        loss, inputs.config, log_prob, rollout_log_prob, response_mask, loss_agg_mode, counts
+    )
+    return loss, _to_floats({**_actor_metrics(inputs, loss, mode_metrics), **penalty, **rollout_metrics})
 
 
 def compute_policy_loss_reinforce(
@@ -1263,7 +1269,8 @@ def compute_policy_loss_bypass_mode(
     inside, from sg(log_prob) versus ``rollout_log_prob``.  ``loss_type="ppo_clip"``: the objective
     ``config.loss_mode`` (§7.7) with r = pi_theta / mu and *no* IS factor -- the ratio already is the
     IS ratio (§7.3, §12.5); IS weights are metrics only, RS/veto act through the keep mask.
-    ``loss_type="reinforce"``: -A log pi_theta sg(w) (§7.4).  Returns the loss and the ``actor/*`` and
+    ``loss_type="reinforce"``: -A log pi_theta sg(w) (§7.4).  Both add tau (log pi_theta - log mu)^2 when
+    ``rollout_sq_log_ratio_coef`` > 0 (§7.9).  Returns the loss and the ``actor/*`` and
     ``rollout_corr/*`` metrics (no ``actor/tv_update``: with pi_old = mu, alpha_0 is
     ``rollout_corr/tv_mismatch``).  ``with_correction_metrics=False`` leaves ``rollout_corr/*`` out
     (same loss), for the optimizer steps after a batch's first.  ``validate`` as in
@@ -1281,10 +1288,16 @@ def compute_policy_loss_bypass_mode(
         "loss_scale_factor": loss_scale_factor,
         "validate": validate,
     }
+    counts = {k: common[k] for k in ("global_token_count", "global_seq_count", "loss_scale_factor")}
     if config.loss_type == "reinforce":
         loss, actor_metrics = compute_policy_loss_reinforce(
             log_prob, rollout_log_prob, advantages, response_mask, rollout_is_weights=weights, keep_mask=keep, **common
         )
+        loss, penalty = _add_rollout_penalty(
+            loss, config, log_prob, rollout_log_prob, response_mask, loss_agg_mode, counts
+        )
+        if penalty:  # actor/pg_loss is the loss returned (§7.9)
+            actor_metrics.update(_to_floats({"actor/pg_loss": loss, **penalty}))
         return loss, {**actor_metrics, **extra_metrics}
     inputs = _loss_inputs(  # no IS weights: the ratio against mu already is the IS ratio (§7.3)
         log_prob=log_prob,
@@ -1299,7 +1312,8 @@ def compute_policy_loss_bypass_mode(
         **common,
     )
     loss, mode_metrics = POLICY_LOSSES[config.loss_mode](inputs)
-    return loss, {**_to_floats(_actor_metrics(inputs, loss, mode_metrics)), **extra_metrics}
+    loss, penalty = _add_rollout_penalty(loss, config, log_prob, rollout_log_prob, response_mask, loss_agg_mode, counts)
+    return loss, {**_to_floats({**_actor_metrics(inputs, loss, mode_metrics), **penalty}), **extra_metrics}
 
 
 # ============================================================================================
@@ -1410,12 +1424,17 @@ def policy_loss_gspo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch
     gspo_token (verl's gspo) gives each token its own weight: same value, another gradient
     (found by benchmarks/parity_objectives.py; test_rc.py::test_gspo_spreads_token_is_weights_over_the_row).
     """
+    phi, metrics = _gspo_row_loss(a)
+    return a.aggregate(a.weighted(phi), "seq-mean-token-mean"), metrics
+
+
+def _gspo_row_loss(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO's L_i broadcast over row i's tokens (B, T) and actor/pg_clipfrac, before aggregation."""
     log_s = torch.clamp(gspo_sequence_log_ratio(a), max=GSPO_LOG_RATIO_MAX)
     adv = _row_mean(a.advantages, a.keep)
     row_loss, clipped = _ratio_clip_loss(torch.exp(log_s), adv, a.clip_ratio_low, a.clip_ratio_high)
     phi = row_loss.unsqueeze(-1).expand_as(a.log_prob)
-    metrics = {"actor/pg_clipfrac": _fraction(clipped.unsqueeze(-1).expand_as(phi), a.keep, phi.dtype)}
-    return a.aggregate(a.weighted(phi), "seq-mean-token-mean"), metrics
+    return phi, {"actor/pg_clipfrac": _fraction(clipped.unsqueeze(-1).expand_as(phi), a.keep, phi.dtype)}
 
 
 def policy_loss_gspo_token(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -1614,6 +1633,108 @@ def policy_loss_kl_cov(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, tor
     return a.aggregate(a.weighted(phi)), {}
 
 
+def policy_loss_luspo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """LUSPO, length-unbiased sequence policy optimisation (arXiv 2602.05261; TRL 1.16
+    ``loss_type="luspo"``, ``importance_sampling_level="sequence"``): GSPO's L_i
+    (:func:`policy_loss_gspo`) weighted by the response's length,
+
+    loss = (1/V_B) sum_i sum_t m'_it L_i sg(w_it)   (seq-mean-token-sum, fixed).
+
+    Unclipped and without IS weights, d loss / d log pi_theta(y_it) = -A_i s_i / V_B: a token's
+    gradient no longer shrinks as 1/n_i with its response's length, as under GSPO.
+    """
+    phi, metrics = _gspo_row_loss(a)
+    return a.aggregate(a.weighted(phi), "seq-mean-token-sum"), metrics
+
+
+#: VESPO's bounds on log W before exp, as TRL's: [log 1e-8, S].
+VESPO_LOG_W_MIN = math.log(1e-8)
+
+
+def vespo_gate(log_w: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """phi(W) = W^k exp(lam (1 - W)) = exp(lam + k log W - lam W): VESPO's Gamma-shaped weight,
+    phi(1) = 1, largest at W = k / lam (arXiv 2602.10693; TRL ``GRPOTrainer.get_gamma_weights``)."""
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+
+
+def vespo_sequence_log_weight(a: PolicyLossInputs) -> torch.Tensor:
+    """log W_i = clip(sum_t m'_it (lambda_r + log w_it), log 1e-8, 20), (B, 1): the log of the
+    response's ratio to mu.  IS weights w (decoupled: pi_old / mu, each log clipped to
+    [log 1e-8, 20]) enter W instead of multiplying the loss, as TRL folds its vLLM IS ratio in; a
+    sequence-level weight (``rollout_is="sequence"``) enters once.  Bypass: lambda_r is the log of
+    pi_theta / mu already and w is None."""
+    log_w = masked_sum(a.log_ratio(), a.keep, dim=-1)
+    if a.weights is not None:
+        log_is = torch.clamp(torch.log(a.weights), VESPO_LOG_W_MIN, SAFETY_BOUND)
+        once = a.config.rollout_is == "sequence"
+        log_w = log_w + (_row_mean(log_is, a.keep) if once else masked_sum(log_is, a.keep, dim=-1))
+    return torch.clamp(log_w, VESPO_LOG_W_MIN, SAFETY_BOUND).unsqueeze(-1)
+
+
+def policy_loss_vespo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """VESPO, variational sequence-level soft policy optimisation (arXiv 2602.10693; TRL 1.16
+    ``loss_type="vespo"``):
+
+    phi_it = -sg(phi(W_i; k, lam)) A_it log pi_theta(y_it),  (k, lam) = (``vespo_k_pos``,
+    ``vespo_lambda_pos``) if A_it >= 0 else (``vespo_k_neg``, ``vespo_lambda_neg``).
+    The gradient is REINFORCE's, -phi A grad log pi, scaled by one weight per response that is 1
+    at W = 1 and fades smoothly as W -> 0 (like W^k) and W -> inf (like e^{-lam W}); no token is
+    zeroed.  The IS weights enter W (:func:`vespo_sequence_log_weight`), never as a factor.
+    actor/vespo_gate_mean = <sg phi>_{m'}.
+    """
+    cfg, dt, dev = a.config, a.log_prob.dtype, a.log_prob.device
+    nonneg = a.advantages >= 0
+    k = torch.where(nonneg, torch.tensor(cfg.vespo_k_pos, dtype=dt, device=dev), cfg.vespo_k_neg)
+    lam = torch.where(nonneg, torch.tensor(cfg.vespo_lambda_pos, dtype=dt, device=dev), cfg.vespo_lambda_neg)
+    gate = vespo_gate(vespo_sequence_log_weight(a), k, lam).detach()
+    phi = -gate * a.advantages * a.log_prob
+    return a.aggregate(phi), {"actor/vespo_gate_mean": masked_mean(gate, a.keep)}
+
+
+def policy_loss_dro(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's ``dro`` (core_algos.py:2014): phi = -(A log pi_theta - (beta/2) lambda_r^2) * sg(w),
+    beta = ``dro_beta``.  The gradient -(A - beta lambda_r) grad log pi pulls a token's advantage
+    back by beta times its log-ratio: a quadratic, soft trust region, no clip.  Up to the factor
+    beta it is the policy gradient of DRO's squared residual (1/2)(R - V - beta log pi/pi_ref)^2
+    (Richemond et al. 2024, arXiv 2405.19107) with A = R - V and pi_ref := pi_prox
+    (docs/corrections.md §7.7).  Bypass: the penalty is (beta/2)(log pi_theta - log mu)^2.
+    """
+    phi = -(a.advantages * a.log_prob - 0.5 * a.config.dro_beta * a.log_ratio().square())
+    return a.aggregate(a.weighted(phi)), {}
+
+
+def policy_loss_gpg(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG's loss (Chu et al. 2025, arXiv 2504.02546; verl's ``gpg``, core_algos.py:1707):
+    phi = -A log pi_theta * sg(w), no ratio, no clip (:func:`reinforce_token_loss`).  pi_prox enters
+    only actor/ppo_kl.  Bypass: bypass REINFORCE (§7.4) with the IS weights unused."""
+    return a.aggregate(reinforce_token_loss(a.log_prob, a.advantages, a.weights)), {}
+
+
+def ipo_trust_region(a: PolicyLossInputs) -> torch.Tensor:
+    """prime-rl's IPO region: with p = pi_theta(y_t), q = pi_prox(y_t), inside iff
+    -delta_low <= p - q <= delta_high, whatever the sign of A (DPPO-Binary-TV's bound on both
+    sides; src/prime_rl/trainer/rl/loss.py:164, there |p - q| <= ``ipo_threshold``)."""
+    diff = torch.exp(a.log_prob.detach()) - torch.exp(a.prox_log_prob)
+    return (diff <= a.clip_ratio_high) & (diff >= -a.clip_ratio_low)
+
+
+def policy_loss_ipo(a: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """prime-rl's ``ipo`` ("INTELLECT Policy Optimization", loss.py:164; not Azar et al.'s IPO):
+    phi = -A r * sg(1[inside]) * sg(w), r = exp(lambda_r) carrying the gradient -A r grad log pi,
+    inside :func:`ipo_trust_region`, no truncation.  prime-rl adds tau (log pi_theta / mu)^2:
+    ``rollout_sq_log_ratio_coef`` (§7.9).  actor/pg_clipfrac: share of kept tokens outside;
+    actor/pg_clipfrac_lower: those below, p - q < -delta_low."""
+    ratio = torch.exp(a.log_ratio())
+    inside = ipo_trust_region(a)
+    phi = -a.advantages * ratio * inside.to(ratio.dtype)
+    diff = torch.exp(a.log_prob.detach()) - torch.exp(a.prox_log_prob)
+    metrics = {
+        "actor/pg_clipfrac": _fraction(~inside, a.keep, ratio.dtype),
+        "actor/pg_clipfrac_lower": _fraction(diff < -a.clip_ratio_low, a.keep, ratio.dtype),
+    }
+    return a.aggregate(a.weighted(phi)), metrics
+
+
 #: The policy objectives by ``RolloutCorrectionConfig.loss_mode`` (verl's ``policy_loss.loss_mode``
 #: names; docs/corrections.md §7.7).  A new objective: one function of :class:`PolicyLossInputs`
 #: returning (loss, metrics) and one entry here (README "Fork it").
@@ -1629,6 +1750,11 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "dppo_kl": policy_loss_dppo_kl,
     "clip_cov": policy_loss_clip_cov,
     "kl_cov": policy_loss_kl_cov,
+    "luspo": policy_loss_luspo,
+    "vespo": policy_loss_vespo,
+    "dro": policy_loss_dro,
+    "gpg": policy_loss_gpg,
+    "ipo": policy_loss_ipo,
 }
 
 
@@ -1892,6 +2018,39 @@ def is_corrected_kl(value: torch.Tensor, log_prob: torch.Tensor, old_log_prob: t
     return torch.exp(safety_clip(log_prob - old_log_prob.detach())) * value
 
 
+def rollout_sq_log_ratio_penalty(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.Tensor:
+    """(clip_S(log pi_theta - sg(log mu)))^2 per token: the squared log-ratio against the *inference*
+    log-probs that Kimi K2.5 adds to its policy loss (arXiv 2602.02276), prime-rl's ``kl_tau`` term
+    (src/prime_rl/trainer/rl/loss.py:109-160) (docs/corrections.md §7.9).  Its gradient
+    2 clip_S(.) grad log pi_theta pulls pi_theta back towards mu on every sampled token."""
+    return safety_clip(log_prob - rollout_log_prob.detach()).square()
+
+
+def _add_rollout_penalty(
+    loss: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    counts: Mapping[str, Any],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss + tau * P, P = agg over m of :func:`rollout_sq_log_ratio_penalty`, tau =
+    ``rollout_sq_log_ratio_coef`` (§7.9): the original mask m (a rejected token keeps it, as the KL
+    penalty's, §7.5), not IS-weighted, the §7.5 denominators (``counts``); actor/rollout_sq_log_ratio
+    = P.  (loss, {}) when tau = 0."""
+    tau = config.rollout_sq_log_ratio_coef
+    if tau == 0.0:
+        return loss, {}
+    if rollout_log_prob is None:
+        raise ValueError(f"rollout_sq_log_ratio_coef={tau!r} needs rollout_log_prob (log mu) in the loss")
+    mask = _as_bool(response_mask)
+    dt = _work_dtype(log_prob, rollout_log_prob)
+    current, rollout = _zero_padding(log_prob, mask, dt), _zero_padding(rollout_log_prob.detach(), mask, dt)
+    term = agg_loss(rollout_sq_log_ratio_penalty(current, rollout), mask, loss_agg_mode, response_mask=mask, **counts)
+    return loss + tau * term, {"actor/rollout_sq_log_ratio": term.detach()}
+
+
 # ============================================================================================
 # Configuration and presets (docs/corrections.md §9, §10)
 # ============================================================================================
@@ -1982,6 +2141,12 @@ class RolloutCorrectionConfig:
     rollout_m2_threshold: float | None = None
     rollout_outlier_threshold_low: float | None = None
     rollout_outlier_threshold_high: float | None = None
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    dro_beta: float = 0.1
+    rollout_sq_log_ratio_coef: float = 0.0
     is_spec: ISThreshold | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
     outlier_bounds: tuple | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
     rs_specs: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
@@ -2046,8 +2211,9 @@ class RolloutCorrectionConfig:
         return ISThreshold("tis", lower, spec.upper)
 
     def _check_loss_mode(self) -> None:
-        """The objective and its parameters (§7.7, §10): a known ``loss_mode``, fractions in
-        (0, 1), lb < ub, beta >= 0, temperatures > 0; REINFORCE is its own objective (§7.4)."""
+        """The objective and its parameters (§7.7, §7.9, §10): a known ``loss_mode``, fractions in
+        (0, 1), lb < ub, beta >= 0, temperatures > 0, VESPO's k >= 0 and lambda > 0, DRO's
+        beta > 0, tau >= 0 of the penalty against mu; REINFORCE is its own objective (§7.4)."""
         if not isinstance(self.loss_mode, str) or self.loss_mode not in POLICY_LOSSES:
             raise ValueError(f"loss_mode={self.loss_mode!r} is not one of {', '.join(POLICY_LOSSES)}")
         if self.loss_mode != "vanilla" and self.loss_type == "reinforce":
@@ -2065,6 +2231,11 @@ class RolloutCorrectionConfig:
             raise ValueError(f"ppo_kl_coef={self.ppo_kl_coef!r} must be >= 0")
         _setting("tau_pos", self.tau_pos, 0.0)
         _setting("tau_neg", self.tau_neg, 0.0)
+        for name in ("vespo_k_pos", "vespo_k_neg", "rollout_sq_log_ratio_coef"):
+            if _setting(name, getattr(self, name), None) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg", "dro_beta"):
+            _setting(name, getattr(self, name), 0.0)
 
     def _parse_masks(self) -> tuple | None:
         """OPSM delta > 0 (§4.6), tau_M2 > 0 (§4.7), outlier bounds 0 < low < high (§4.8)."""

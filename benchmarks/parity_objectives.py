@@ -17,7 +17,8 @@ Call conventions (read from the peers' code):
          configured loss_agg_mode (workers/utils/losses.py), so each case names the mode it compares.
   TRL    GRPOTrainer._compute_loss(self, model, inputs) is a method that also runs the model; it is called on a
          trainer object built without __init__ whose per-token log-prob function returns the test's log_prob, with
-         one process, no gradient accumulation, no entropy bonus, no vLLM.
+         one process, no gradient accumulation, no entropy bonus, no vLLM. `vespo` reads the vLLM IS ratio
+         (inputs["importance_sampling_ratio"]) into its W even so: its IS-weight row passes our weights there.
   ours   rc_core.compute_policy_loss_vanilla(old, log_prob, A, mask, loss_agg_mode, clip_low, clip_high, clip_c,
          rollout_is_weights=w, config=RolloutCorrectionConfig(loss_mode=..., ...)) (decoupled mode, pi_prox = pi_old).
 
@@ -194,6 +195,8 @@ VERL_CASES = (
     ("clip_cov", "clip_cov", "clip_cov", "token-mean", True, _FRACTION, "fraction 0.03: 5-6 tokens of 7-14 drawn"),
     ("kl_cov", "kl_cov", "kl_cov", "token-mean", True, {}, "default fraction 0.0002: one token"),
     ("kl_cov", "kl_cov", "kl_cov", "token-mean", True, _FRACTION, "fraction 0.2"),
+    ("dro", "dro", "dro", "token-mean", True, {"dro_beta": 0.5}, "dro_beta 0.5"),
+    ("gpg", "gpg", "gpg", "token-mean", True, {}, ""),
 )
 CLIPS = (0.2, 0.28, 3.0)  # clip_ratio_low, clip_ratio_high (DAPO's clip-higher), clip_ratio_c
 # The metrics both report, by name; verl's constant-0.0 placeholders (e.g. gspo's pg_clipfrac_lower) have no
@@ -265,7 +268,16 @@ def verl_worker() -> list[dict]:
     return rows
 
 
-PARAMS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg")
+PARAMS = (
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+    "dro_beta",
+    "tau_pos",
+    "tau_neg",
+)
 
 
 # ---- TRL ---------------------------------------------------------------------------------------------------------
@@ -290,13 +302,15 @@ def trl_trainer(loss_type: str, level: str, eps_low: float, eps_high: float, **a
         sync_gradients=True,
     )
     defaults = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None, use_bias_correction_kl=False)
+    defaults.update(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)  # TRL's defaults
     t.args = types.SimpleNamespace(**{**defaults, **args}, steps_per_generation=1)
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     return t
 
 
-def trl_loss(trainer, old, new, adv_rows, mask, rollout=None, ref=None):
-    """TRL's loss, gradient w.r.t. the per-token log-probs, and its logged metrics (last value of each)."""
+def trl_loss(trainer, old, new, adv_rows, mask, rollout=None, ref=None, is_ratio=None):
+    """TRL's loss, gradient w.r.t. the per-token log-probs, and its logged metrics (last value of each).
+    `is_ratio` is the vLLM IS ratio pi_old/mu, which only `vespo` reads without vLLM (into its W)."""
     import torch
     from trl.trainer.grpo_trainer import GRPOTrainer
 
@@ -316,6 +330,8 @@ def trl_loss(trainer, old, new, adv_rows, mask, rollout=None, ref=None):
         inputs["sampling_per_token_logps"] = rollout
     if ref is not None:
         inputs["ref_per_token_logps"] = ref
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     loss.backward()
     return float(loss.detach()), log_prob.grad, {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -330,25 +346,29 @@ def trl_worker() -> list[dict]:
     no_dual = 1e9  # TRL's PPO clip has no dual clip; ours is switched off by an unreachable clip_ratio_c
     rows = []
 
-    def record(label, trl_name, agg, note, diffs):
+    def record(label, trl_name, agg, note, diffs, is_weights=False):
         worst = defaultdict(float)
         for d in diffs:
             for k, v in d.items():
                 worst[k] = max(worst[k], v)
-        rows.append({"peer": "trl", "objective": label, "peer_name": trl_name, "agg": agg, "is_weights": False})
+        rows.append({"peer": "trl", "objective": label, "peer_name": trl_name, "agg": agg, "is_weights": is_weights})
         rows[-1].update(note=note, **worst)
 
-    def run(label, trl_name, agg, note, make_trainer, clips, settings, token_adv=False, extra=None):
+    def run(label, trl_name, agg, note, make_trainer, clips, settings, token_adv=False, extra=None, weights=False):
         diffs = []
         for seed in range(SEEDS):
-            old, new, adv, mask, _ = make_inputs(seed, token_adv, False)
+            old, new, adv, mask, w = make_inputs(seed, token_adv, weights)
+            # TRL sums log w over every position (vespo): padding carries w = 1 there, our padding weight is 0
+            is_ratio = None if w is None else torch.where(mask, w, torch.ones_like(w))
             rollout = None
             if extra == "opsm":
                 rollout = torch.where(mask, old + 0.1 * torch.randn_like(old), old)
             adv_rows = adv if token_adv else adv[:, 0]
-            theirs = trl_loss(make_trainer(), old, new, adv_rows, mask, rollout=rollout)
-            ours = rc_loss(old, new, adv, mask, None, agg, clips, settings, seed, rollout=rollout)
+            theirs = trl_loss(make_trainer(), old, new, adv_rows, mask, rollout=rollout, is_ratio=is_ratio)
+            ours = rc_loss(old, new, adv, mask, w, agg, clips, settings, seed, rollout=rollout)
             pairs = [("actor/pg_clipfrac", "clip_ratio/region_mean")] if extra == "region" else []
+            if extra == "gate":  # TRL's is a token mean only with token advantages (else one value per row)
+                pairs = [("actor/vespo_gate_mean", "vespo/phi_seq_mean")]
             if extra == "opsm":
                 keep_theirs = GRPOTrainer.get_off_policy_mask(adv[:, :1], new, rollout, mask.to(torch.float64), 0.05)
                 keep_ours, _ = rc_core.compute_opsm_mask(new, rollout, adv * mask, mask, 0.05)
@@ -358,7 +378,7 @@ def trl_worker() -> list[dict]:
                 theirs[2]["opsm_rows"] = float(keep_theirs.sum())
                 pairs = [("opsm_rows", "opsm_rows")]
             diffs.append(compare(ours, theirs, pairs, mask))
-        record(label, trl_name, agg, note, diffs)
+        record(label, trl_name, agg, note, diffs, weights)
 
     grpo = "loss_type='grpo'"
     run(
@@ -402,6 +422,32 @@ def trl_worker() -> list[dict]:
         {"loss_mode": "sapo"},
         token_adv=True,
     )
+    run(
+        "luspo",
+        "loss_type='luspo', importance_sampling_level='sequence'",
+        "seq-mean-token-sum",
+        "GRPO advantages; no empty row, so TRL's mean over B rows is ours over V",
+        lambda: trl_trainer("luspo", "sequence", 0.2, 0.28),
+        (0.2, 0.28, 3.0),
+        {"loss_mode": "luspo"},
+    )
+    for token_adv, weights, note in (
+        (False, False, "GRPO advantages, k, lambda = 2, 3 / 3, 2"),
+        (True, False, "token advantages; also the mean gate"),
+        (False, True, "IS weights pi_old/mu: TRL's importance_sampling_ratio, folded into W on both sides"),
+    ):
+        run(
+            "vespo",
+            "loss_type='vespo'",
+            "token-mean",
+            note,
+            lambda: trl_trainer("vespo", "token", 0.2, 0.28),
+            (0.2, 0.28, 3.0),
+            {"loss_mode": "vespo"},
+            token_adv=token_adv,
+            extra="gate" if token_adv else None,
+            weights=weights,
+        )
     run(
         "OPSM (vanilla + mask)",
         f"{grpo}, off_policy_mask_threshold=0.05",

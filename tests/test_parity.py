@@ -48,6 +48,8 @@ def test_objectives_equal_verls(tmp_path):
         "dppo_kl",
         "clip_cov",
         "kl_cov",
+        "dro",
+        "gpg",
     }
     assert {r["objective"] for r in rows} == expected
 
@@ -55,4 +57,4 @@ def test_objectives_equal_verls(tmp_path):
 def test_objectives_equal_trls(tmp_path):
     rows = rows_of("trl", tmp_path)
     check(rows)
-    assert {r["objective"] for r in rows} >= {"cispo", "sapo", "gspo", "IS-corrected KL"}
+    assert {r["objective"] for r in rows} >= {"cispo", "sapo", "gspo", "luspo", "vespo", "IS-corrected KL"}

@@ -24,9 +24,15 @@ The batch settings (prompts, samples, minibatches, micro-batch, gradient checkpo
 length, learning rate, loss and correction settings) come from the trainer's YAML config (UpdateSettings: the keys
 the update reads, with the trainer's defaults; the config's other keys are not the update's and are ignored) and are
 checked as rc_train.py checks them. Also reported: peak allocated and reserved CUDA memory, the allocator's device
-allocations per update, the padding the update computes, and MFU (6 x parameters x update tokens + 2 x parameters x
-pi_old-pass tokens per second, against --peak-tflops or, on a GPU, a bf16 8192^3 matmul measured first). The last
-line printed is one JSON object with the figures.
+allocations per update, the padding the update computes, and MFU as the field counts it (PaLM's appendix B,
+nanoGPT's estimate_mfu, Megatron-LM's accounting; conventional_flops): 6 x non-embedding parameters per token the
+algorithm needs (a shared prompt once per group, whether or not the run computed it once), the lm_head's 6 x d x V
+per logit position and the causal attention's 12 x L x d per (query, key) pair, per second, against the card's dense
+bf16 peak named from the device (CARD_PEAKS; --card-peak-tflops for another), median and range of the timed updates;
+beside it the same FLOPs "of measured matmul peak" (a bf16 8192^3 matmul measured first, or --peak-tflops), and the
+old accounting (mfu: 6 x all parameters x tokens computed + 2 x parameters x pi_old-pass tokens, against the measured
+matmul). benchmarks/mfu_table.py recomputes the committed runs' (benchmarks/gpu_runs/). The last line printed is one
+JSON object with the figures.
 
 --breakdown (one process) then looks inside one micro-batch, on the update's own micro-batches (the first optimizer
 step's, cut from the same seed):
@@ -265,7 +271,8 @@ class Plan:
     breakdown: bool = False  # phases, op and sync counts of one micro-batch (one process)
     breakdown_micro_batches: int = BREAKDOWN_MICRO_BATCHES  # the phase passes' micro-batches (of the first step's)
     profile_dir: str | None = None  # torch.profiler of two micro-batches, written here (implies breakdown)
-    peak_tflops: float | None = None  # the device's peak for MFU (None: measured on a GPU, n/a on a CPU)
+    peak_tflops: float | None = None  # the matmul peak (None: measured on a GPU, n/a on a CPU)
+    card_peak_tflops: float | None = None  # the card's dense bf16 peak (None: CARD_PEAKS by the device's name)
     compile: str | None = None  # torch.compile: "model" (the whole model) or "layers" (each decoder layer); --compile
     compile_backend: str = "inductor"  # torch.compile's backend (--compile-backend)
 
@@ -381,8 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peak-tflops",
         type=float,
-        help="the device's peak TFLOP/s for MFU (default: on a GPU, a bf16 8192^3 matmul measured before the model "
-        "is built; on a CPU, MFU is not reported)",
+        help="the measured-matmul peak TFLOP/s, for the old MFU and the conventional FLOPs 'of measured matmul peak' "
+        "(default: on a GPU, a bf16 8192^3 matmul measured before the model is built; on a CPU, not reported)",
+    )
+    p.add_argument(
+        "--card-peak-tflops",
+        type=float,
+        help="the card's dense bf16 peak TFLOP/s for the conventional MFU (default: from the device's name, "
+        f"{', '.join(f'{card} {peak:g}' for _, _, card, peak in CARD_PEAKS)}; another card or a CPU: not reported)",
     )
     return p
 
@@ -429,8 +442,9 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
         raise ValueError("--breakdown / --profile time one process's micro-batch: run without torchrun")
     if ns.breakdown_micro_batches < 1:
         raise ValueError(f"--breakdown-micro-batches must be >= 1, got {ns.breakdown_micro_batches}")
-    if ns.peak_tflops is not None and not ns.peak_tflops > 0:
-        raise ValueError(f"--peak-tflops must be > 0, got {ns.peak_tflops}")
+    for flag, value in (("--peak-tflops", ns.peak_tflops), ("--card-peak-tflops", ns.card_peak_tflops)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a finite number > 0, got {value}")
     if response_len > train.max_response_length:
         raise ValueError(
             f"--response-len {response_len} is larger than max_response_length "
@@ -451,6 +465,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
         breakdown_micro_batches=ns.breakdown_micro_batches,
         profile_dir=ns.profile,
         peak_tflops=ns.peak_tflops,
+        card_peak_tflops=ns.card_peak_tflops,
         compile=None if compile_mode == "off" else compile_mode,
         compile_backend=ns.compile_backend,
     )
@@ -1351,6 +1366,77 @@ def profile(bench: Bench, out_dir: str, tag: str) -> dict:
     return summary
 
 
+# ---------------------------------------------------------------------------------------------
+# MFU as the field counts it (PaLM, appendix B; nanoGPT's estimate_mfu; Megatron-LM's accounting)
+# ---------------------------------------------------------------------------------------------
+# Dense bf16 tensor-core peaks in TFLOP/s (NVIDIA's datasheets print twice these, "with sparsity"), matched on the
+# CUDA device name: (the name contains, unless it contains, the card, its peak). Any other card (an H100 PCIe or NVL,
+# an H200 NVL, an L40S...) has no conventional MFU here unless --card-peak-tflops gives its peak.
+CARD_PEAKS = (
+    ("H200", ("NVL",), "H200 SXM", 989.0),
+    ("H100", ("PCIe", "NVL"), "H100 SXM", 989.0),
+    ("A100", (), "A100", 312.0),
+)
+
+
+def card_peak(device_name: str) -> tuple[str | None, float | None]:
+    """(the card, its dense bf16 peak in TFLOP/s) for a CUDA device name; (None, None) for a card CARD_PEAKS lacks."""
+    for part, unless, card, peak in CARD_PEAKS:
+        if part in device_name and not any(u in device_name for u in unless):
+            return card, peak
+    return None, None
+
+
+def non_embedding_params(shape: dict) -> int:
+    """N of 6N: a Qwen2 shape's parameters without the token embedding and the lm_head (the lm_head is counted on the
+    logit positions instead): per layer the q, k, v projections (with biases), o (without), the SwiGLU MLP's three
+    matrices and two RMSNorm weights; then the final norm."""
+    d, ff, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    q_width = heads * shape.get("head_dim", d // heads)
+    kv_width = kv_heads * shape.get("head_dim", d // heads)
+    attention = (d * q_width + q_width) + 2 * (d * kv_width + kv_width) + q_width * d
+    return layers * (attention + 3 * d * ff + 2 * d) + d
+
+
+def conventional_counts(batch: dict) -> dict:
+    """What one pass over `batch` (make_rollout's layout) needs, whatever the run computed: its tokens (each group's
+    prompt once, every response), its logit positions (one per response token: the logit that predicts it) and the
+    (query, key) pairs its causal attention scores (a p-token prompt's p(p+1)/2 once per group; response token j after
+    it attends p + j + 1 keys). Padding counts nowhere."""
+    prompt, response, group = (batch[k].tolist() for k in ("prompt_len", "response_len", "group"))
+    prompts = dict(zip(group, prompt))  # a group's rows share one prompt
+    return {
+        "tokens": sum(prompts.values()) + sum(response),
+        "logit_positions": sum(response),
+        "attention_pairs": sum(p * (p + 1) // 2 for p in prompts.values())
+        + sum(r * p + r * (r + 1) // 2 for p, r in zip(prompt, response)),
+    }
+
+
+def conventional_flops(shape: dict, counts: dict, fwd_bwd_passes: int = 1, forward_passes: int = 0) -> dict:
+    """Model FLOPs of an update over `counts` (conventional_counts): `fwd_bwd_passes` forward+backward passes (the
+    epochs) and `forward_passes` forward-only ones (the decoupled pi_old pass). A forward pass does 2 FLOPs per
+    multiply-add: 2 x N_non-embedding per token, 2 x d x V per logit position (the lm_head), and 4 x L x (heads x
+    head_dim) per attended (query, key) pair (QK^T and AV); the backward twice the forward (PaLM's 6N + 12LHQT,
+    Megatron's 72Bslh^2 (1 + s/6h + V/12lh)). PaLM, nanoGPT and Megatron's paper count the full s^2 of attention
+    (every token against T keys); this counts the causal pairs, s(s+1)/2 for an s-token sequence, FlashAttention's
+    causal convention (its benchmarks halve the s^2 count) up to the diagonal's s/2."""
+    d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    heads = shape["num_attention_heads"]
+    q_width = heads * shape.get("head_dim", d // heads)
+    passes = 3 * fwd_bwd_passes + forward_passes  # forward-pass equivalents
+    terms = {
+        "dense": passes * 2 * non_embedding_params(shape) * counts["tokens"],
+        "lm_head": passes * 2 * d * vocab * counts["logit_positions"],
+        "attention": passes * 4 * layers * q_width * counts["attention_pairs"],
+    }
+    return {**terms, "total": sum(terms.values())}
+
+
+COUNTS = ("tokens", "logit_positions", "attention_pairs")  # conventional_counts' keys
+
+
 def measure_peak_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
     """bf16 n^3 matmul TFLOP/s on `device` (three warm-ups, then the mean of `iters`), as docs/gpus.md measured."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -1501,8 +1587,11 @@ def summary_table(results: list[dict]) -> str:
         ("aten ops / micro-batch", _figure("breakdown", "aten_ops_per_micro_batch", fmt="{:.0f}")),
         ("CUDA kernels+copies / micro-batch", _figure("profile", "cuda_events_per_micro_batch", fmt="{:.0f}")),
         ("device busy (profiled micro-batches)", _figure("profile", "device_busy_fraction", fmt="{:.0%}")),
-        ("MFU", _figure("mfu", fmt="{:.1%}")),
-        ("peak TFLOP/s used for MFU", _figure("peak_tflops", fmt="{:.4g}")),
+        ("MFU (conventional, card's dense bf16 peak)", _figure("mfu_conventional", fmt="{:.1%}")),
+        ("  card, its peak TFLOP/s", lambda r: f"{r['card']}, {r['peak_tflops_card']:g}"),
+        ("  of measured matmul peak", _figure("mfu_of_measured_peak", fmt="{:.1%}")),
+        ("MFU, old accounting (6 x params x tokens)", _figure("mfu", fmt="{:.1%}")),
+        ("measured matmul peak TFLOP/s", _figure("peak_tflops", fmt="{:.4g}")),
         ("peak allocated GiB", _figure("peak_memory_gib")),
         ("peak reserved GiB", _figure("peak_reserved_gib")),
         ("  allocator settings", lambda r: r.get("alloc_conf") or "default"),
@@ -1583,7 +1672,6 @@ def result_rows(
     params, peak_gib, reserved_gib = result["params"], result["peak_memory_gib"], result["peak_reserved_gib"]
     update_s, steps_per_update = result["seconds_per_update"], args.num_minibatches * args.ppo_epochs
     update_padding, batch_padding = result["update_padding_fraction"], result["batch_padding_fraction"]
-    mfu, peak_tflops, peak_source = result["mfu"], result["peak_tflops"], result["peak_tflops_source"]
     rows = [
         ("device", f"{result['device']}; {layout}"),
         ("model", f"Qwen2.5-{plan.model_size} shape, {params:,} parameters, float32 master weights"),
@@ -1641,16 +1729,52 @@ def result_rows(
             f"{update_padding:.1%} of the positions the update computes (micro-batches trimmed to their longest); "
             f"{batch_padding:.1%} of the full-width batch",
         ),
-        (
-            "MFU",
-            "n/a (no peak on a CPU: --peak-tflops)"
-            if mfu is None
-            else f"{mfu:.1%} of {peak_tflops:.0f} TFLOP/s ({peak_source}): 6 x params x update tokens "
-            "+ 2 x params x pi_old tokens, per second (lm_head on prompts and attention not counted)",
-        ),
+        *mfu_rows(result, plan.repeats),
         ("loss, grad norm", f"{stats['loss']:.4f}, {stats['grad_norm']:.4f} (last timed update)"),
     ]
     return rows
+
+
+def mfu_rows(result: dict, repeats: int) -> list:
+    """The report's MFU lines: the field's accounting against the card's peak and against the measured matmul, its
+    FLOPs by term, then the old accounting."""
+    c, flops = result["conventional"], result["conventional"]["flops"]
+    mfu, card, peak = result["mfu_conventional"], result["card"], result["peak_tflops_card"]
+    if mfu is None:
+        conventional = (
+            f"n/a: no dense bf16 peak known for {result['device']} (CARD_PEAKS: "
+            f"{', '.join(card for _, _, card, _ in CARD_PEAKS)}; --card-peak-tflops gives one)"
+        )
+    else:
+        low, high = result["mfu_conventional_range"]
+        conventional = (
+            f"{mfu:.1%} (median of {repeats} updates, {low:.1%}-{high:.1%}) of {card}'s {peak:g} TFLOP/s "
+            f"({result['peak_tflops_card_source']}), as PaLM (app. B), nanoGPT and Megatron count it"
+        )
+    measured, old = result["mfu_of_measured_peak"], result["mfu"]
+    return [
+        ("MFU", conventional),
+        (
+            "  of measured matmul peak",
+            "n/a (no matmul measured on a CPU: --peak-tflops)"
+            if measured is None
+            else f"{measured:.1%} of {result['peak_tflops']:.0f} TFLOP/s ({result['peak_tflops_source']})",
+        ),
+        (
+            "  FLOPs / update",
+            f"{flops['total']:.4g}: 6N x {c['tokens']:,} tokens needed (a shared prompt once per group) "
+            f"{flops['dense']:.3g} + lm_head 6dV x {c['logit_positions']:,} logit positions {flops['lm_head']:.3g} "
+            f"+ attention 12Ld x {c['attention_pairs']:,} causal pairs {flops['attention']:.3g}; "
+            f"{c['fwd_bwd_passes']} epoch(s)" + (", the pi_old pass at a third" if c["forward_passes"] else ""),
+        ),
+        (
+            "MFU, old accounting",
+            "n/a (no matmul peak)"
+            if old is None
+            else f"{old:.1%} of {result['peak_tflops']:.0f} TFLOP/s: 6 x all params x {result['update_tokens']:,.0f} "
+            "tokens computed (+ 2 x params x pi_old tokens): embeddings on every token, prompt copies counted",
+        ),
+    ]
 
 
 def main(argv=None) -> int:
@@ -1661,13 +1785,18 @@ def main(argv=None) -> int:
     device, main_process = accelerator.device, accelerator.is_main_process
     say = print if main_process else (lambda *a, **k: None)
     peak_tflops, peak_source = plan.peak_tflops, "--peak-tflops" if plan.peak_tflops else None
+    card, card_tflops, card_source = None, None, None
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
         if peak_tflops is None:
             peak_tflops, peak_source = measure_peak_tflops(device), "bf16 8192^3 matmul, measured"
+        card, card_tflops = card_peak(device_name)
+        card_source = "dense bf16, NVIDIA's datasheet" if card else None
         torch.cuda.reset_peak_memory_stats(device)
     else:
         device_name = f"cpu ({torch.get_num_threads()} threads)"
+    if plan.card_peak_tflops:
+        card, card_tflops, card_source = card or device_name, plan.card_peak_tflops, "--card-peak-tflops"
     args = plan.train
     layout = f"{plan.world} process(es), {'FSDP2' if args.fsdp else 'DDP' if plan.world > 1 else 'unsharded'}"
     say(
@@ -1695,9 +1824,21 @@ def main(argv=None) -> int:
         memory_kind = "peak RSS growth from just before the model was built (getrusage), the largest rank's"
     peak_gib = bench.learner.host.extreme([peak_gib], "max")[0]  # the largest rank's
     update_s = bench.learner.host.extreme([statistics.median(times)], "max")[0]  # the slowest rank's
+    slowest = bench.learner.host.extreme(times, "max")  # each timed update's slowest rank
     steps_per_update = args.num_minibatches * args.ppo_epochs
+    # the old accounting: every parameter (embeddings included) on every token computed, prompt copies included
     flops = 6 * params * stats["update_tokens"] + 2 * params * stats["no_grad_tokens"]  # per update, all ranks
     mfu = flops / update_s / (peak_tflops * 1e12 * plan.world) if peak_tflops else None
+    # the field's: non-embedding 6N on the tokens the algorithm needs, the lm_head on the logit positions, attention
+    own = conventional_counts(bench.batch)  # this rank's batch; integers, exact in a float64 sum over the ranks
+    counts = {k: round(v) for k, v in zip(COUNTS, bench.learner.host.sum([float(own[k]) for k in COUNTS]))}
+    pi_old = 0 if plan.correction.bypass_mode else 1  # the decoupled presets' forward-only pass
+    conventional = conventional_flops(MODEL_SHAPES[plan.model_size], counts, args.ppo_epochs, pi_old)
+
+    def of(peak, seconds):  # the conventional FLOPs' share of `peak` TFLOP/s per process
+        return conventional["total"] / seconds / (peak * 1e12 * plan.world) if peak else None
+
+    mfu_range = None if card_tflops is None else [of(card_tflops, max(slowest)), of(card_tflops, min(slowest))]
     batch_padding = 1 - float(bench.batch["attention_mask"].float().mean())
     update_padding = 1 - stats["update_tokens"] / stats["update_positions"] if stats["update_positions"] else 0.0
     result = {
@@ -1729,7 +1870,23 @@ def main(argv=None) -> int:
         "batch_padding_fraction": batch_padding,
         "peak_tflops": peak_tflops,
         "peak_tflops_source": peak_source,
-        "mfu": mfu,
+        "mfu": mfu,  # the old accounting: 6 x all parameters x tokens computed, against peak_tflops
+        "model_size": plan.model_size,
+        "config": os.path.relpath(plan.config_path, ROOT) if plan.config_path.startswith(ROOT) else plan.config_path,
+        "seed": plan.seed,
+        "repeats": plan.repeats,
+        "seconds_per_update_range": [min(slowest), max(slowest)],
+        "update_tokens": round(stats["update_tokens"]),  # tokens computed per update (a float sum of integers)
+        "no_grad_tokens": round(stats["no_grad_tokens"]),
+        "conventional": {**counts, "fwd_bwd_passes": args.ppo_epochs, "forward_passes": pi_old, "flops": conventional},
+        "flops_per_update_old": flops,
+        "flops_per_update_conventional": conventional["total"],
+        "card": card,
+        "peak_tflops_card": card_tflops,
+        "peak_tflops_card_source": card_source,
+        "mfu_conventional": of(card_tflops, update_s),
+        "mfu_conventional_range": mfu_range,
+        "mfu_of_measured_peak": of(peak_tflops, update_s),
     }
     rows = result_rows(plan, bench, result, stats, times, memory_kind, layout)
     width = max(len(k) for k, _ in rows)

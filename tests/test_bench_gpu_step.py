@@ -4,7 +4,9 @@ move). The benchmark does not import rc_train.py: its update, composed from rc_c
 equal to rc_train.update_policy (and rc_train.decoupled_correction) here, its settings are rc_train.Args' own fields
 with their defaults, read from the configs as rc_train reads them, and its synthetic batch is rc_train.make_batch's.
 --breakdown: its phases partition the pass, its op and host-sync counts are there and positive, its micro-batches are
-the update's own, and its sync counter counts what a GPU would synchronise on (no timing is asserted)."""
+the update's own, and its sync counter counts what a GPU would synchronise on (no timing is asserted). MFU: the
+field's FLOP count equals a hand count, and benchmarks/mfu_table.py recomputes the committed GPU records as
+docs/gpus.md and the README quote them."""
 
 from __future__ import annotations
 
@@ -54,6 +56,14 @@ def test_tiny_run_prints_a_json_line_with_positive_figures(capsys):
     assert 0 <= result["update_padding_fraction"] < 1 and 0 <= result["batch_padding_fraction"] < 1
     assert result["mfu"] is None and result["peak_reserved_gib"] is None  # a CPU: no peak given, no CUDA allocator
     assert "breakdown" not in result  # only with --breakdown
+    # the field's accounting: counted on the batch (the tokens the algorithm needs), with no card peak on a CPU
+    assert result["mfu_conventional"] is None and result["card"] is None and result["mfu_of_measured_peak"] is None
+    plan = bench.make_plan(bench.build_parser().parse_args(["--tiny"]))
+    counts = bench.conventional_counts(bench.make_rollout(plan))
+    assert {k: result["conventional"][k] for k in bench.COUNTS} == counts
+    flops = bench.conventional_flops(bench.MODEL_SHAPES["tiny"], counts)["total"]
+    assert result["flops_per_update_conventional"] == flops
+    assert counts["tokens"] < result["update_tokens"]  # the shared-prompt pass forwards a prompt once per micro-batch
 
 
 def _no_model(*_args, **_kwargs):
@@ -69,6 +79,7 @@ def _no_model(*_args, **_kwargs):
         (["--repeats", "0"], "--repeats"),
         (["--tiny", "--breakdown-micro-batches", "0"], "--breakdown-micro-batches"),
         (["--tiny", "--peak-tflops", "0"], "--peak-tflops"),
+        (["--tiny", "--card-peak-tflops", "nan"], "--card-peak-tflops"),
         (["--tiny", "--micro-batch-size", "0"], "--micro-batch-size"),  # the trainer's check, as validate_args words it
     ],
 )
@@ -96,12 +107,29 @@ def kernels() -> tuple:
 
 def test_tiny_breakdown_reports_phases_ops_and_syncs(capsys, tmp_path):
     originals = kernels()
-    argv = ["--tiny", "--repeats", "1", "--breakdown", "--profile", str(tmp_path), "--peak-tflops", "1"]
-    assert bench.main(argv) == 0
+    argv = ["--tiny", "--repeats", "2", "--breakdown", "--profile", str(tmp_path), "--peak-tflops", "1"]
+    assert bench.main(argv + ["--card-peak-tflops", "2"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     assert kernels() == originals  # the phase hooks are undone
     assert result["mfu"] > 0 and result["peak_tflops"] == 1
+    # the field's MFU against --card-peak-tflops, the same FLOPs against the matmul peak, the old one beside them
+    flops, seconds = result["flops_per_update_conventional"], result["seconds_per_update"]
+    assert result["peak_tflops_card"] == 2 and result["peak_tflops_card_source"] == "--card-peak-tflops"
+    assert result["mfu_conventional"] == pytest.approx(flops / seconds / 2e12)
+    assert result["mfu_of_measured_peak"] == pytest.approx(flops / seconds / 1e12)
+    assert result["mfu"] == pytest.approx(6 * result["params"] * result["update_tokens"] / seconds / 1e12)
+    low, high = result["mfu_conventional_range"]
+    assert low <= result["mfu_conventional"] <= high and result["repeats"] == 2
+    assert any(line.strip().startswith("of measured matmul peak") for line in out)
+    # benchmarks/mfu_table.py reads a new record's own counts: the same three figures
+    from benchmarks import mfu_table
+
+    table = mfu_table.figures(result)
+    assert table["conventional"] == pytest.approx(result["mfu_conventional"])
+    assert table["of_measured"] == pytest.approx(result["mfu_of_measured_peak"])
+    assert table["old"] == table["old_recomputed"] == pytest.approx(result["mfu"])
+    assert len(mfu_table.tables([("tiny", result)])) == 3  # header, separator, the row
     b = result["breakdown"]
     # --tiny: 8 sequences, 2 minibatches of 4 rows, micro-batch 2
     assert b["micro_batches_per_update"] == 4 and b["optimizer_steps_per_update"] == 2
@@ -417,3 +445,88 @@ def test_two_processes_run_the_update_with_ddp_and_fsdp2(flags):
     assert result["params"] == 139840  # FSDP2: the shards add up to the whole model
     assert result["shared_prompt_pass"] != bool(flags)  # off under FSDP2, as in rc_train.py
     assert math.isfinite(result["seconds_per_update"]) and result["tokens_per_second"] > 0
+    plan = bench.make_plan(bench.build_parser().parse_args(["--tiny", *flags]), world=2)
+    counts = [bench.conventional_counts(bench.make_rollout(plan, rank)) for rank in range(2)]
+    assert {k: result["conventional"][k] for k in bench.COUNTS} == {k: sum(c[k] for c in counts) for k in bench.COUNTS}
+
+
+def test_conventional_flops_equal_a_hand_count_for_a_tiny_shape():
+    """Two groups: a 3-token prompt with responses of 2 and 4 tokens, a 5-token prompt with a 1-token response."""
+    lengths = {"prompt_len": [3, 3, 5], "response_len": [2, 4, 1], "group": [0, 0, 1]}
+    batch = {k: torch.tensor(v) for k, v in lengths.items()}
+    counts = bench.conventional_counts(batch)
+    # tokens: each prompt once (3 + 5) and every response (2 + 4 + 1); one logit position per response token.
+    # causal pairs: a prompt's p(p+1)/2 once (6, 15); response token j after a p-token prompt attends p + j + 1 keys:
+    # (4 + 5), (4 + 5 + 6 + 7), (6)
+    assert counts == {"tokens": 15, "logit_positions": 7, "attention_pairs": 6 + 15 + 9 + 22 + 6}
+    # the tiny shape: d 64, 2 layers, 2 heads x 32, 1 KV head x 32, MLP 128, vocabulary 1024. Per layer: q 64 x 64 + 64,
+    # k and v 64 x 32 + 32 each, o 64 x 64, MLP 3 x 64 x 128, two norms 2 x 64; then the final norm
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    shape = bench.MODEL_SHAPES["tiny"]
+    assert bench.non_embedding_params(shape) == 2 * layer + 64 == 74304
+    # forward + backward: 6 x N per token, 6 x d x V per logit position, 12 x L x (heads x head_dim) per pair
+    dense, lm_head, attention = 6 * 74304 * 15, 6 * 64 * 1024 * 7, 12 * 2 * 64 * 58
+    flops = bench.conventional_flops(shape, counts)
+    assert flops == {"dense": dense, "lm_head": lm_head, "attention": attention, "total": dense + lm_head + attention}
+    # two epochs and a pi_old pass (forward only: a third of a forward + backward)
+    assert bench.conventional_flops(shape, counts, 2, 1)["total"] == (dense + lm_head + attention) * 7 // 3
+
+
+def test_non_embedding_params_are_the_models_own():
+    from transformers import Qwen2ForCausalLM
+
+    for size, shape in bench.MODEL_SHAPES.items():
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(bench.model_config(size))
+        embeddings = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+        rest = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+        assert bench.non_embedding_params(shape) == rest, size
+
+
+def test_card_peaks_come_from_the_device_name():
+    assert bench.card_peak("NVIDIA H200") == ("H200 SXM", 989.0)
+    assert bench.card_peak("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989.0)
+    assert bench.card_peak("NVIDIA A100-SXM4-80GB") == ("A100", 312.0)
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA L40S", "cpu (8 threads)"):
+        assert bench.card_peak(other) == (None, None), other
+
+
+def test_mfu_table_recomputes_the_committed_records_as_docs_gpus_md_shows_them():
+    """The old accounting comes out as recorded, the issue's four numbers come out, and docs/gpus.md holds the tables
+    the script prints (so the page cannot drift from the records)."""
+    from benchmarks import mfu_table
+
+    files = sorted(glob.glob(os.path.join(mfu_table.RUNS, "*.jsonl")))
+    rows = mfu_table.load(files)
+    assert rows
+    figures = {r["check"]: mfu_table.figures(r) for _, r in rows}
+    for _, r in rows:
+        assert figures[r["check"]]["old_recomputed"] == pytest.approx(r["mfu"], rel=1e-9), r["check"]
+    # issue 51: non-embedding 6N + the lm_head on the tokens the compiled runs computed, against 989 TFLOP/s ...
+    assert round(100 * figures["0.5b_mean_compiled"]["intermediate"], 1) == 19.9
+    assert round(100 * figures["1.5b_worst_compiled"]["intermediate"], 1) == 37.1
+    # ... and the old accounting (6 x all parameters, measured matmul) on the eager twin's tokens
+    for compiled, expected in (("0.5b_mean_compiled", 20.3), ("1.5b_worst_compiled", 34.3)):
+        f, eager = figures[compiled], figures[compiled.removesuffix("_compiled")]
+        assert round(100 * f["old"] * eager["update_tokens"] / f["update_tokens"], 1) == expected
+    # the compiled runs computed every sample's prompt: about 30 % of their tokens at the mean shape are copies
+    f = figures["0.5b_mean_compiled"]
+    assert 1 - f["tokens_needed"] / f["update_tokens"] == pytest.approx(0.30, abs=0.005)
+    with open(os.path.join(bench.ROOT, "docs", "gpus.md"), encoding="utf-8") as page:
+        text = page.read()
+    assert "\n".join(mfu_table.tables(rows)) in text
+    # the compiled-layers table quotes each run as "conventional (old)", the README the compiled runs' conventional
+    for name, f in figures.items():
+        quoted = f"{mfu_table.pct(f['conventional'])}{'**' if 'compiled' in name else ''} ({mfu_table.pct(f['old'])})"
+        assert quoted in text, name
+    pct = {name: mfu_table.pct(f["conventional"]) for name, f in figures.items()}
+    with open(os.path.join(bench.ROOT, "README.md"), encoding="utf-8") as readme:
+        assert f"{pct['0.5b_mean_compiled']} MFU at 0.5B and {pct['1.5b_worst_compiled']} at 1.5B" in readme.read()
+
+
+def test_mfu_table_refuses_a_record_its_rebuilt_batch_does_not_match():
+    from benchmarks import mfu_table
+
+    _, record = mfu_table.load(sorted(glob.glob(os.path.join(mfu_table.RUNS, "*.jsonl"))))[0]
+    with pytest.raises(ValueError, match="tokens computed"):
+        mfu_table.figures({**record, "tokens_per_second": record["tokens_per_second"] * 1.01})

@@ -18,10 +18,11 @@ length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-
 Each run is `rc_train.py --output-dir OUT --run-name PRESET__DIAL=LEVEL__sSEED --rc.preset PRESET --seed SEED
 --DIAL LEVEL --num-steps STEPS EXTRA...` (OMP_NUM_THREADS=1), its output in OUT/RUN_NAME.log. A run whose
 metrics.jsonl already holds steps 0..STEPS-1 is skipped, so an interrupted sweep resumes; an incomplete run
-folder is re-run with --overwrite. The alpha plot shows the estimates of the three-policy TRPO bound
-(docs/corrections.md §12.6): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`, alpha_1 = D_TV(mu, pi_old) ~
-`rollout_corr/tv_mismatch` (in bypass presets the latter estimates beta = D_TV(mu, pi_theta) instead and
-tv_update is not logged; see rc_core.compute_rollout_correction_and_rejection_mask).
+folder is re-run with --overwrite. sweep.json lists every invocation of the sweep in its folder (`invocations`: start,
+end, command line, load average at start, runs done; run_sweep). The alpha plot shows the estimates of the
+three-policy TRPO bound (docs/corrections.md §12.6): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`,
+alpha_1 = D_TV(mu, pi_old) ~ `rollout_corr/tv_mismatch` (in bypass presets the latter estimates beta = D_TV(mu,
+pi_theta) instead and tv_update is not logged; see rc_core.compute_rollout_correction_and_rejection_mask).
 
 `report` reads a sweep folder in either of two forms (load_sweep):
 * as `sweep` writes it: sweep.json, RUN.log and each run's rc_train.py folder (RUN/config.yaml, RUN/metrics.jsonl,
@@ -150,6 +151,15 @@ def _split(text: str, what: str) -> list[str]:
     return items
 
 
+def _plants(flags: list[str]) -> bool:
+    """The flags set --rollout-corrupt-prob above 0 (a value the trainer would refuse counts as not)."""
+    flag = "--rollout-corrupt-prob"
+    try:
+        return flag in flags and float(flags[flags.index(flag) + 1]) > 0
+    except (IndexError, ValueError):
+        return False
+
+
 def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
     """Validate the sweep arguments (nothing is started or created) and return the sweep spec."""
     import rc_core  # imports torch: only needed here
@@ -194,6 +204,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
     # its dial, a level or an extra flag sets the bound.
     set_k = "--max-staleness" in swept or any(f.split("=")[0] == "--max-staleness" for f in extra)
     synchronous = [] if fields is None or set_k else ["--max-staleness", "0"]
+    # On a GPU, --rollout-corrupt-prob > 0 runs vLLM's V1 model runner (rc_rollout.start_engine), whose sampler is not
+    # the default V2's: when some cell plants tokens, every cell runs V1, so the levels differ by the dial alone.
+    planted = any(map(_plants, [*level_flags_of.values(), *preset_flags_of.values()]))
+    v1_runner = ["--vllm-v1-runner"] if fields is not None and planted and "--vllm-v1-runner" not in extra else []
     out, runs = os.path.abspath(args.out), []
     for preset in presets:
         for level in levels:
@@ -213,6 +227,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
                     "--num-steps",
                     str(args.steps),
                     *synchronous,
+                    *v1_runner,
                     *extra,
                 ]
                 runs.append({"name": name, "preset": preset, "level": level, "seed": seed, "cmd": cmd})
@@ -279,16 +294,48 @@ def tail(path: str, n: int = 15) -> str:
         return "(no log)"
 
 
-def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
-    """Run every run of `spec` under `out` with spec['jobs'] workers; return the number of failed runs."""
+def _load_average() -> list[float] | None:
+    """The machine's 1-, 5- and 15-minute load averages (os.getloadavg; None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def invocations(spec: dict) -> list[dict]:
+    """The invocation records of a sweep.json (run_sweep appends one per `sweep` command). A sweep.json written
+    before they were kept holds only its last invocation's `started` / `wall_time_s`: returned as one record marked
+    `legacy` (earlier invocations of a resumed sweep are unknown); none at all: []."""
+    if "invocations" in spec:
+        return spec["invocations"]
+    if "started" not in spec:
+        return []
+    return [
+        {
+            "started": spec["started"],
+            "wall_time_s": spec.get("wall_time_s"),
+            "legacy": "the last invocation only, from a sweep.json written before every invocation was recorded",
+        }
+    ]
+
+
+def run_sweep(spec: dict, out: str, overwrite: bool = False, command: list[str] | None = None) -> int:
+    """Run every run of `spec` under `out` with spec['jobs'] workers; return the number of failed runs. sweep.json
+    keeps the spec, each run's status, and `invocations`: the records of the earlier invocations in `out` (a resumed
+    sweep) plus one for this one: started and ended (local time with UTC offset), wall_time_s, the command line
+    (`command`), the machine's load average at start (1, 5, 15 min) and its CPU count, and the runs skipped
+    (complete), launched, done (ok), failed and left unfinished (interrupted) in it. `started` / `wall_time_s` at the
+    top level are this invocation's, as before."""
     if os.path.isfile(os.path.join(out, RUNS_FILE)):  # report would read the exported runs, not the new folders
         raise LabError(f"{out!r} holds an exported sweep ({RUNS_FILE}); sweep into another folder")
     os.makedirs(out, exist_ok=True)
     _STOP.clear()
     sweep_path = os.path.join(out, SWEEP_FILE)
+    earlier = []
     if os.path.isfile(sweep_path):
         with open(sweep_path) as f:
             old = json.load(f)
+        earlier = list(invocations(old))
         if old.get("extra") != spec["extra"] and not overwrite:
             print(
                 f"rc_lab: note: previous sweep used extra flags {old.get('extra')}; completed runs are kept "
@@ -307,6 +354,20 @@ def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
         todo.append(run)
     t0 = time.time()
     spec["started"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    invocation = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "ended": None,  # until this invocation ends (a sweep.json with None here: killed, or still running)
+        "wall_time_s": None,
+        "command": command,
+        "load_average_at_start": _load_average(),
+        "cpus": os.cpu_count(),
+        "runs_skipped": len(spec["runs"]) - len(todo),
+        "runs_launched": len(todo),
+        "runs_done": 0,
+        "runs_failed": 0,
+        "runs_unfinished": len(todo),
+    }
+    spec["invocations"] = [*earlier, invocation]
     _write_json(sweep_path, spec)
 
     def work(run):
@@ -340,6 +401,14 @@ def run_sweep(spec: dict, out: str, overwrite: bool = False) -> int:
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         spec["wall_time_s"] = round(time.time() - t0, 1)
+        statuses = [r["status"] for r in todo]
+        invocation.update(
+            ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            wall_time_s=spec["wall_time_s"],
+            runs_done=statuses.count("ok"),
+            runs_failed=statuses.count("failed"),
+            runs_unfinished=statuses.count("pending"),
+        )
         _write_json(sweep_path, spec)
     for run in failed:
         log = os.path.join(out, run["name"] + ".log")
@@ -707,8 +776,15 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
 def clearly_below(row: dict, ref: dict) -> bool:
     """The reading rule's test: `row`'s mean eval acc is more than max(2 x pooled std, 0.05) below `ref`'s, pooled std
     = sqrt(((n1-1)s1^2 + (n2-1)s2^2) / (n1+n2-2)) over the two rows' seeds (0 when n1+n2 <= 2)."""
+    margin = rule_margin(row, ref)
+    return margin is not None and ref["eval_acc"] - row["eval_acc"] > margin
+
+
+def rule_margin(row: dict, ref: dict) -> float | None:
+    """The reading rule's margin between two rows, max(2 x pooled std, 0.05) (clearly_below); None when either row
+    has no eval acc."""
     if row["eval_acc"] is None or ref["eval_acc"] is None:
-        return False
+        return None
     dof = row["n_eval"] + ref["n_eval"] - 2
     pooled = (
         math.sqrt(
@@ -721,7 +797,172 @@ def clearly_below(row: dict, ref: dict) -> bool:
         if dof > 0
         else 0.0
     )
-    return ref["eval_acc"] - row["eval_acc"] > max(2 * pooled, 0.05)
+    return max(2 * pooled, 0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: the paired view (beside the reading rules, which it does not change)
+# ---------------------------------------------------------------------------------------------
+# The 0.975 quantile of Student's t with df = 1..30 degrees of freedom, the two-sided 95 % critical value, as tabled in
+# the NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.2 "Critical Values of the Student's t
+# Distribution" (column 0.975). scipy is not a dependency; tests/test_lab.py checks each value against a numerical
+# integration of the t density.
+T_975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+PAIRED_KINDS = ("ref", "naive", "pick", "twin")  # what a paired comparison reads a row against (paired_comparisons)
+
+
+def t_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with `df` >= 1 degrees of freedom (T_975); beyond 30, the value at 30, which
+    is larger than the exact one (by under 4 %: the interval is then conservative)."""
+    return T_975[min(df, len(T_975)) - 1]
+
+
+def seed_evals(sweep: dict, preset: str, level: str) -> dict[int, float]:
+    """{seed: final eval acc} of one cell of a loaded sweep (the value summarise averages; runs without it left out)."""
+    out = {}
+    for run in sweep["runs"]:
+        if run["preset"] == preset and run["level"] == level and run["records"]:
+            value = _series_stat(run["records"], eval_key(run["records"]), lambda v: v[-1])
+            if value is not None:
+                out[int(run["seed"])] = value
+    return out
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
+    """a - b paired by seed, over the seeds both hold: n_pairs, unpaired (seeds only one of them holds), delta (mean of
+    the per-seed differences), sd (their sample std), half_width = t_975(n - 1) * sd / sqrt(n) and the 95 % interval
+    delta -+ half_width (Student t; no interval below 2 pairs). Pure-Python float arithmetic (math.fsum), so the same
+    bits on every CPU."""
+    seeds = sorted(a.keys() & b.keys())
+    out = dict(n_pairs=len(seeds), unpaired=len(a.keys() ^ b.keys()), delta=None, sd=None, half_width=None)
+    out.update(ci_low=None, ci_high=None)
+    if not seeds:
+        return out
+    d = [a[s] - b[s] for s in seeds]
+    n = len(d)
+    out["delta"] = mean = math.fsum(d) / n
+    if n >= 2:
+        sd = 0.0 if len(set(d)) == 1 else math.sqrt(math.fsum((x - mean) ** 2 for x in d) / (n - 1))
+        half = t_975(n - 1) * sd / math.sqrt(n)
+        out.update(sd=sd, half_width=half, ci_low=mean - half, ci_high=mean + half)
+    return out
+
+
+def paired_comparisons(rows: list[dict], sweep: dict) -> list[dict]:
+    """Every comparison the report's table and verdicts make, as a paired difference over seeds (paired_difference of
+    the row's eval acc minus the other's) with the rule's margin beside it. Kinds (PAIRED_KINDS): `ref`, each row
+    against the same preset at its reference level (the Δ column and flag); in sweeps read across presets (staleness,
+    replay, MoE; with a naive arm) `naive`, each corrected preset against naive at the same compared level (repair);
+    in a replay sweep `pick`, each other corrected preset against REPLAY_PICK (clearly above it); in an MoE sweep
+    `twin`, each R3 arm against its unreplayed twin (replay costs / pays)."""
+    by = {(r["preset"], r["level"]): r for r in rows}
+    pairs = []  # (kind, row key, other key)
+    for r in rows:
+        ref = reference_level(sweep, r["level"])
+        if ref != r["level"]:
+            pairs.append(("ref", (r["preset"], r["level"]), (r["preset"], ref)))
+    naive = next((p for p in sweep["presets"] if is_naive(p)), None)
+    moe = is_moe(rows)
+    if naive is not None and (sweep["dial"] == STALENESS_DIAL or sweep["dial"] in REPLAY_DIALS or moe):
+        corrected = [p for p in sweep["presets"] if not is_naive(p)]
+        for level in compared_levels(sweep):
+            pairs += [("naive", (p, level), (naive, level)) for p in corrected]
+            if sweep["dial"] in REPLAY_DIALS and REPLAY_PICK in corrected:
+                pairs += [("pick", (p, level), (REPLAY_PICK, level)) for p in corrected if p != REPLAY_PICK]
+            if moe:
+                pairs += [
+                    ("twin", (p, level), (p.removesuffix(REPLAY_ROUTING), level))
+                    for p in sweep["presets"]
+                    if p.endswith(REPLAY_ROUTING) and p.removesuffix(REPLAY_ROUTING) in sweep["presets"]
+                ]
+    pairs.sort(key=lambda x: PAIRED_KINDS.index(x[0]))  # stable: within a kind, sweep order
+    evals = functools.lru_cache(maxsize=None)(lambda key: seed_evals(sweep, *key))
+    return [
+        {
+            "kind": kind,
+            "preset": key[0],
+            "level": key[1],
+            "against_preset": other[0],
+            "against_level": other[1],
+            **paired_difference(evals(key), evals(other)),
+            "rule_margin": rule_margin(by[key], by[other]),
+        }
+        for kind, key, other in pairs
+    ]
+
+
+def _zero_side(c: dict) -> str:
+    """Where 0 lies against a comparison's 95 % interval: `below 0` / `above 0` (the interval excludes 0) or
+    `covers 0`."""
+    if c["ci_low"] is None:
+        return DASH
+    return "below 0" if c["ci_high"] < 0 else "above 0" if c["ci_low"] > 0 else "covers 0"
+
+
+def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
+    """The paired view of summary.md: its definition, one table row per comparison, and the sweep's minimum
+    detectable effect (the range of the half-widths)."""
+    if not comparisons:
+        return ["Paired view: no comparison in this sweep (each row is its own reference)."]
+    n = max(c["n_pairs"] for c in comparisons)
+    lines = [
+        "**Paired view (beside the rule above; no verdict uses it).** The arms of a sweep share seeds, so each "
+        "comparison the table and the verdicts make is also read seed by seed. Paired Δ: mean over the seeds both "
+        "rows ran of (row's eval acc − the other row's); with every seed present it equals the difference of the "
+        "means. 95 % interval: paired Δ ± t·s_d/√n, s_d the sample std of the n per-seed differences and t the "
+        "0.975 quantile of Student's t with n − 1 degrees of freedom ("
+        + (f"{t_975(n - 1):.3f} at n = {n}; " if n >= 2 else "")
+        + "NIST/SEMATECH e-Handbook §1.3.6.7.2). Half-width t·s_d/√n: the minimum effect the comparison can "
+        "detect, the smallest paired Δ whose interval excludes 0 at the spread observed (detected half the time; "
+        "at 80 % power the effect must be about (t + t₀.₈₀)/t times larger). Rule margin: max(2 × pooled std, 0.05), "
+        "the threshold the verdicts use. 0 vs interval: whether the interval lies below 0, above 0 or covers it.",
+        "",
+        "| preset | level | against | n | paired Δ | 95 % interval | half-width | rule margin | 0 vs interval |",
+        "|" + "---|" * 9,
+    ]
+    against = {
+        "ref": lambda c: f"same preset at `{level_title(sweep, c['against_level'])}`",
+        "naive": lambda c: f"`{c['against_preset']}` at this level",
+        "pick": lambda c: f"the pick `{c['against_preset']}` at this level",
+        "twin": lambda c: f"`{c['against_preset']}` (no R3) at this level",
+    }
+    for c in comparisons:
+        n_cell = str(c["n_pairs"]) + (f" ({c['unpaired']} unpaired)" if c["unpaired"] else "")
+        interval = DASH if c["ci_low"] is None else f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]"
+        lines.append(
+            f"| {c['preset']} | {c['level']} | {against[c['kind']](c)} | {n_cell} | {_fmt(c['delta'], '{:+.3f}')} | "
+            f"{interval} | {_fmt(c['half_width'], '{:.3f}')} | {_fmt(c['rule_margin'], '{:.3f}')} | {_zero_side(c)} |"
+        )
+    halves = sorted(c["half_width"] for c in comparisons if c["half_width"] is not None)
+    lines.append("")
+    if halves:
+        lines.append(
+            f"Minimum detectable effect of this sweep: the half-widths of its {len(halves)} paired interval(s) run "
+            f"from {halves[0]:.3f} to {halves[-1]:.3f} (median {float(np.median(halves)):.3f}) in eval acc."
+        )
+    if any(c["unpaired"] or c["n_pairs"] < 2 for c in comparisons):
+        lines.append(
+            "Not every comparison is paired by seed: a comparison is paired over the seeds both rows ran (n; "
+            "unpaired: seeds only one of them ran, left out); below 2 shared seeds it has no interval (–)."
+        )
+    return lines
+
+
+def paired_columns(rows: list[dict], comparisons: list[dict]) -> tuple[list[str], list[list]]:
+    """The paired view as summary.csv columns: per kind present, paired_vs_KIND_{n, delta, ci_low, ci_high,
+    half_width, rule_margin} on the compared row (DASH on the others). Returns (headers, one list of cells per row)."""
+    fields = ("n_pairs", "delta", "ci_low", "ci_high", "half_width", "rule_margin")
+    kinds = [k for k in PAIRED_KINDS if any(c["kind"] == k for c in comparisons)]
+    headers = [f"paired_vs_{k}_{f.removesuffix('_pairs')}" for k in kinds for f in fields]
+    at = {(c["kind"], c["preset"], c["level"]): c for c in comparisons}
+    cells = [
+        [csv_cell((at.get((k, r["preset"], r["level"])) or {}).get(f)) for k in kinds for f in fields] for r in rows
+    ]
+    return headers, cells
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,10 +1117,12 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
             for c in cols
         ]
     csv_path, md_path = os.path.join(out, "summary.csv"), os.path.join(out, "summary.md")
+    comparisons = paired_comparisons(rows, sweep)
+    paired_headers, paired_cells = paired_columns(rows, comparisons)
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([c[1] for c in cols])
-        w.writerows([[csv_cell(r.get(k)) for k, *_ in cols] for r in rows])
+        w.writerow([c[1] for c in cols] + paired_headers)
+        w.writerows([[csv_cell(r.get(k)) for k, *_ in cols] + p for r, p in zip(rows, paired_cells)])
     md_cols = [c for c in cols if c[2] is not None]
     below = (
         "A row is marked `below` when its mean eval acc is more than max(2 × pooled std, 0.05) below the reference "
@@ -942,7 +1185,7 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
             "--rollout-corrupt-prob), the share of responses holding a planted token (an upper bound, "
             "Jensen); catastrophic tokens: `rollout_is_catastrophic_token_fraction`, to set against p."
         )
-    lines += ["", *verdicts(rows, sweep), "", columns, ""]
+    lines += ["", *verdicts(rows, sweep), "", *paired_lines(comparisons, sweep), "", columns, ""]
     with open(md_path, "w") as f:
         f.write("\n".join(lines))
     return csv_path, md_path
@@ -1540,6 +1783,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 = success, 1 = some run failed, 2 = bad input (nothing started)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = ["python", "-m", "lab.rc_lab", *argv]  # as invoked (sweep.json's invocation record)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     try:
@@ -1556,7 +1800,7 @@ def main(argv: list[str] | None = None) -> int:
             export(args.out, args.dest)
             return 0
         spec = build_spec(args, extra)
-        failed = run_sweep(spec, args.out, args.overwrite)
+        failed = run_sweep(spec, args.out, args.overwrite, command)
         report(args.out, args.reward_level)
         return 1 if failed else 0
     except LabError as e:

@@ -183,6 +183,68 @@ def test_summary_files(tmp_path):
     assert "max(2 × pooled std, 0.05)" in md and "`rollout_weight_noise=0`" in md
 
 
+def test_t_quantiles_match_the_t_density():
+    """rc_lab.T_975 (NIST/SEMATECH's table, 3 decimals) is the 0.975 quantile of Student's t: the t density integrated
+    from 0 to each tabled value gives 0.475 to within the table's rounding."""
+    for df, t in enumerate(rc_lab.T_975, start=1):
+        x = np.linspace(0.0, t, 400_001)
+        c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+        density = c * (1 + x * x / df) ** (-(df + 1) / 2)
+        mass = float(np.sum((density[1:] + density[:-1]) / 2) * (x[1] - x[0]))
+        assert abs(mass - 0.475) < 0.5e-3 * density[-1] + 1e-9, (df, t, mass)  # 0.0005 in t: the last decimal
+    assert rc_lab.t_975(2) == 4.303 and rc_lab.t_975(4) == 2.776 and rc_lab.t_975(100) == rc_lab.T_975[-1]
+
+
+def test_paired_view(tmp_path):
+    """Each comparison of the table (each row against its reference level) as a paired difference over seeds: mean
+    of the per-seed differences, a Student t 95 % interval and its half-width, beside the rule's margin, in
+    summary.md and summary.csv; verdicts and flags unchanged."""
+    sweep = rc_lab.load_sweep(str(write_sweep(tmp_path)))
+    rows = rc_lab.summarise(sweep, REWARD_LEVEL)
+    comps = {(c["kind"], c["preset"], c["level"]): c for c in rc_lab.paired_comparisons(rows, sweep)}
+    assert set(comps) == {("ref", p, "0.3") for p in PRESETS}  # a mismatch sweep reads each row against level 0
+    naive = comps[("ref", "naive", "0.3")]  # seeds: 0.60 - 0.80, 0.62 - 0.82
+    assert naive["n_pairs"] == 2 and naive["unpaired"] == 0 and naive["against_level"] == "0"
+    assert naive["delta"] == pytest.approx(-0.20) and naive["half_width"] == pytest.approx(0.0, abs=1e-15)
+    dtis = comps[("ref", "decoupled_token_is", "0.3")]  # seeds: 0.78 - 0.80, 0.76 - 0.80
+    assert dtis["delta"] == pytest.approx(-0.03) and dtis["sd"] == pytest.approx(0.02 / math.sqrt(2))
+    assert dtis["half_width"] == pytest.approx(12.706 * 0.01)  # t(0.975, 1 df) * sd / sqrt(2)
+    assert (dtis["ci_low"], dtis["ci_high"]) == pytest.approx((-0.03 - 0.12706, -0.03 + 0.12706))
+    assert dtis["rule_margin"] == pytest.approx(0.05)
+    bypass = comps[("ref", "bypass_ppo_clip", "0.3")]  # seeds 0.70, 0.90 widen the rule's margin; each seed -0.10
+    assert bypass["rule_margin"] == pytest.approx(2 * 0.1414, abs=1e-3) and bypass["half_width"] < 1e-12
+    csv_path, md_path = rc_lab.write_summary(rows, sweep, str(tmp_path), REWARD_LEVEL)
+    with open(csv_path) as f:
+        table = list(csv.DictReader(f))
+    assert [t["flag"] for t in table] == ["ref", "below", "ref", "", "ref", ""]  # the rule's flags, as before
+    assert [t["paired_vs_ref_n"] for t in table] == ["–", "2", "–", "2", "–", "2"]
+    assert float(table[3]["paired_vs_ref_delta"]) == pytest.approx(-0.03)
+    assert float(table[3]["paired_vs_ref_half_width"]) == pytest.approx(0.12706)
+    assert "paired_vs_naive_n" not in table[0]  # read across presets only in staleness, replay and MoE sweeps
+    md = Path(md_path).read_text()
+    assert md.index("Verdicts") < md.index("**Paired view") < md.index("final reward: mean")
+    assert (
+        "| decoupled_token_is | 0.3 | same preset at `rollout_weight_noise=0` | 2 | -0.030 | [-0.157, +0.097] | "
+        "0.127 | 0.050 | covers 0 |" in md
+    )
+    assert "| naive | 0.3 | same preset at `rollout_weight_noise=0` | 2 | -0.200 | [-0.200, -0.200] | 0.000 |" in md
+    assert "(12.706 at n = 2; NIST/SEMATECH" in md and "run from 0.000 to 0.127 (median 0.000)" in md
+    assert "Not every comparison is paired" not in md
+
+    def records(p, lv, sd):  # naive at 0.3 lost its seed 2: paired on seed 1 alone, no interval
+        return None if (p, lv, sd) == ("naive", "0.3", 2) else fake_records(p, lv, sd)
+
+    sweep = rc_lab.load_sweep(str(write_sweep(tmp_path / "gap", records=records)))
+    rows = rc_lab.summarise(sweep, REWARD_LEVEL)
+    (gap,) = [c for c in rc_lab.paired_comparisons(rows, sweep) if c["preset"] == "naive"]
+    assert gap["n_pairs"] == 1 and gap["unpaired"] == 1 and gap["delta"] == pytest.approx(-0.20)
+    assert gap["ci_low"] is None and gap["half_width"] is None
+    _, md_path = rc_lab.write_summary(rows, sweep, str(tmp_path / "gap"), REWARD_LEVEL)
+    md = Path(md_path).read_text()
+    assert "| naive | 0.3 | same preset at `rollout_weight_noise=0` | 1 (1 unpaired) | -0.200 | – | – |" in md
+    assert "Not every comparison is paired by seed" in md
+
+
 def test_csv_cells_keep_fixed_digits():
     """Every float of a lab CSV: CSV_DIGITS significant digits, written as Python writes the rounded float; with
     `decimals` (length.csv) no digit below that, a noise-sized value (either sign) is 0.0; the rest as it is."""
@@ -531,6 +593,47 @@ def test_sweep_all_ok_exit_zero(tmp_path, monkeypatch):
     )
 
 
+def test_sweep_json_records_every_invocation(tmp_path, monkeypatch):
+    """Each `sweep` command appends one record to sweep.json's `invocations` (start, end, command line, load average
+    at start, runs skipped / launched / done / failed), so a resumed sweep keeps its history; a sweep.json written
+    before the list existed still loads, its last invocation kept as a `legacy` record. The runs are stubbed."""
+    launched = []
+
+    def fake_launch(cmd, log_path):  # writes a complete metrics.jsonl, except for seed 3 (fails)
+        flag = {f: cmd[cmd.index(f) + 1] for f in ("--output-dir", "--run-name", "--num-steps", "--seed")}
+        launched.append(flag["--run-name"])
+        if flag["--seed"] == "3":
+            return 5
+        write_metrics(Path(flag["--output-dir"]) / flag["--run-name"], int(flag["--num-steps"]), 0.5)
+        return 0
+
+    monkeypatch.setattr(rc_lab, "launch", fake_launch)
+    monkeypatch.setattr(rc_lab.os, "getloadavg", lambda: (1.234, 0.5, 0.25))
+    out = tmp_path / "lab"
+    argv = ["sweep", "--out", str(out), "--presets", "naive", "--dial", DIAL, "--levels", "0", "--steps", "2"]
+    (out / "sweep.json").parent.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"runs": [], "extra": [], "started": "2025-01-01T00:00:00"}))
+    assert rc_lab.main([*argv, "--seeds", "1"]) == 0
+    assert rc_lab.main([*argv, "--seeds", "1,2,3"]) == 1  # resumed: seed 1 skipped, 2 done, 3 failed
+    spec = json.loads((out / "sweep.json").read_text())
+    legacy, first, second = rc_lab.invocations(spec)
+    assert legacy["started"] == "2025-01-01T00:00:00" and "legacy" in legacy
+    assert first["command"] == ["python", "-m", "lab.rc_lab", *argv, "--seeds", "1"]
+    assert second["command"][-1] == "1,2,3" and second["load_average_at_start"] == [1.23, 0.5, 0.25]
+    assert (first["runs_skipped"], first["runs_launched"], first["runs_done"], first["runs_failed"]) == (0, 1, 1, 0)
+    assert (second["runs_skipped"], second["runs_launched"], second["runs_done"], second["runs_failed"]) == (1, 2, 1, 1)
+    assert first["runs_unfinished"] == second["runs_unfinished"] == 0 and first["cpus"] == os.cpu_count()
+    for inv in (first, second):
+        assert inv["started"] <= inv["ended"] and inv["wall_time_s"] >= 0
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", inv["ended"])
+    assert spec["wall_time_s"] == second["wall_time_s"] and spec["started"]  # the top-level fields, as before
+    assert launched == [rc_lab.run_name("naive", DIAL, "0", s) for s in (1, 2, 3)]
+    # a committed sweep.json (written before the list) loads, its one known invocation marked legacy
+    old = rc_lab.read_spec(str(LAB / "catalogue"))
+    assert "invocations" not in old and rc_lab.invocations(old)[0]["started"] == old["started"]
+    assert rc_lab.invocations({"runs": []}) == []
+
+
 def test_cli_sweep_subprocess(tmp_path):
     """`python -m lab.rc_lab sweep` as a user runs it, the trainer swapped through RC_LAB_TRAIN."""
     fake = tmp_path / "fake_train.py"
@@ -687,6 +790,23 @@ def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, c
         == 2
     )
     assert "--rollout-dtype" in capsys.readouterr().err
+
+
+def test_a_sweep_that_plants_tokens_runs_every_cell_on_one_vllm_runner(tmp_path):
+    """--rollout-corrupt-prob > 0 runs vLLM's V1 model runner on a GPU (vLLM's default is V2, another sampler): a sweep
+    with such a cell pins V1 in every cell, level 0 included (--vllm-v1-runner), and a sweep without one does not."""
+
+    def cmds(dial, levels, presets="naive", extra=()):
+        argv = ["sweep", "--out", str(tmp_path / "lab"), "--presets", presets, "--dial", dial, "--levels", levels]
+        argv += ["--seeds", "1"]
+        return [r["cmd"] for r in rc_lab.build_spec(rc_lab._parser().parse_args(argv), list(extra))["runs"]]
+
+    for pinned in (cmds("rollout_corrupt_prob", "0,0.01"), cmds("mismatch", "none,rollout_corrupt_prob=0.02")):
+        assert len(pinned) == 2 and all(c.count("--vllm-v1-runner") == 1 for c in pinned), pinned
+    for free in (cmds("rollout_weight_noise", "0,0.5"), cmds("rollout_corrupt_prob", "0")):
+        assert not any("--vllm-v1-runner" in c for c in free), free
+    given = cmds("rollout_corrupt_prob", "0,0.1", extra=["--vllm-v1-runner"])  # not twice
+    assert all(c.count("--vllm-v1-runner") == 1 for c in given)
 
 
 def write_length_dumps(run_dir, sigma, rng, steps=3, rows=400):
@@ -987,6 +1107,22 @@ def test_replay_verdicts_read_the_documents_pick():
     assert rc_lab.verdicts(rows + at, sweep)[2].endswith("clearly above it: x → **the recommendation does not hold**")
 
 
+def test_committed_replay_sweep_pairs_every_comparison_of_its_verdicts():
+    """lab/replay's paired view holds each comparison its verdicts make (each row against f = 0, each corrected
+    preset against naive, each other corrected preset against the documents' pick), all over the 3 shared seeds;
+    with every seed present the paired Δ is the table's Δ."""
+    sweep = rc_lab.load_sweep(str(LAB / "replay"))
+    rows = rc_lab.summarise(sweep)
+    comps = rc_lab.paired_comparisons(rows, sweep)
+    corrected = [p for p in sweep["presets"] if not rc_lab.is_naive(p)]
+    assert [c["kind"] for c in comps] == ["ref"] * 5 + ["naive"] * 4 + ["pick"] * 3 and len(corrected) == 4
+    assert {c["against_preset"] for c in comps if c["kind"] == "pick"} == {rc_lab.REPLAY_PICK}
+    assert all(c["n_pairs"] == 3 and c["unpaired"] == 0 and c["half_width"] is not None for c in comps)
+    for c in comps:
+        if c["kind"] == "ref":
+            assert c["delta"] == pytest.approx(row_of(rows, c["preset"], c["level"])["delta_eval_acc"], abs=1e-12)
+
+
 def test_moe_sweep_reads_each_router_scale_against_its_fp32_engine(tmp_path):
     """An MoE sweep (MOE_RULE): each level is compared with the float32-engine level of the same router scale, the
     routing columns are summarised, and each R3 arm is read against its unreplayed twin."""
@@ -1049,3 +1185,21 @@ def test_moe_sweep_reads_each_router_scale_against_its_fp32_engine(tmp_path):
     text = open(md).read()
     assert rc_lab.MOE_RULE in text and "| Δ vs ref |" in text and "| routing agreement | flipped tokens |" in text
     assert "delta_eval_acc_vs_ref" in open(tmp_path / "summary.csv").read()
+    # the paired view reads the same comparisons: each row against its ref, corrected arms against naive, R3 twins
+    comps = {(c["kind"], c["preset"], c["level"]): c for c in rc_lab.paired_comparisons(rows, sweep)}
+    assert {k for k, *_ in comps} == {"ref", "naive", "twin"} and len(comps) == 3 * 2 + 2 * 2 + 2
+    ref = comps[("ref", "naive", levels[3])]
+    assert ref["against_level"] == levels[2] and ref["delta"] == pytest.approx(-0.20) and ref["n_pairs"] == 3
+    repair = comps[("naive", "decoupled_token_is", levels[3])]  # 0.69 - 0.50, 0.70 - 0.51, 0.71 - 0.52
+    assert repair["against_preset"] == "naive" and repair["delta"] == pytest.approx(0.19)
+    assert repair["half_width"] == pytest.approx(0.0, abs=1e-12) and repair["rule_margin"] == pytest.approx(0.05)
+    twin = comps[("twin", "naive+routing_replay=r3", levels[3])]
+    assert twin["against_preset"] == "naive" and twin["delta"] == pytest.approx(-0.20)
+    assert "| naive+routing_replay=r3 | " + levels[3] + " | `naive` (no R3) at this level | 3 | -0.200 |" in text
+    with open(tmp_path / "summary.csv") as f:
+        header = next(csv.reader(f))
+    assert header[-18:] == [
+        f"paired_vs_{k}_{f}"
+        for k in ("ref", "naive", "twin")
+        for f in ("n", "delta", "ci_low", "ci_high", "half_width", "rule_margin")
+    ]

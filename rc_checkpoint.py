@@ -91,6 +91,7 @@ RESUME_MAY_CHANGE = frozenset(
         "vllm_kv_cache_gb",
         "vllm_sleep",
         "vllm_sleep_level",
+        "kept_versions_gib",
     }
 )
 
@@ -202,12 +203,15 @@ def save_checkpoint(
     counters: dict,
     in_flight: dict,
     replay=(),
+    kept_versions: dict | None = None,
 ) -> None:
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
     under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the batches it has in flight
     (--max-staleness k: those of the next k steps, sampled by older versions) and its replay buffer (--replay-window:
-    rc_rollout.ReplayBuffer.state), the scheduler, trainer_state.json (the step, the counters, the schedule and the
-    settings that decide what a step computes: run_settings) and checksums.json (the SHA-256 of every file above).
+    rc_rollout.ReplayBuffer.state), the weights kept by version (--mismatch-split, --prox-logp sampling:
+    rc_rollout.KeptVersions, written once, by the main process), the scheduler, trainer_state.json (the step, the
+    counters, the schedule and the settings that decide what a step computes: run_settings) and checksums.json (the
+    SHA-256 of every file above).
     All of it goes into step_N.tmp, checksums.json last, then one rename: a process killed during a save leaves a .tmp
     folder that --resume never loads. Then the older complete checkpoints beyond --keep-checkpoints are deleted
     (prune_checkpoints); the leftovers of a pruning cut short by a kill are removed before the save begins
@@ -223,6 +227,8 @@ def save_checkpoint(
             os.makedirs(tmp)
         accelerator.wait_for_everyone()
         _write_rank_files(files, accelerator.process_index, args, model, optimizer, in_flight, replay)
+        if main and kept_versions is not None:
+            torch.save(kept_versions, files.at("kept_versions.pt"))
         accelerator.wait_for_everyone()
         if main:
             _write_main_files(files, step, accelerator.num_processes, args, scheduler, counters, in_flight)
@@ -672,6 +678,7 @@ class Resumed:
     in_flight: dict
     rng: dict
     replay: list
+    kept_versions: dict | None = None
 
 
 def load_resume(
@@ -705,6 +712,7 @@ def load_resume(
         _loaded(file, lambda: scheduler.load_state_dict(torch.load(file, weights_only=False)))
         in_flight, rng = load_in_flight(ckpt, rank), load_rng(ckpt, rank)
         replay = load_replay(ckpt, rank) if args.replay_window else []
+        kept = load_kept_versions(ckpt) if args.mismatch_split or args.prox_logp == "sampling" else None
         start = state["step"] + 1
         missing = [t for t in range(start, min(start + args.max_staleness, args.num_steps)) if t not in in_flight]
         if missing:
@@ -718,7 +726,7 @@ def load_resume(
         lacking = [k for k in counters if k not in state]
         if lacking:
             raise rc_run.RunError(f"{os.path.join(ckpt, 'trainer_state.json')} lacks {lacking[0]}")
-        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng, replay)
+        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng, replay, kept)
     except rc_run.RunError as e:
         error = str(e)
     errors = [e for e in host.gather(error) if e]
@@ -741,6 +749,18 @@ def load_in_flight(path: str, rank: int) -> dict:
     if not ok:
         raise rc_run.RunError(f"{file} cannot be loaded (not the batches in flight a checkpoint writes)")
     return batches
+
+
+def load_kept_versions(path: str) -> dict:
+    """The weights kept by version when the checkpoint was written (rc_rollout.KeptVersions.weights), checked."""
+    file = os.path.join(path, "kept_versions.pt")
+    if not os.path.isfile(file):
+        raise rc_run.RunError(f"{path} holds no kept versions ({os.path.basename(file)}) for this --mismatch-split run")
+    kept = _loaded(file, lambda: torch.load(file, weights_only=True))
+    ok = isinstance(kept, dict) and all(isinstance(v, int) and isinstance(w, dict) for v, w in kept.items())
+    if not ok:
+        raise rc_run.RunError(f"{file} cannot be loaded (not the kept versions a checkpoint writes)")
+    return kept
 
 
 def load_replay(path: str, rank: int) -> list:

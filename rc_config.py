@@ -484,9 +484,12 @@ def _check_schedule_and_dials(args) -> None:
 
 def _check_engine(args) -> None:
     """The engine's memory and scheduler settings."""
-    need(args.vllm_sleep_level in (1, 2), f"--vllm-sleep-level must be 1 or 2, got {args.vllm_sleep_level}")
     need(
-        args.vllm_sleep_level == 1 or args.sync_every == 1,
+        args.vllm_sleep_level in (None, 1, 2),
+        f"--vllm-sleep-level must be 1, 2 or None (by rule: rc_rollout.sleep_level), got {args.vllm_sleep_level}",
+    )
+    need(
+        args.vllm_sleep_level != 2 or args.sync_every == 1,
         f"--vllm-sleep-level 2 discards the engine's weights while it sleeps, so every rollout needs fresh ones: "
         f"it needs --sync-every 1, got --sync-every {args.sync_every}",
     )
@@ -651,9 +654,11 @@ class CorrectionArgs:
     """name of a RolloutCorrectionConfig preset (rc_core.PRESET_NAMES), e.g. decoupled_token_is, disabled. The default,
     token-TIS with a k3 rejection gate in decoupled mode, logs every dashboard panel (docs/corrections.md §9.2)"""
     rollout_is: str | None = None
-    """override: IS level 'token' | 'sequence'; 'none' switches IS off"""
+    """override: IS level 'token' | 'sequence' | 'geometric' (opt-in, warns: docs/design-readings.md §10); 'none'
+    switches IS off"""
     rollout_is_threshold: Threshold = None
-    """override: TIS cap (a number, e.g. 3) or IcePop bounds 'L_U' (e.g. 0.5_5, read as text, not as 0.55)"""
+    """override: TIS cap (a number, e.g. 3; inf = no truncation) or IcePop bounds 'L_U' (e.g. 0.5_5, read as text,
+    not as 0.55)"""
     rollout_is_batch_normalize: bool | None = None
     """override: self-normalise IS weights over the batch (docs/corrections.md §3.7)"""
     rollout_rs: str | None = None
@@ -714,6 +719,47 @@ class CorrectionArgs:
     """override: dro: beta > 0 of its penalty (beta/2)(log pi_theta - log pi_prox)^2 (ours 0.1; verl has no default)"""
     rollout_sq_log_ratio_coef: float | None = None
     """override: tau >= 0 of tau (log pi_theta - log mu)^2, mu the rollout's (Kimi-K2.5; corrections §7.9); 0 = off"""
+
+
+def check_prox_logp(args, correction: rc_core.RolloutCorrectionConfig) -> None:
+    """--prox-logp loglinear | metrics | sampling change how decoupled mode gets pi_old from each sample's version
+    (§7.10, §6.9): they need decoupled mode and samples older than the weights; loglinear corrects per micro-batch,
+    so nothing that needs the whole batch's pi_old. --mismatch-split and sampling score rows at kept weights: not
+    under FSDP2 (sharded weights) or routing replay (that pass has no replayed routing)."""
+    method, k = args.prox_logp, args.max_staleness
+    if args.mismatch_split or method == "sampling":
+        flag = "--mismatch-split" if args.mismatch_split else "--prox-logp sampling"
+        need(not args.fsdp, f"{flag} with --fsdp: the kept weights are whole copies, FSDP2's are sharded; drop one")
+        need(
+            args.routing_replay == "none",
+            f"{flag} with --routing-replay {args.routing_replay}: the pass at a kept version has no replayed "
+            f"routing; drop one",
+        )
+    if method == "recompute":
+        return
+    need(
+        not correction.bypass_mode,
+        f"--prox-logp {method} changes decoupled mode's pi_old, but preset {args.rc.preset!r} is bypass (pi_old "
+        f"is mu there, no pass to change): use a decoupled preset or --prox-logp recompute",
+    )
+    why = "alpha = 0: pi_old = mu, bypass" if method != "sampling" else "the sampling weights are the current ones"
+    need(
+        bool(k) or args.replay_fraction > 0,
+        f"--prox-logp {method} needs samples older than the trainer's weights, but with --max-staleness {k} and no "
+        f"replay every sample is current ({why}): set --max-staleness >= 1 or --replay-fraction > 0",
+    )
+    if method != "loglinear":
+        return
+    for name, on in (
+        ("--rc.rollout-is-batch-normalize", correction.rollout_is_batch_normalize),
+        ("--rc.rollout-m2-threshold", correction.rollout_m2_threshold is not None),
+        ("--dump-log-ratio-every", args.dump_log_ratio_every > 0),
+    ):
+        need(
+            not on,
+            f"--prox-logp loglinear with {name}: it needs the whole batch's pi_old, which loglinear has per "
+            f"micro-batch only; use --prox-logp recompute",
+        )
 
 
 SWITCH_OFF = "none"  # the value that switches a correction option off from the CLI or YAML (build_correction_config)
@@ -874,8 +920,8 @@ def allocator_conf(environ=os.environ) -> str | None:
 def allocator_advice(args, on_gpu: bool, environ=os.environ) -> str | None:
     """A warning when --compile runs on a GPU without the allocator's expandable segments: the compiled layers' varying
     shapes then leave the caching allocator holding about twice the memory in use (108 GiB reserved for 44 GiB
-    allocated at the 0.5B config, measured; docs/gpus.md "Compiled layers"). Not set here: it must be in the
-    environment before CUDA starts, and the trainer leaves the allocator to the user."""
+    allocated at the 0.5B config, as reported without a committed record; docs/gpus.md "Compiled layers"). Not set
+    here: it must be in the environment before CUDA starts, and the trainer leaves the allocator to the user."""
     conf = allocator_conf(environ) or ""
     if not (args.compile and on_gpu) or "expandable_segments:true" in conf.replace(" ", "").lower():
         return None

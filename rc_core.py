@@ -112,6 +112,13 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return masked_sum(log_ratio, mask, dim=-1)
 
 
+def geometric_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """g_i = (1/n_i) sum_t m_it l_it = s_i / n_i: log of the row's geometric-mean ratio
+    (prod_t rho_it)^(1/n_i) (docs/corrections.md §3.1).  The mean, not the sum, of the *unclipped*
+    token log-ratios; fully padded rows give 0."""
+    return _row_mean(log_ratio, mask)
+
+
 def k2_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
     """k2 = x^2 / 2 >= 0 for x = log(pi / mu): biased, low-variance, and its expected gradient is
     that of KL (docs/corrections.md §7.6, §12.9; Schulman 2020)."""
@@ -132,8 +139,18 @@ def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
 # IS weights (docs/corrections.md §3, metrics §6.1)
 # ============================================================================================
 
-#: IS levels of docs/corrections.md §3.1 ("geometric" is an RS option only: ``seq_mean_k1``).
-IS_LEVELS = ("token", "sequence")
+#: IS levels of docs/corrections.md §3.1.  "geometric" is opt-in, for peer compatibility, and warns
+#: when a config selects it (docs/design-readings.md §10): as a weight it corrects no distribution.
+IS_LEVELS = ("token", "sequence", "geometric")
+
+#: The levels whose weight is one number per row, broadcast to the row's tokens (§3.1).
+ROW_IS_LEVELS = ("sequence", "geometric")
+
+#: The one-line caveat of ``rollout_is="geometric"`` (docs/design-readings.md §10).
+GEOMETRIC_IS_WARNING = (
+    "rollout_is='geometric' (opt-in, for AReaL/slime/ROLL compatibility) is a length-normalised divergence test, "
+    "not an importance weight: exp(mean_t log(pi/mu)) corrects no distribution (docs/design-readings.md §10)"
+)
 
 
 _ZERO_GUARD = 1e-8  # the Z > 1e-8 batch-norm guard and the ESS epsilon (§3.7, §6.1)
@@ -193,8 +210,10 @@ def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThre
     """Parse the IS threshold spec (docs/corrections.md §3.2).
 
     number x -> TIS with U = x;  "x" -> TIS;  "L_U" -> IcePop with [L, U].
-    bool and non-number/non-string types raise TypeError; None, "", bad grammar, non-finite,
-    non-positive values and L > U raise ValueError naming the spec.
+    A TIS cap may be +inf (``float("inf")`` or "inf"): no truncation, the untruncated token weight
+    of seq-mask-tis (NeMo-RL, OpenRLHF; §3.9).  bool and non-number/non-string types raise
+    TypeError; None, "", bad grammar, NaN, -inf, an infinite IcePop bound, non-positive values and
+    L > U raise ValueError naming the spec.
     """
     if spec is None:
         raise ValueError(
@@ -204,7 +223,7 @@ def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThre
     if isinstance(spec, bool):
         raise TypeError(f"{field} must be a number or string, not a boolean (got {spec!r})")
     if isinstance(spec, numbers.Real):
-        return ISThreshold("tis", None, _parse_positive(spec, field, spec))
+        return ISThreshold("tis", None, _parse_cap(spec, field, spec))
     if not isinstance(spec, str):
         raise TypeError(f"{field} must be a number or string, got {type(spec).__name__} {spec!r}")
     text = spec.strip()
@@ -213,22 +232,37 @@ def parse_is_threshold(spec: Any, field: str = "rollout_is_threshold") -> ISThre
     if "_" in text:
         lower, upper = _parse_lower_upper(text, field, spec)
         return ISThreshold("icepop", lower, upper)
-    return ISThreshold("tis", None, _parse_positive(text, field, spec))
+    return ISThreshold("tis", None, _parse_cap(text, field, spec))
+
+
+def _parse_cap(value: Any, field: str, spec: Any) -> float:
+    """A TIS cap U: finite and > 0 as :func:`_parse_positive`, or +inf, "no truncation" (§3.2)."""
+    try:
+        if float(value) == math.inf:
+            return math.inf
+    except (TypeError, ValueError):
+        pass  # not a number: _parse_positive names it
+    return _parse_positive(value, field, spec)
 
 
 def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """Raw IS weights w_hat with padding zeroed (docs/corrections.md §3.1, §3.5).
 
-    token:    w_hat_it = exp(clip_S(l_it)) * m_it     (Yao et al. 2025, TIS)
-    sequence: w_hat_it = exp(clip_S(s_i)) * m_it, s_i = sum_t m_it l_it   (trajectory ratio,
-              docs/corrections.md §12.1; Liu, Li et al. 2025, Seq-TIS) -- an exponential of a
-              sum, never a sum/product of already-exponentiated ratios.
+    token:     w_hat_it = exp(clip_S(l_it)) * m_it     (Yao et al. 2025, TIS)
+    sequence:  w_hat_it = exp(clip_S(s_i)) * m_it, s_i = sum_t m_it l_it   (trajectory ratio,
+               docs/corrections.md §12.1; Liu, Li et al. 2025, Seq-TIS) -- an exponential of a
+               sum, never a sum/product of already-exponentiated ratios.
+    geometric: w_hat_it = exp(clip_S(g_i)) * m_it, g_i = s_i / n_i   (GSPO-style geometric mean;
+               AReaL ``areal/utils/functional/functional.py`` level=sequence, metric=ratio; slime
+               ``examples/train_infer_mismatch_helper/mis.py`` tis_level=geometric; ROLL
+               ``roll/utils/train_infer_corrections.py`` weight_type=geometric).  Opt-in: a
+               divergence test, not an IS weight (docs/design-readings.md §10).
     """
     if level == "token":
         weights = safe_exp(log_ratio)
-    elif level == "sequence":
-        seq = safe_exp(sequence_log_ratio(log_ratio, mask))
-        weights = seq.unsqueeze(-1).expand_as(log_ratio)
+    elif level in ROW_IS_LEVELS:
+        row = geometric_log_ratio if level == "geometric" else sequence_log_ratio
+        weights = safe_exp(row(log_ratio, mask)).unsqueeze(-1).expand_as(log_ratio)
     else:
         raise ValueError(f"rollout_is={level!r}: expected one of {IS_LEVELS}")
     return _zero_padding(weights, mask)
@@ -283,7 +317,8 @@ def compute_is_metrics(
 
     mean <w>; std sqrt(max(<w^2> - <w>^2, 0)); ESS 1/<(w/(<w>+1e-8))^2> (0 if all w = 0, §11
     item 2; the Kish ESS as a fraction of N, §12.10); seq_* over valid rows of w_bar;
-    oob_ratio for IcePop only.
+    oob_ratio for IcePop only.  At a row level max/min/fractions read the row's unclipped log
+    weight: s_i (sequence) or g_i = s_i / n_i (geometric).  An infinite cap gives L' = 0.
     """
     rows, dt = _valid_rows(mask), raw.dtype
     upper, low_diag = spec.upper, spec.diagnostic_lower
@@ -299,12 +334,12 @@ def compute_is_metrics(
         out["max"], out["min"] = _masked_max(applied, mask), _masked_min(applied, mask)
         out["ratio_fraction_high"] = _fraction(raw > upper, mask, dt)
         out["ratio_fraction_low"] = _fraction(raw < low_diag, mask, dt)
-    else:
-        seq = sequence_log_ratio(log_ratio, mask)  # unclipped log-sums
+    else:  # unclipped log-sums s_i, or log geometric means g_i
+        seq = (geometric_log_ratio if level == "geometric" else sequence_log_ratio)(log_ratio, mask)
         out["max"] = torch.exp(torch.clamp(_masked_max(seq, rows), max=SAFETY_BOUND))
         out["min"] = torch.exp(_masked_min(seq, rows))
         out["ratio_fraction_high"] = _fraction(seq > math.log(upper), rows, dt)
-        out["ratio_fraction_low"] = _fraction(seq < math.log(low_diag), rows, dt)
+        out["ratio_fraction_low"] = _fraction(seq < (math.log(low_diag) if low_diag > 0 else -math.inf), rows, dt)
     raw_bar = _row_mean(raw, mask)
     out.update(_seq_metrics(_row_mean(applied, mask), rows, 1.0, raw_bar > upper, raw_bar < low_diag))
     if spec.mode == "icepop":
@@ -854,6 +889,107 @@ def estimate_tv_distance(log_rho_1: torch.Tensor, log_rho_2: torch.Tensor | None
 
 
 # ============================================================================================
+# Metrics: the mismatch diagnostics the peers log (docs/corrections.md §6.8)
+# ============================================================================================
+
+
+def mult_prob_error(log_ratio: torch.Tensor) -> torch.Tensor:
+    """e^{|lambda|}, lambda = clip_S(l) (§2): the factor by which pi_train and mu disagree on the sampled token, >= 1
+    (docs/corrections.md §6.8).  Its mean over valid tokens is NeMo-RL's ``token_mult_prob_error``
+    (nemo_rl/algorithms/loss/loss_functions.py, ClippedPGLossFn: the token-normalised mean of
+    exp(|log mu - log pi_old|); a mean of per-token factors, not the exp of a mean).  NeMo-RL does not clip."""
+    return torch.exp(safety_clip(log_ratio).abs())
+
+
+def sampled_js_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's Jensen-Shannon term at the sampled token (docs/corrections.md §6.8;
+    nemo_rl/algorithms/loss/loss_functions.py, ClippedPGLossFn, ``js_divergence_error``): with p = pi_train(y_t),
+    q = mu(y_t), m = (p + q)/2 and k3(x) = e^x - 1 - x, JS_t = (1/2) k3(log p - log m) + (1/2) k3(log q - log m).
+
+    A function of l = log p - log q alone: log p - log m = -log1p(expm1(-l)/2), log q - log m = -log1p(expm1(l)/2),
+    so float32 keeps small l; l is clipped to +/-S (§2; NeMo-RL does not clip).  >= 0, 0 iff p = q, ~ l^2/8 for
+    small l (a quarter of the k3 term).  Read from two log-probs of one sampled token, it is not the JS divergence
+    of the two distributions (which needs the vocabulary and is <= log 2): ~ |l|/2 for large |l|."""
+    lam = safety_clip(log_ratio)
+    train_vs_mixture = -torch.log1p(0.5 * torch.expm1(-lam))
+    rollout_vs_mixture = -torch.log1p(0.5 * torch.expm1(lam))
+    return 0.5 * k3_divergence(train_vs_mixture) + 0.5 * k3_divergence(rollout_vs_mixture)
+
+
+def _mismatch_metric_tensors(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The peers' mismatch metrics over valid tokens (docs/corrections.md §6.8; the entry point's step 6, beside the
+    verl-parity ones of §6.4-§6.5), l = log pi_train - log mu: log_prob_abs_diff_mean = <|l|> and
+    log_prob_abs_diff_max = max |l| (TRL, trl/trainer/grpo_trainer.py ``sampling/sampling_logp_difference/{mean,max}``;
+    slime's CI bound on ``train_rollout_logprob_abs_diff``, slime/backends/megatron_utils/loss.py, a mean per
+    response then over responses); token_mult_prob_error = <e^{|lambda|}> (:func:`mult_prob_error`);
+    js_divergence = <JS_t> (:func:`sampled_js_divergence`)."""
+    ell = token_log_ratio(train, rollout)
+    gap = ell.abs()
+    return {
+        "log_prob_abs_diff_mean": masked_mean(gap, mask),
+        "log_prob_abs_diff_max": _masked_max(gap, mask),
+        "token_mult_prob_error": masked_mean(mult_prob_error(ell), mask),
+        "js_divergence": masked_mean(sampled_js_divergence(ell), mask),
+    }
+
+
+def _mask_split_metric_tensors(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """prime-rl's split of the mismatch by the loss mask (docs/corrections.md §6.8; src/prime_rl/trainer/rl/loss.py,
+    default_loss_fn and ipo_loss_fn), with D = m and not m' (dropped) and K = m' (kept), bool:
+    masked_mismatch_kl = <k3(lambda)>_D, kept_mismatch_kl = <k3(lambda)>_K (prime-rl's unmasked_mismatch_kl;
+    k3 = rho - 1 - log rho, lambda = clip_S(l) as in rollout_corr/k3_kl); masked_adv_positive_fraction =
+    <1[A > 0]>_D, masked_adv_negative_fraction = <1[A < 0]>_D (A = 0 counts in neither).  An empty set gives 0."""
+    dropped, kept = mask & ~keep, mask & keep
+    kl = k3_divergence(safety_clip(log_ratio))
+    return {
+        "masked_mismatch_kl": masked_mean(kl, dropped),
+        "kept_mismatch_kl": masked_mean(kl, kept),
+        "masked_adv_positive_fraction": _fraction(advantages > 0, dropped, kl.dtype),
+        "masked_adv_negative_fraction": _fraction(advantages < 0, dropped, kl.dtype),
+    }
+
+
+def mask_split_metrics(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor
+) -> dict[str, float]:
+    """:func:`_mask_split_metric_tensors` as ``rollout_corr/*`` floats (one host sync), or {} when m' drops no valid
+    token of m: the split exists only where something was dropped (docs/corrections.md §6.8).  ``keep`` is the
+    keep mask k or the effective mask m' (0/1 or bool); ``log_ratio`` is l = log pi_train - log mu."""
+    mask, keep = _as_bool(mask), _as_bool(keep)
+    tensors = _mask_split_metric_tensors(log_ratio, advantages, mask, keep)
+    floats = _to_floats({**tensors, "dropped": (mask & ~keep).sum()})
+    if floats.pop("dropped") == 0:
+        return {}
+    return {f"rollout_corr/{k}": v for k, v in floats.items()}
+
+
+def mismatch_split_metrics(
+    current_log_prob: torch.Tensor, sampling_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """The mismatch log(pi_t/mu) split at pi_v, the trainer's policy at the weights that sampled the row
+    (docs/corrections.md §6.9): numerics l_n = log pi_v - log mu (same weights, engine against trainer), staleness
+    l_s = log pi_t - log pi_v (same numerics, other weights); l_n + l_s = log pi_t - log mu token by token. Over
+    valid tokens of mu's samples: numerics_/staleness_log_ratio <l>, _k3_kl <k3(clip_S(l))>, _tv (1/2)<|rho_v - 1|>
+    and (1/2)<|rho_t - rho_v|> (estimate_tv_distance, rho = pi/mu; TV(pi_t, mu) <= the two, per sample)."""
+    mask = _as_bool(mask)
+    dt = _work_dtype(current_log_prob, sampling_log_prob, rollout_log_prob)
+    t, v, mu = (_zero_padding(x.detach(), mask, dt) for x in (current_log_prob, sampling_log_prob, rollout_log_prob))
+    numerics, staleness = v - mu, t - v
+    return _to_floats(
+        {
+            "rollout_corr/numerics_log_ratio": masked_mean(numerics, mask),
+            "rollout_corr/numerics_k3_kl": masked_mean(k3_divergence(safety_clip(numerics)), mask),
+            "rollout_corr/numerics_tv": estimate_tv_distance(numerics, None, mask),
+            "rollout_corr/staleness_log_ratio": masked_mean(staleness, mask),
+            "rollout_corr/staleness_k3_kl": masked_mean(k3_divergence(safety_clip(staleness)), mask),
+            "rollout_corr/staleness_tv": estimate_tv_distance(t - mu, numerics, mask),
+        }
+    )
+
+
+# ============================================================================================
 # Health check (docs/corrections.md §6.7)
 # ============================================================================================
 
@@ -934,6 +1070,7 @@ def _apply_correction(old_log_prob, rollout_log_prob, response_mask, config, wit
             metrics.update(_offpolicy_metric_tensors(train, rollout, mask))  # step 6
             metrics.update(_consistency_metric_tensors(train, rollout, mask))
             metrics["tv_mismatch"] = estimate_tv_distance(ell, None, mask)
+            metrics.update(_mismatch_metric_tensors(train, rollout, mask))  # the peers' (§6.8)
         floats = _to_floats(metrics) if with_metrics else {}
     out_mask = keep.to(response_mask.dtype, copy=True)
     return weights, out_mask, {f"rollout_corr/{k}": v for k, v in floats.items()}  # step 7
@@ -1085,9 +1222,10 @@ def _actor_metrics(
 def _decoupled_rollout_terms(
     a: PolicyLossInputs, rollout_log_prob: torch.Tensor | None
 ) -> tuple[PolicyLossInputs, dict[str, torch.Tensor]]:
-    """What log mu adds to the decoupled loss: OPSM drops rows from m' (§4.6), and
+    """What log mu adds to the decoupled loss: OPSM drops rows from m' (§4.6),
     actor/tv_update = (1/2)<|pi_old/mu - pi_theta/mu|>_{m'} estimates alpha_0 of the
-    three-policy TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2)."""
+    three-policy TRPO bound (§12.6-§12.7; Wang & Zhang 2025, Theorem 2), and the mismatch
+    log pi_old - log mu split by m' (:func:`mask_split_metrics`, §6.8) when m' drops a token."""
     threshold = a.config.rollout_opsm_threshold
     if rollout_log_prob is None:
         if threshold is not None:
@@ -1100,6 +1238,7 @@ def _decoupled_rollout_terms(
         a = a._replace(keep=a.keep & opsm_keep)
     with torch.no_grad():
         metrics["actor/tv_update"] = estimate_tv_distance(a.prox_log_prob - rollout, a.log_prob - rollout, a.keep)
+        metrics.update(mask_split_metrics(a.prox_log_prob - rollout, a.advantages, a.mask, a.keep))
     return a, metrics
 
 
@@ -1233,17 +1372,22 @@ def _bypass_correction(
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """The correction of one bypass micro-batch, from sg(log pi_theta) versus log mu (§5), then
     OPSM (§4.6: it needs A, so it is applied here, per micro-batch): (IS weights or None, m * k in
-    the dtype of ``response_mask``, the actor/opsm_* and rollout_corr/* metrics)."""
+    the dtype of ``response_mask``, the actor/opsm_* and rollout_corr/* metrics, with the mismatch
+    split by the final m * k when it drops a token, :func:`mask_split_metrics`, §6.8)."""
     weights, keep, corr_metrics = _apply_correction(
         log_prob.detach(), rollout_log_prob, response_mask, config, with_metrics, validate=validate
     )
-    if config.rollout_opsm_threshold is None:
+    if config.rollout_opsm_threshold is None and not with_metrics:
         return weights, keep, corr_metrics
     # validated by _apply_correction just above (or trusted)
     mask, current, rollout = _prepare_log_probs(log_prob.detach(), rollout_log_prob, response_mask, validate=False)
     adv = _zero_padding(advantages.detach(), mask, current.dtype)
-    opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
-    return weights, keep * opsm_keep.to(keep.dtype), {**_to_floats(opsm_metrics), **corr_metrics}
+    if config.rollout_opsm_threshold is not None:
+        opsm_keep, opsm_metrics = compute_opsm_mask(current, rollout, adv, mask, config.rollout_opsm_threshold)
+        keep, corr_metrics = keep * opsm_keep.to(keep.dtype), {**_to_floats(opsm_metrics), **corr_metrics}
+    if with_metrics:
+        corr_metrics.update(mask_split_metrics(current - rollout, adv, mask, keep))
+    return weights, keep, corr_metrics
 
 
 def compute_policy_loss_bypass_mode(
@@ -1661,12 +1805,12 @@ def vespo_sequence_log_weight(a: PolicyLossInputs) -> torch.Tensor:
     """log W_i = clip(sum_t m'_it (lambda_r + log w_it), log 1e-8, 20), (B, 1): the log of the
     response's ratio to mu.  IS weights w (decoupled: pi_old / mu, each log clipped to
     [log 1e-8, 20]) enter W instead of multiplying the loss, as TRL folds its vLLM IS ratio in; a
-    sequence-level weight (``rollout_is="sequence"``) enters once.  Bypass: lambda_r is the log of
+    row-level weight (``rollout_is="sequence"`` or ``"geometric"``) enters once.  Bypass: lambda_r is the log of
     pi_theta / mu already and w is None."""
     log_w = masked_sum(a.log_ratio(), a.keep, dim=-1)
     if a.weights is not None:
         log_is = torch.clamp(torch.log(a.weights), VESPO_LOG_W_MIN, SAFETY_BOUND)
-        once = a.config.rollout_is == "sequence"
+        once = a.config.rollout_is in ROW_IS_LEVELS
         log_w = log_w + (_row_mean(log_is, a.keep) if once else masked_sum(log_is, a.keep, dim=-1))
     return torch.clamp(log_w, VESPO_LOG_W_MIN, SAFETY_BOUND).unsqueeze(-1)
 
@@ -2051,6 +2195,53 @@ def _add_rollout_penalty(
     return loss + tau * term, {"actor/rollout_sq_log_ratio": term.detach()}
 
 
+def loglinear_alpha(
+    behave_version: torch.Tensor, proximal_version: float, current_version: float | torch.Tensor
+) -> torch.Tensor:
+    """alpha = clamp((v_prox - v_mu) / (v_theta - v_mu), 0, 1), and 0 where v_theta <= v_mu: how far pi_prox lies
+    from mu towards pi_theta when the policy moves log-linearly in its version (docs/corrections.md §7.10; AReaL
+    ``compute_prox_logp_approximations``, areal/trainer/ppo/actor.py, docs/algorithms/prox_approx.md). Versions of
+    any shape (per sample or per token); alpha in float64."""
+    v_mu = torch.as_tensor(behave_version, dtype=torch.float64)
+    ahead = torch.as_tensor(current_version, dtype=torch.float64) - v_mu
+    alpha = torch.where(ahead > 0, (proximal_version - v_mu) / torch.where(ahead > 0, ahead, 1.0), 0.0)
+    return alpha.clamp(0.0, 1.0)
+
+
+def loglinear_proximal_log_prob(
+    rollout_log_prob: torch.Tensor, log_prob: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
+    """log pi_prox ~ log mu + alpha (sg(log pi_theta) - log mu): pi_old without its forward pass (§7.10; AReaL's
+    ``prox_logp_method: loglinear``). ``alpha`` per row (B,) or per token (B, T); detached, in the log-probs' dtype."""
+    a = alpha.to(rollout_log_prob.dtype)
+    a = a.unsqueeze(-1) if a.dim() == rollout_log_prob.dim() - 1 else a
+    return rollout_log_prob + a * (log_prob.detach() - rollout_log_prob)
+
+
+def proximal_approximation_errors(
+    approx: torch.Tensor, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, log_prob: torch.Tensor, mask
+) -> dict[str, torch.Tensor]:
+    """How far the approximated log pi_prox lies from the recomputed one (§7.10; AReaL's ``metrics`` mode), over
+    valid tokens, as actor/prox_loglinear_*: abs_error <|g - a|>, rel_error <|g - a| / (|g| + 1e-8)>,
+    squared_error <(g - a)^2> (g = log pi_old recomputed, a = approximated); behave_imp_weight_abs_error
+    <|e^(g - log mu) - e^(a - log mu)|> (the IS weight's error); importance_weight_abs_error
+    <|e^(log pi_theta - g) - e^(log pi_theta - a)|> (the PPO ratio's). Log-ratios clipped to +/-S before
+    exponentiation (§2)."""
+    g, a, mu, cur = old_log_prob.detach(), approx.detach(), rollout_log_prob.detach(), log_prob.detach()
+    diff = g - a
+    return {
+        "actor/prox_loglinear_abs_error": masked_mean(diff.abs(), mask),
+        "actor/prox_loglinear_rel_error": masked_mean(diff.abs() / (g.abs() + _ZERO_GUARD), mask),
+        "actor/prox_loglinear_squared_error": masked_mean(diff.square(), mask),
+        "actor/prox_loglinear_behave_imp_weight_abs_error": masked_mean(
+            (safe_exp(g - mu) - safe_exp(a - mu)).abs(), mask
+        ),
+        "actor/prox_loglinear_importance_weight_abs_error": masked_mean(
+            (safe_exp(cur - g) - safe_exp(cur - a)).abs(), mask
+        ),
+    }
+
+
 # ============================================================================================
 # Configuration and presets (docs/corrections.md §9, §10)
 # ============================================================================================
@@ -2157,14 +2348,7 @@ class RolloutCorrectionConfig:
         if self.rollout_is is not None and not isinstance(self.rollout_is, str):
             raise TypeError(f"rollout_is must be None or a string, got {self.rollout_is!r}")
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            hint = (
-                " ('geometric' is a rejection option: use rollout_rs='seq_mean_k1')"
-                if self.rollout_is == "geometric"
-                else ""
-            )
-            raise ValueError(
-                f"rollout_is={self.rollout_is!r} is not one of None, {', '.join(map(repr, IS_LEVELS))}{hint}"
-            )
+            raise ValueError(f"rollout_is={self.rollout_is!r} is not one of None, {', '.join(map(repr, IS_LEVELS))}")
         # A threshold is parsed only for a correction that is on, for IS as for RS (a preset's
         # threshold may stay behind when an override turns its correction off).
         is_on = self.rollout_is is not None
@@ -2191,6 +2375,8 @@ class RolloutCorrectionConfig:
                 UserWarning,
                 stacklevel=3,
             )
+        if self.rollout_is == "geometric":  # opt-in, peer-compatible: its caveat, once per valid config
+            warnings.warn(GEOMETRIC_IS_WARNING, UserWarning, stacklevel=3)
 
     def _parse_is_spec(self) -> ISThreshold:
         """The IS threshold (§3.2) and, with ``rollout_is_threshold_lower``, two-sided TIS (§3.8)."""
@@ -2317,6 +2503,16 @@ _SEQ_MIS = {
     "rollout_rs": "seq_sum_k1",
     "rollout_rs_threshold": _Band(None, _Arg("threshold", 2.0)),
 }
+# seq-mask-tis (§3.9): reject a row whose geometric-mean ratio leaves [L, U] (seq_mean_k1 "L_U"), and
+# weight the kept tokens by their *untruncated* token ratio (token IS, cap +inf).  Bounds: NeMo-RL's
+# [0.999, 1.002] (nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossConfig, docs/guides/prorlv2.md);
+# OpenRLHF's default band is [0.5, 5.0] (openrlhf/cli/train_ppo_ray.py --algo.advantage.is_correction_threshold).
+_SEQ_MASK_TIS = {
+    "rollout_is": "token",
+    "rollout_is_threshold": math.inf,
+    "rollout_rs": "seq_mean_k1",
+    "rollout_rs_threshold": _Band(_Arg("threshold_lower", 0.999), _Arg("threshold", 1.002)),
+}
 
 
 def _tis(level: str, arg: str = "is_threshold") -> dict[str, Any]:
@@ -2369,6 +2565,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout_outlier_threshold_low": _Arg("outlier_low", 1e-4),
         "rollout_outlier_threshold_high": _Arg("outlier_high", 100.0),
     },
+    # Opt-in geometric IS weight exp(mean_t l), truncated (§3.9; warns on direct construction, §10 of
+    # design-readings): slime mis.yaml tis_level=geometric, tis_mode=truncate, tis_upper_bound=2.0
+    # (AReaL RejectionSamplingConfig level=sequence/action=clamp caps at upper=5.0, ROLL
+    # TrainInferISWeightConfig weight_type=geometric at upper_bound=1.2: pass threshold=).
+    "decoupled_geo_is": _tis("geometric", "threshold"),
+    "decoupled_seq_mask_tis": {**_SEQ_MASK_TIS},
+    # NeMo-RL's ProRL v2.1 (examples/configs/prorlv2_1_moe.v2.yaml): seq-mask-tis with
+    # force_on_policy_ratio, i.e. -A grad log pi * sg(pi_theta / mu) on the kept rows (§7.4)
+    "bypass_pg_seq_mask_tis": {**_SEQ_MASK_TIS, **_PG},
 }
 
 #: Older preset names (docs/corrections.md §9.3): name -> (preset, fields replaced on top of it).
@@ -2628,6 +2833,7 @@ def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
 # Public names (kept at the end so that the formulas come first).
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "GEOMETRIC_IS_WARNING",
     "IS_LEVELS",
     "KL_ESTIMATORS",
     "LEGACY_RS_NAMES",
@@ -2635,6 +2841,7 @@ __all__ = [
     "PRESETS",
     "PRESET_ALIASES",
     "PRESET_NAMES",
+    "ROW_IS_LEVELS",
     "RS_OPTIONS",
     "RS_STATISTICS",
     "SAFETY_BOUND",
@@ -2657,18 +2864,25 @@ __all__ = [
     "compute_rs_option_metrics",
     "compute_veto_mask",
     "estimate_tv_distance",
+    "geometric_log_ratio",
     "icepop_is_weights",
     "k1_statistic",
     "k2_divergence",
     "k3_divergence",
     "kl_penalty",
+    "loglinear_alpha",
+    "loglinear_proximal_log_prob",
+    "mask_split_metrics",
     "masked_mean",
+    "mismatch_split_metrics",
     "masked_sum",
     "masked_var",
+    "mult_prob_error",
     "parse_is_threshold",
     "parse_rs_options",
     "parse_veto_threshold",
     "ppo_clipped_token_loss",
+    "proximal_approximation_errors",
     "raw_is_weights",
     "reinforce_token_loss",
     "rs_aggregate",
@@ -2676,6 +2890,7 @@ __all__ = [
     "rs_option_keep_mask",
     "safe_exp",
     "safety_clip",
+    "sampled_js_divergence",
     "sequence_log_ratio",
     "token_log_ratio",
     "truncate_is_weights",

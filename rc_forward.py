@@ -224,12 +224,13 @@ def sequence_log_probs(model, batch: dict, rows, args, with_grad: bool, with_ent
     return micro.pad(log_prob), micro.pad(entropy), micro.size
 
 
-def no_grad_pass(model, batch: dict, args, routing=None) -> tuple[torch.Tensor, Counter]:
-    """Log-probs of every row without gradients (pi_old, the reference model), on the host."""
+def no_grad_pass(model, batch: dict, args, routing=None, rows=None) -> tuple[torch.Tensor, Counter]:
+    """Log-probs of every row (or of `rows`, the others 0) without gradients (pi_old, the reference model), on the
+    host."""
     out, size = torch.zeros(len(batch["group"]), response_width(batch)), Counter()
-    for rows in micro_batches(torch.arange(out.shape[0]), batch, args):
-        log_prob, _, micro_size = sequence_log_probs(model, batch, rows, args, False, routing=routing)
-        out[rows], size = log_prob.cpu(), size + micro_size
+    for micro in micro_batches(torch.arange(out.shape[0]) if rows is None else rows, batch, args):
+        log_prob, _, micro_size = sequence_log_probs(model, batch, micro, args, False, routing=routing)
+        out[micro], size = log_prob.cpu(), size + micro_size
     return out, size
 
 

@@ -58,8 +58,8 @@ LAYER = "_rc_moe_layer"  # the attribute install() sets on each hooked router: i
 def check_model(args, config, bypass_mode: bool, on_gpu: bool) -> None:
     """The settings that need the model's Hugging Face `config`, before the engine starts: replay or routing metrics
     need an MoE model, an MoE model needs a supported architecture (SUPPORTED) and the vLLM and transformers
-    internals its weight push, capture and replay rely on; reference replay needs decoupled mode. Resolves
-    --routing-metrics None: on for an MoE model on the CPU engine, unless --compile."""
+    internals its weight push, capture and replay rely on, and no --compile on a GPU (not verified); reference replay
+    needs decoupled mode. Resolves --routing-metrics None: on for an MoE model on the CPU engine, unless --compile."""
     kind, replay = moe_type(config), args.routing_replay
     model = f"--model {args.model} ({config.model_type})"
     if kind is None:
@@ -75,6 +75,11 @@ def check_model(args, config, bypass_mode: bool, on_gpu: bool) -> None:
         kind in SUPPORTED,
         f"{model}: the MoE architecture {kind!r} is not supported (weight push, capture and replay are written and "
         f"verified for {', '.join(SUPPORTED)}; docs/moe.md)",
+    )
+    rc_config.need(  # the model's config says MoE only here, so this check lives here rather than in validate_args
+        not (args.compile and on_gpu),
+        f"--compile with an MoE model ({model}) on a GPU: the compiled expert layers are neither built nor verified "
+        f"there (docs/moe.md); drop --compile (--compile false in a YAML config)",
     )
     rc_config.need(
         replay != "reference" or not bypass_mode,

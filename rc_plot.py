@@ -215,7 +215,8 @@ class Panel:
     min_span: y-range always shown (widened to fit the data), e.g. (0, 1) for accuracies, so that a
     few equal points do not produce a meaningless +-0.05 axis around them.
     needs: the feature a run must use for the panel to have data (a key of NEEDS), or "" for every run: "moe" (the
-    routing metrics of an MoE run, docs/moe.md), "replay" (--replay-window, docs/async.md §8). Such an optional panel
+    routing metrics of an MoE run, docs/moe.md), "replay" (--replay-window, docs/async.md §8), "split"
+    (--mismatch-split, docs/corrections.md §6.9). Such an optional panel
     is drawn only if a plotted run logged one of its metrics (`drawn_panels`); the others always are.
     """
 
@@ -342,8 +343,21 @@ PANELS: tuple[Panel, ...] = (
         min_span=(0.0, 1.0),
         needs="moe",
     ),
+    Panel(
+        "Mismatch split (α₁ = numerics + staleness)",
+        "total variation",
+        (
+            Series("rollout_corr/numerics_tv", "numerics TV(π_v, μ)"),
+            Series("rollout_corr/staleness_tv", "staleness TV(π_t, π_v)", "--"),
+        ),
+        needs="split",
+    ),
 )
-NEEDS = {"replay": "--replay-window", "moe": "an MoE model"}  # Panel.needs -> what fills it, for the note
+NEEDS = {
+    "replay": "--replay-window",
+    "moe": "an MoE model",
+    "split": "--mismatch-split",
+}  # Panel.needs -> what fills it, for the note
 NCOLS = 4
 TITLE_PAD = 16  # points between axes and title: room for the per-panel style key
 

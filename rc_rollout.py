@@ -75,8 +75,12 @@ class EngineArgs:
     least --max-model-len since CPU prefills are never split; on GPU vLLM's default)"""
     vllm_sleep: bool = True
     """GPU: the engine sleeps during the update; wakes its weights for a sync, its KV cache too for rollout"""
-    vllm_sleep_level: int = 1
-    """GPU: 1 = weights offloaded to CPU RAM while asleep; 2 = weights discarded (least memory; needs --sync-every 1)"""
+    vllm_sleep_level: int | None = None
+    """GPU: 1 = weights offloaded to CPU RAM while asleep; 2 = weights discarded (least memory; needs --sync-every 1);
+    None = 2 when every rollout follows a fresh push (--sync-every 1, a dense model), else 1 (sleep_level)"""
+    vllm_v1_runner: bool = False
+    """GPU: vLLM's V1 model runner (and sampler), not its default V2; --rollout-corrupt-prob > 0 needs it and turns it
+    on, and a lab sweep over that dial pins it in every cell, so that its levels share one sampler (start_engine)"""
     rollout_worker: bool = False
     """run the engine in the rollout worker process at --max-staleness 0 too (same samples as in this process)"""
 
@@ -157,10 +161,12 @@ def start_engine(args, model_path: str, seed: int, limits: dict, log_path: str, 
         kwargs["logits_processors"] = [planted_tokens_processor()]
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
-        if args.rollout_corrupt_prob > 0:
+        if args.rollout_corrupt_prob > 0 or args.vllm_v1_runner:
             # On CUDA, vLLM 0.32 defaults to its V2 model runner, whose logits-processor loader refuses V1
             # LogitsProcessor subclasses (PlantedTokens is one): keep the V1 runner (vllm/envs.py,
             # VllmConfig.use_v2_model_runner in vllm/config/vllm.py). Read at engine start, so set before LLM().
+            # The two runners sample with different code, so a sweep over --rollout-corrupt-prob pins V1 in every
+            # cell, level 0 included (--vllm-v1-runner, set by lab/rc_lab.py).
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     else:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.vllm_kv_cache_gb)))
@@ -279,6 +285,44 @@ def engine_awake(engine: EngineMemory, *tags: str, sleep_after: bool = False):
     yield
     if sleep_after:
         engine.sleep()
+
+
+def sleep_level(args, moe: bool = False) -> int:
+    """The level the engine sleeps at: --vllm-sleep-level when given, else 2 when every generation that follows a sleep
+    follows a fresh weight push, else 1.
+
+    Level 2 frees the weights instead of parking them in pinned host memory (0.92 / 2.9 GiB each way per step at
+    0.5B / 1.5B), so an engine woken from it computes with garbage until a push rewrites every weight. The engine
+    sleeps only after a sampled rollout (LocalEngine.result; never after a greedy evaluation, and never before its
+    first generation: a new engine holds the model's weights, and a resumed run's Rollouts.begin pushes the
+    checkpoint's). What follows that sleep is the update, then Rollouts.sync: with --sync-every 1 it pushes version
+    t + 1 after every update, the last one included, before the step's evaluation (greedy) and the next rollout, with
+    or without a weight dial (Rollouts.evaluate pushes the unperturbed weights, then the perturbed ones). With
+    --sync-every m > 1 or 0 a rollout follows a sleep without a push: level 1 (level 2 is refused there,
+    rc_config._check_engine). The rollout worker (--max-staleness >= 1, CPU only) never sleeps. An MoE model stays at
+    level 1 unless asked: its GPU update path is not verified (docs/moe.md), and level 2 would turn any weight the push
+    leaves out into garbage where level 1 keeps the old one; benchmarks/sleep_level_check.py compares the two levels
+    token for token on a dense model."""
+    if args.vllm_sleep_level is not None:
+        return args.vllm_sleep_level
+    return 2 if args.sync_every == 1 and not moe else 1
+
+
+def engine_memory_metrics(engine, args) -> dict:
+    """The engine's GPU memory this step, in GiB ({} on a CPU): perf/engine_budget_gib, the share vLLM may take
+    (--vllm-gpu-memory-utilization x the device's memory), and, for a sleeping engine in this process (LocalEngine
+    with --vllm-sleep), perf/engine_memory_gib: what its sleep-mode pool holds when awake, the weights and the KV
+    cache (its sleep-mode allocator's get_current_usage, which counts them asleep or awake)."""
+    if not torch.cuda.is_available():
+        return {}
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    metrics = {"perf/engine_budget_gib": args.vllm_gpu_memory_utilization * total / 2**30}
+    memory = getattr(engine, "memory", None)  # a LocalEngine's EngineMemory; a rollout worker's is in its process
+    if memory is not None and memory.enabled:
+        from vllm.device_allocator import get_mem_allocator_instance  # CuMemAllocator on CUDA
+
+        metrics["perf/engine_memory_gib"] = get_mem_allocator_instance().get_current_usage() / 2**30
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -845,7 +889,12 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
 
     had_group = dist.is_initialized()  # the trainer's (several ranks), or none yet (world 1)
     llm = start_engine(args, model_path, args.seed + rank, limits, engine_log, placement)
-    memory = EngineMemory(llm, on_gpu and args.vllm_sleep, args.vllm_sleep_level)
+    memory = EngineMemory(llm, on_gpu and args.vllm_sleep, sleep_level(args, llm.llm_engine.model_config.is_moe))
+    logging.getLogger("vllm.rc_rollout").info(  # the run's engine log (engine_output_to)
+        f"sleep level {memory.level} (--vllm-sleep-level {args.vllm_sleep_level}, --sync-every {args.sync_every})"
+        if memory.enabled
+        else "the engine never sleeps (CPU, or --no-vllm-sleep)"
+    )
     return LocalEngine(llm, memory, generate, args, owns_process_group=not had_group and dist.is_initialized())
 
 
@@ -926,6 +975,83 @@ class ReplayBuffer:
     def state(self) -> list:
         """Plain tuples for a checkpoint (ReplayBuffer(..., entries=state) rebuilds it)."""
         return [(s, v, rows, [[tuple(r) for r in g] for g in groups]) for s, v, rows, groups in self.entries]
+
+
+class KeptVersions:
+    """The trainer's weights of every version that may still have a sample in a batch, on the host (--mismatch-split,
+    --prox-logp sampling; docs/corrections.md §6.9): version t is kept when step t starts, and those more than
+    `depth` = staleness_bound versions behind are dropped, so at most depth + 1 copies are held. slime keeps the one
+    version that sampled (--keep-old-actor); this keeps what replay and a staleness bound can still ask for."""
+
+    def __init__(self, depth: int, weights: dict | None = None):
+        self.depth, self.weights = depth, dict(weights or {})
+
+    @staticmethod
+    def _unique(tensors) -> list:
+        """One tensor per storage: a tied lm_head is the embedding, copied and counted once."""
+        return list({t.data_ptr(): t for t in tensors}.values())
+
+    @staticmethod
+    def copy_bytes(model) -> int:
+        """One copy's bytes: the parameters (a tied one once) and the buffers a state dict holds; works on a
+        meta-device model."""
+        saved = model.state_dict().keys()
+        buffers = [b for name, b in model.named_buffers() if name in saved]
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *buffers])
+
+    @classmethod
+    def check_budget(cls, args, hf_config) -> int | None:
+        """None without --mismatch-split or --prox-logp sampling; else the depth, after refusing, naming the values,
+        a --kept-versions-gib that cannot hold staleness_bound + 1 copies of the model (counted on the meta device:
+        no memory). Before the engine starts."""
+        from transformers import AutoModelForCausalLM
+
+        if not (args.mismatch_split or args.prox_logp == "sampling"):
+            return None
+        bound = staleness_bound(args)
+        rc_config.need(
+            bound is not None,
+            f"--mismatch-split / --prox-logp sampling keep the weights of every version a sample may lag, but with "
+            f"--sync-every {args.sync_every} the lag has no bound: use --sync-every >= 1",
+        )
+        with torch.device("meta"):
+            gib = cls.copy_bytes(AutoModelForCausalLM.from_config(hf_config).float()) / 2**30
+        rc_config.need(
+            (bound + 1) * gib <= args.kept_versions_gib,
+            f"--kept-versions-gib {args.kept_versions_gib} cannot hold the {bound + 1} versions a sample may lag "
+            f"(staleness bound {bound}) x {gib:.3g} GiB: raise it to {(bound + 1) * gib:.3g} or lower the bound",
+        )
+        return bound
+
+    def keep(self, version: int, model) -> None:
+        by_storage, copies = {}, {}
+        for name, t in model.state_dict().items():
+            if t.data_ptr() not in by_storage:
+                by_storage[t.data_ptr()] = t.detach().to("cpu", copy=True)
+            copies[name] = by_storage[t.data_ptr()]
+        self.weights[version] = copies
+        self.weights = {v: w for v, w in self.weights.items() if v >= version - self.depth}
+
+    def metrics(self) -> dict:
+        """perf/kept_versions and perf/kept_versions_gib: the copies held and their host memory."""
+        held = self._unique(t for w in self.weights.values() for t in w.values())
+        gib = sum(t.numel() * t.element_size() for t in held) / 2**30
+        return {"perf/kept_versions": float(len(self.weights)), "perf/kept_versions_gib": gib}
+
+    @contextlib.contextmanager
+    def loaded(self, model, version: int, current: int):
+        """`model` holds version `version`'s weights for the block, then the current version's again (bit for bit:
+        the kept copy of the current version is what it held)."""
+        if version == current:
+            yield model
+            return
+        if version not in self.weights:
+            raise RuntimeError(f"version {version} is not kept (held: {sorted(self.weights)}, depth {self.depth})")
+        try:
+            model.load_state_dict(self.weights[version])
+            yield model
+        finally:
+            model.load_state_dict(self.weights[current])
 
 
 class Rollouts:

@@ -131,11 +131,22 @@ def full_weights(model):
     """(name, full tensor) for every entry of the model's state dict (a tied lm_head too: vLLM's CPU build keeps its
     own copy), one at a time. Under FSDP2 each is gathered from the shards when it is reached, a collective that
     every rank runs in the same order, so no rank ever holds a full state dict; otherwise they are the live
-    parameters (no copy)."""
+    parameters (no copy). A tensor under two names (a tied lm_head: the embedding) is gathered once, at its first
+    name, and kept until its last, in state-dict order (the dials seed by position: rc_rollout.rollout_weights)."""
     from torch.distributed.tensor import DTensor
 
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    entries = model.state_dict(keep_vars=True)  # the parameters themselves: a tied pair is one object
+    last = {id(t): name for name, t in entries.items()}
+    gathered: dict[int, torch.Tensor] = {}  # a shared tensor's full value, from its first name to its last
+    for name, t in entries.items():
+        full = gathered.get(id(t))
+        if full is None:
+            full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        if last[id(t)] == name:
+            gathered.pop(id(t), None)
+        else:
+            gathered[id(t)] = full
+        yield name, full
 
 
 def accumulating(accelerator, model, last_micro_batch: bool, fsdp: bool):
@@ -175,12 +186,17 @@ _EXTREMES = {
         "rollout/staleness_max",
         "rollout_corr/log_ppl_diff_max",
         "rollout_corr/rollout_probs_diff_max",
+        "rollout_corr/log_prob_abs_diff_max",
         "rollout_corr/rollout_is_max",
         "rollout_corr/rollout_is_seq_max",
         "rollout_corr/rollout_is_seq_max_deviation",
         "rollout_corr/rollout_rs_<option>_max",
         "rollout_corr/rollout_rs_<option>_seq_max",
         "rollout_corr/rollout_rs_<option>_seq_max_deviation",
+        "perf/max_memory_allocated_gib",  # the largest rank's peak
+        "perf/max_memory_reserved_gib",
+        "perf/engine_memory_gib",
+        "perf/engine_budget_gib",
     ),
     "min": (
         "rollout_corr/log_ppl_diff_min",
@@ -286,6 +302,53 @@ def pass_metrics(size: Counter, seconds: float) -> dict:
     return {
         "perf/padding_fraction": 1.0 - size["tokens"] / max(1, size["positions"]),
         "perf/train_tokens_per_s": size["tokens"] / max(1e-9, seconds),
+    }
+
+
+def conventional_counts(batch: dict) -> dict:
+    """What one pass over `batch` (rc_train.make_batch's layout: prompt_len, response_len, group per row) needs,
+    whatever the run computed: its tokens (each group's prompt once, every response), its logit positions (one per
+    response token: the logit that predicts it) and the (query, key) pairs its causal attention scores (a p-token
+    prompt's p(p+1)/2 once per group; response token j after it attends p + j + 1 keys). Padding counts nowhere. The
+    inputs of benchmarks/bench_gpu_step.conventional_flops (MFU as the field counts it)."""
+    prompt, response, group = (batch[k].tolist() for k in ("prompt_len", "response_len", "group"))
+    prompts = dict(zip(group, prompt))  # a group's rows share one prompt
+    return {
+        "tokens": sum(prompts.values()) + sum(response),
+        "logit_positions": sum(response),
+        "attention_pairs": sum(p * (p + 1) // 2 for p in prompts.values())
+        + sum(r * p + r * (r + 1) // 2 for p, r in zip(prompt, response)),
+    }
+
+
+def flop_inputs(batch: dict) -> dict:
+    """perf/mfu_*: conventional_counts of this rank's batch, which the update trains on once per epoch (a summary
+    turns them into the update's MFU with bench_gpu_step.conventional_flops: benchmarks/gpu_smoke.py)."""
+    counts = conventional_counts(batch)
+    return {
+        "perf/mfu_tokens": float(counts["tokens"]),
+        "perf/mfu_logit_positions": float(counts["logit_positions"]),
+        "perf/mfu_attention_pairs": float(counts["attention_pairs"]),
+    }
+
+
+def reset_memory_peaks() -> None:
+    """Start this step's perf/max_memory_* (CUDA only)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_metrics() -> dict:
+    """perf/max_memory_*_gib: torch's peak allocated and reserved CUDA memory of this process since
+    reset_memory_peaks (the step's start), in GiB; {} on a CPU. An engine in this process (vLLM at --max-staleness
+    0) allocates through torch's allocator, its sleep-mode pool included, so these peaks are expected to include its
+    weights and KV cache (rc_rollout.engine_memory_metrics; not yet measured on a GPU: docs/gpus.md, "One-command
+    smoke run")."""
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "perf/max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "perf/max_memory_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
     }
 
 

@@ -51,7 +51,8 @@ class Args(
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """experiment name"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment; a prompt's sampling seed follows its place in the step, not its rank, but a run still
+    depends on the number of processes (docs/running.md, "Several processes")"""
     config: str | None = None
     """YAML file of defaults; flags win"""
     output_dir: str = "runs"
@@ -106,6 +107,10 @@ class Args(
     """replay buffer: keep the fresh groups of the last W steps (docs/async.md §8)"""
     replay_fraction: float = 0.0
     """share of each step's groups drawn from the replay buffer"""
+    mismatch_split: bool = False
+    """also score each row at the weights that sampled it: the mismatch as numerics + staleness (corrections §6.9)"""
+    kept_versions_gib: float = 8.0
+    """host memory for the weights kept by version (--mismatch-split, --prox-logp sampling): bound + 1 copies"""
 
     # Optimisation
     learning_rate: float = 1e-4
@@ -144,6 +149,9 @@ class Args(
     """KL penalty estimator: kl (k1), abs, mse (k2), low_var_kl (k3)"""
     kl_is_corrected: bool = False
     """weight the KL penalty by pi_theta/pi_old (the unbiased KL, §7.8)"""
+    prox_logp: Literal["recompute", "loglinear", "metrics", "sampling"] = "recompute"
+    """decoupled pi_old: a pass; loglinear: from mu and pi_theta by version (§7.10); metrics: both; sampling: the
+    weights that sampled each row (slime's keep-old-actor, §6.9)"""
 
     # Evaluation
     eval_before: bool = True
@@ -272,7 +280,7 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
     batch = make_batch(prompts, [s.response for s in samples], data.pad_id, [s.group for s in samples])
     mask, rollout_log_prob = batch.pop("response_mask"), batch.pop("rollout_log_prob")
     n_nonfinite = drop_nonfinite(mask, rollout_log_prob)
-    versions = torch.tensor([s.version for s in samples])
+    batch["version"] = versions = torch.tensor([s.version for s in samples])  # the weights that sampled each row
     stale = rc_rollout.stale_rows(versions, step, bound)  # beyond the bound: never trained on
     mask[stale] = 0.0
     advantages = rc_core.compute_advantage(
@@ -294,10 +302,13 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
 def decoupled_correction(
     args: Args, correction, model, batch: dict, tensors: dict, log_ratios=None, routing=None, step=None
 ):
-    """Decoupled mode (§5, §7.2): pi_old scored once per batch; its IS weights and rejection mask
-    join `tensors`, frozen for every epoch."""
+    """Decoupled mode (§5, §7.2): pi_old scored once per batch (--prox-logp sampling: at the weights that sampled
+    each row, §6.9); its IS weights and rejection mask join `tensors`, frozen for every epoch."""
     model.eval()
-    old_log_prob, size = rc_forward.no_grad_pass(model, batch, args, routing)
+    if args.prox_logp == "sampling":
+        old_log_prob, size = tensors["sampling_log_prob"], Counter()
+    else:
+        old_log_prob, size = rc_forward.no_grad_pass(model, batch, args, routing)
     rollout_log_prob, mask = tensors["rollout_log_prob"], tensors["response_mask"]
     rc_run.check_finite("old_log_prob", old_log_prob, f"step {step}, the pi_old pass", mask)
     is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
@@ -308,6 +319,38 @@ def decoupled_correction(
     if log_ratios is not None:
         log_ratios.add(old_log_prob - rollout_log_prob, mask)
     return metrics, size
+
+
+def sampling_log_probs(args: Args, kept: rc_rollout.KeptVersions, model, batch: dict, step: int):
+    """log pi_v of each row at the weights of the version v that sampled it (kept on the host; §6.9): the rollout's
+    own policy under the trainer's numerics. Rows of the current version are scored at the current weights."""
+    versions, size = batch["version"], Counter()
+    out = torch.zeros(len(versions), rc_forward.response_width(batch))
+    model.eval()
+    for v in sorted(set(versions.tolist())):
+        rows = torch.nonzero(versions == v).flatten()
+        with kept.loaded(model, v, current=step):
+            log_prob, part = rc_forward.no_grad_pass(model, batch, args, rows=rows)
+        out[rows], size = log_prob[rows], size + part
+    return out, size
+
+
+def mismatch_split(args: Args, model, batch: dict, tensors: dict, step: int):
+    """The mismatch log(pi_t/mu) split at pi_v into numerics and staleness (rc_core.mismatch_split_metrics, §6.9).
+    pi_t, the weights of step t, is decoupled's recomputed pi_old; otherwise (bypass, loglinear, sampling) the stale
+    rows are scored at the current weights here."""
+    v, mask = tensors["sampling_log_prob"], tensors["response_mask"]
+    size = Counter()
+    if args.prox_logp in ("recompute", "metrics") and "old_log_prob" in tensors:
+        current = tensors["old_log_prob"]
+    else:
+        stale = torch.nonzero(batch["version"] < step).flatten()
+        current = v.clone()
+        if len(stale):
+            model.eval()
+            scored, size = rc_forward.no_grad_pass(model, batch, args, rows=stale)
+            current[stale] = scored[stale]
+    return rc_core.mismatch_split_metrics(current, v, tensors["rollout_log_prob"], mask), size
 
 
 def policy_loss(args: Args, correction, log_prob, micro: dict, denominators: dict, *, first: bool, check: bool):
@@ -345,6 +388,7 @@ def micro_batch_loss(
     mask = micro["response_mask"]
     if check:  # the step's first micro-batch: named before rc_core's own input check
         rc_run.check_finite("log_prob", log_prob, where, mask)
+    approx_metrics = loglinear_correction(args, correction, log_prob, micro, first) if "prox_alpha" in micro else {}
     loss, loss_metrics = policy_loss(args, correction, log_prob, micro, denominators, first=first, check=check)
     pg_loss, kl_loss = float(loss.detach()), 0.0
     if "ref_log_prob" in micro:
@@ -354,7 +398,35 @@ def micro_batch_loss(
         kl_term = rc_core.agg_loss(kl, mask, args.loss_agg_mode, response_mask=mask, **denominators)
         loss, kl_loss = loss + args.kl_coef * kl_term, float(kl_term.detach())
     rc_run.check_loss(pg_loss + kl_loss, where, mask, log_prob=log_prob, ref_log_prob=micro.get("ref_log_prob"))
-    return loss, loss_metrics, pg_loss, kl_loss
+    return loss, {**loss_metrics, **approx_metrics}, pg_loss, kl_loss
+
+
+def prox_alpha(args: Args, batch: dict, step: int, updates: int) -> dict:
+    """--prox-logp loglinear | metrics: each row's alpha after `updates` of the step's optimizer steps, pi_theta's
+    version being step + updates / (epochs x minibatches) (§7.10); {} otherwise."""
+    if args.prox_logp not in ("loglinear", "metrics"):
+        return {}
+    theta = step + updates / (args.ppo_epochs * args.num_minibatches)
+    return {"prox_alpha": rc_core.loglinear_alpha(batch["version"], step, theta)}
+
+
+def loglinear_correction(args: Args, correction, log_prob, micro: dict, first: bool) -> dict:
+    """--prox-logp: pi_old of the micro-batch from mu and pi_theta by version (AReaL's log-linear interpolation,
+    §7.10). loglinear: it replaces the pass, and its IS weights and rejection mask are computed here, per micro-batch
+    (their rollout_corr/* metrics on the `first` minibatch only, as the trainer logs them); metrics: the recomputed
+    pi_old trains, and the approximation's error is logged."""
+    mu, mask = micro["rollout_log_prob"], micro["response_mask"]
+    approx = rc_core.loglinear_proximal_log_prob(mu, log_prob, micro.pop("prox_alpha"))
+    if args.prox_logp == "metrics":
+        errors = rc_core.proximal_approximation_errors(approx, micro["old_log_prob"], mu, log_prob, mask)
+        return {k: float(v) for k, v in errors.items()}
+    is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=approx, rollout_log_prob=mu, response_mask=mask, config=correction, with_metrics=first
+    )
+    micro.update(
+        old_log_prob=approx, keep_mask=keep_mask, **({} if is_weights is None else {"rollout_is_weights": is_weights})
+    )
+    return metrics
 
 
 def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, micro: dict, *, bypass: bool, first: bool, skip: dict):
@@ -436,6 +508,7 @@ def update_policy(
         for minibatch in range(args.num_minibatches):
             rows, first = perm[minibatch * per_minibatch : (minibatch + 1) * per_minibatch], not (epoch or minibatch)
             denominators = global_denominators(args, learner.host, mask[rows])
+            tensors.update(prox_alpha(args, batch, step, epoch * args.num_minibatches + minibatch))
             micro = rc_forward.micro_batches(rows, batch, args, learner.host)
             loss_sum = kl_sum = 0.0
             for j, micro_rows in enumerate(micro):
@@ -494,6 +567,7 @@ if __name__ == "__main__":
         task = rc_config.validate_args(args, world)
         rc_config.check_distributed(accelerator, args)
         correction = rc_config.build_correction_config(args.rc)
+        rc_config.check_prox_logp(args, correction)
         args.reward_mode = args.reward_mode or task.reward_key
         run_lock, replace_run = rc_checkpoint.claim_run_dir(run_dir, args, host, accelerator.is_main_process)
         train_rows, n_skipped = task.problems("train", args.train_limit)
@@ -503,6 +577,7 @@ if __name__ == "__main__":
             model_path = tasks.resolve_model(args, task, accelerator.is_main_process)
         hf_config, tokenizer = rc_config.model_config(model_path)
         rc_moe.check_model(args, hf_config, correction.bypass_mode, torch.cuda.is_available())
+        kept_depth = rc_rollout.KeptVersions.check_budget(args, hf_config)  # --mismatch-split, --prox-logp sampling
         for what, part in (("train prompt", train_rows), ("eval prompt", eval_rows)):
             tasks.check_coverage(tokenizer, [tasks.prompt_text(task, row) for row in part], what)
         train_prompts = encode_prompts(args, task, tokenizer, train_rows)
@@ -534,6 +609,8 @@ if __name__ == "__main__":
         rc_checkpoint.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)
     prompts_per_rank = rc_config.prompts_per_rank(args, world)
     replay = rc_rollout.ReplayBuffer(args, prompts_per_rank, rc_config.replay_groups(args, world), rank, kept)
+    resumed_versions = resumed.kept_versions if args.resume else None
+    versions = None if kept_depth is None else rc_rollout.KeptVersions(kept_depth, resumed_versions)
 
     def step_indices(step: int) -> list[int]:
         """This rank's fresh prompts of the step."""
@@ -573,6 +650,7 @@ if __name__ == "__main__":
     for step in bar:
         # ALGO LOGIC: rollout -- the batch of step t, sampled by version max(0, t - k)
         timer = rc_run.StepTimer({"timing/old_log_prob_s": 0.0})
+        rc_run.reset_memory_peaks()  # perf/max_memory_*: this step's peaks (CUDA)
         groups, version, rollout_seconds = rollouts.take(step)
         timer.seconds.update(rollout_seconds)  # the engine's clocks
         indices = step_indices(step)
@@ -589,12 +667,20 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: correction -- decoupled: pi_old once per batch (§5, §7.2); bypass: in the loss
         batch_correction, size = {}, Counter()
-        if not correction.bypass_mode:
+        if versions is not None:  # each row at the weights that sampled it (§6.9)
+            with timer("timing/sampling_log_prob_s"):
+                versions.keep(step, unwrapped)
+                tensors["sampling_log_prob"], size = sampling_log_probs(args, versions, unwrapped, batch, step)
+        if not correction.bypass_mode and args.prox_logp != "loglinear":  # loglinear: in the update (§7.10)
             with timer("timing/old_log_prob_s"):
                 batch_correction, size = decoupled_correction(
                     args, correction, unwrapped, batch, tensors, log_ratios=dump, routing=routing, step=step
                 )
                 counters["old_log_prob_passes"] += 1
+        if args.mismatch_split:  # numerics and staleness (§6.9)
+            with timer("timing/sampling_log_prob_s"):
+                split, split_size = mismatch_split(args, unwrapped, batch, tensors, step)
+                batch_correction, size = {**batch_correction, **split}, size + split_size
         if moe and (args.routing_metrics or args.routing_replay == "reference"):  # our own routing
             with timer("timing/routing_s"):
                 routing_metrics, routing_size = rc_moe.routing_pass(args, unwrapped, batch, tensors, routing)
@@ -620,8 +706,10 @@ if __name__ == "__main__":
                 step=step,
             )
         dump.save()
-        passes = ("timing/old_log_prob_s", "timing/routing_s", "timing/ref_log_prob_s", "timing/update_s")
+        passes = ("timing/sampling_log_prob_s", "timing/old_log_prob_s", "timing/routing_s", "timing/ref_log_prob_s")
+        passes += ("timing/update_s",)
         perf = rc_run.pass_metrics(size + update_size, sum(timer.seconds.get(k, 0.0) for k in passes))
+        perf.update(versions.metrics() if versions else {})
 
         # TRY NOT TO MODIFY: weight sync -- version step+1 to the engine; queue the batch of step+1+k
         with timer("timing/sync_s"):
@@ -639,6 +727,8 @@ if __name__ == "__main__":
         counts = {"actor/old_log_prob_passes": counters["old_log_prob_passes"], "actor/sync_count": rollouts.sync_count}
         step_metrics.add({**rollout_metrics, **actor_metrics, **counts}, weight=float(len(mask)))
         step_metrics.add({**timer.seconds, "timing/step_s": timer.elapsed()}, weight=1.0)
+        memory = {**rc_run.memory_metrics(), **rc_rollout.engine_memory_metrics(engine, args)}  # {} on a CPU
+        step_metrics.add({**rc_run.flop_inputs(batch), **memory}, weight=1.0)  # the MFU's inputs, per rank
         metrics = {**rc_run.reduce_metrics(step_metrics, host), **eval_metrics}
         metrics.update(health.check(step, metrics))  # health/*: a console line when one fires
         log.log(step, metrics)
@@ -661,6 +751,7 @@ if __name__ == "__main__":
                     counters={**counters, "sync_count": rollouts.sync_count},
                     in_flight=rollouts.wait_queued(step),
                     replay=replay.state(),
+                    kept_versions=None if versions is None else versions.weights,
                 )
 
     # TRY NOT TO MODIFY: final weights and summary

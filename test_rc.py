@@ -630,6 +630,11 @@ ALWAYS_KEYS = OFFPOLICY_KEYS | {
     "rollout_probs_diff_std",
     "rollout_actor_probs_pearson_corr",
     "tv_mismatch",
+    # the peers' mismatch metrics (docs/corrections.md §6.8), beside verl's
+    "log_prob_abs_diff_mean",
+    "log_prob_abs_diff_max",
+    "token_mult_prob_error",
+    "js_divergence",
 }
 VETO_KEYS = {"rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction"}
 
@@ -998,7 +1003,7 @@ def test_kl_penalty_rejects_unknown(name):
 C = rc.RolloutCorrectionConfig
 CONFIG_ERRORS = [
     ({"rollout_is": 1}, TypeError, "got 1"),
-    ({"rollout_is": "geometric"}, ValueError, "seq_mean_k1"),
+    ({"rollout_is": "geometric", "rollout_is_threshold": -0.5}, ValueError, "-0.5"),  # opt-in level: it warns (§10)
     ({"rollout_is": "seq"}, ValueError, "'seq'"),
     ({"rollout_is": "token", "rollout_is_threshold": None}, ValueError, "rollout_is_threshold=None"),
     ({"rollout_is": "token", "rollout_is_threshold": True}, TypeError, "True"),
@@ -1008,7 +1013,8 @@ CONFIG_ERRORS = [
     ({"rollout_is": "token", "rollout_is_threshold": "0.5_1_2"}, ValueError, "'0.5_1_2'"),
     ({"rollout_is": "token", "rollout_is_threshold": "_2"}, ValueError, "'_2'"),
     ({"rollout_is": "token", "rollout_is_threshold": math.nan}, ValueError, "value nan"),
-    ({"rollout_is": "token", "rollout_is_threshold": math.inf}, ValueError, "value inf"),
+    ({"rollout_is": "token", "rollout_is_threshold": -math.inf}, ValueError, "value -inf"),  # +inf: no truncation
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_inf"}, ValueError, "value inf"),  # IcePop bounds stay finite
     ({"rollout_is": "token", "rollout_is_threshold": -1.5}, ValueError, "-1.5"),
     ({"rollout_is": "token", "rollout_is_threshold": 0}, ValueError, "value 0.0"),
     ({"rollout_is": "token", "rollout_is_threshold": "3_2"}, ValueError, "'3_2'"),
@@ -1215,6 +1221,9 @@ PRESET_TABLE = {
     "pg_is": ("sequence", 2.0, None, None, True, "reinforce", None),
     "pg_rs": (None, 2.0, "geometric", 1.001, True, "reinforce", 1e-4),
     "bypass_pg_rs": (None, 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce", None),
+    "decoupled_geo_is": ("geometric", 2.0, None, None, False, "ppo_clip", None),
+    "decoupled_seq_mask_tis": ("token", math.inf, "seq_mean_k1", "0.999_1.002", False, "ppo_clip", None),
+    "bypass_pg_seq_mask_tis": ("token", math.inf, "seq_mean_k1", "0.999_1.002", True, "reinforce", None),
 }
 
 
@@ -1244,7 +1253,7 @@ def test_every_preset_matches_the_spec_table(name):
 
 
 def test_preset_names_and_lookup():
-    assert len(rc.PRESET_NAMES) == 30 and set(rc.PRESET_NAMES) == set(PRESET_TABLE) | set(MASK_PRESETS)
+    assert len(rc.PRESET_NAMES) == 33 and set(rc.PRESET_NAMES) == set(PRESET_TABLE) | set(MASK_PRESETS)
     assert C.from_name("decoupled_seq_is", threshold=3.0) == C(rollout_is="sequence", rollout_is_threshold=3.0)
     assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25).is_spec == rc.ISThreshold(
         "icepop", 0.25, 4.0

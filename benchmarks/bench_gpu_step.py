@@ -1399,19 +1399,9 @@ def non_embedding_params(shape: dict) -> int:
     return layers * (attention + 3 * d * ff + 2 * d) + d
 
 
-def conventional_counts(batch: dict) -> dict:
-    """What one pass over `batch` (make_rollout's layout) needs, whatever the run computed: its tokens (each group's
-    prompt once, every response), its logit positions (one per response token: the logit that predicts it) and the
-    (query, key) pairs its causal attention scores (a p-token prompt's p(p+1)/2 once per group; response token j after
-    it attends p + j + 1 keys). Padding counts nowhere."""
-    prompt, response, group = (batch[k].tolist() for k in ("prompt_len", "response_len", "group"))
-    prompts = dict(zip(group, prompt))  # a group's rows share one prompt
-    return {
-        "tokens": sum(prompts.values()) + sum(response),
-        "logit_positions": sum(response),
-        "attention_pairs": sum(p * (p + 1) // 2 for p in prompts.values())
-        + sum(r * p + r * (r + 1) // 2 for p, r in zip(prompt, response)),
-    }
+# What one pass over a batch needs (tokens, logit positions, causal attention pairs; a shared prompt once per group):
+# the trainer's own count, which it logs each step as perf/mfu_* (benchmarks/gpu_smoke.py turns them into its MFU).
+conventional_counts = rc_run.conventional_counts
 
 
 def conventional_flops(shape: dict, counts: dict, fwd_bwd_passes: int = 1, forward_passes: int = 0) -> dict:

@@ -72,7 +72,8 @@ BREAKDOWN="--breakdown" run 0.5b_mean 120 --config configs/gsm8k_qwen0.5b_bypass
 BREAKDOWN="" run 1.5b_worst 100 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 \
     --repeats 1 --compile off
 # The compiled runs use the allocator's expandable segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise): their
-# varying shapes otherwise leave the cache at twice the memory in use (108 GiB reserved for 44 GiB allocated, measured).
+# varying shapes otherwise leave the cache at twice the memory in use (108 GiB reserved for 44 GiB allocated,
+# reported by the 2026-11-28 session without a committed record).
 alloc=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 PYTORCH_CUDA_ALLOC_CONF=$alloc BREAKDOWN="" run 0.5b_mean_compiled 150 --config configs/gsm8k_qwen0.5b_bypass.yaml \
     --repeats 2 --compile layers

@@ -64,6 +64,7 @@ VERL_IMPORT_DEPS = (
     "orjson==3.13.0",
 )
 TRL_PINS = ("trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0")
+AREAL_PIN = "areal==1.0.4"  # benchmarks/parity_prox.py: its proximal approximation is pure torch, so --no-deps
 PEERS = ("verl", "trl")
 SEEDS = 5
 B, T = 16, 24
@@ -80,6 +81,8 @@ def _env_and_steps(peer: str) -> tuple[str, list[list[str]]]:
     """The peer's environment folder and its pip install steps."""
     if peer == "verl":
         steps = [[torch_pin(), *VERL_IMPORT_DEPS], ["--no-deps", VERL_PIN]]
+    elif peer == "areal":
+        steps = [[torch_pin()], ["--no-deps", AREAL_PIN]]
     else:
         steps = [[torch_pin(), *TRL_PINS]]
     return os.path.join(BENCH, f"{peer}-env"), steps

@@ -4,6 +4,7 @@ launcher settings (DeepSpeed and FSDP1 refused, FSDP2 switched on), gradient acc
 bookkeeping."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -73,6 +74,145 @@ def test_engine_never_sleeps_on_cpu(monkeypatch):
     engine.sleep()
     engine.wake("weights", "kv_cache")
     assert log == []
+
+
+def test_sleep_level_is_2_where_every_rollout_follows_a_fresh_push():
+    """--vllm-sleep-level None: 2 (weights discarded) at --sync-every 1 on a dense model, 1 otherwise; an explicit
+    level wins; an explicit 2 where a rollout could follow a sleep without a push is refused at start."""
+    import rc_train
+
+    def level(moe=False, **changes):
+        args = dataclasses.replace(rc_train.Args(), **changes)
+        rc_config.validate_args(args, world_size=1)
+        return rc_rollout.sleep_level(args, moe)
+
+    assert rc_train.Args().vllm_sleep_level is None
+    assert level() == 2 and level(max_staleness=0) == 2 and level(rollout_weight_noise=0.1) == 2  # dials push too
+    assert level(sync_every=2, max_staleness=0) == 1 and level(sync_every=0, max_staleness=0) == 1
+    assert level(moe=True) == 1  # the MoE engine's GPU update path is not verified
+    assert level(vllm_sleep_level=1) == 1 and level(moe=True, vllm_sleep_level=2) == 2  # asked for
+    assert level(vllm_sleep_level=1, sync_every=2, max_staleness=0) == 1
+    for changes, words in (
+        (dict(vllm_sleep_level=2, sync_every=2, max_staleness=0), "--sync-every 2"),
+        (dict(vllm_sleep_level=2, sync_every=0, max_staleness=0), "--sync-every 0"),
+        (dict(vllm_sleep_level=3), "got 3"),
+        (dict(vllm_sleep_level=0), "got 0"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            level(**changes)
+
+
+class _SleepingLLM:
+    """An engine that forgets its weights in a level-2 sleep (a wake-up then holds garbage until the next push) and
+    checks every generation against that, for the trainer's schedule of loads, rollouts and evaluations."""
+
+    def __init__(self, level: int):
+        self.level, self.weights, self.log = level, "model", []
+
+    def sleep(self, level):
+        assert level == self.level
+        self.weights = None if level == 2 else self.weights
+        self.log.append("sleep")
+
+    def wake_up(self, tags):
+        self.log.append(("wake", *tags))
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights"
+        list(kwargs["weights_iterator"])
+        self.weights = "pushed"
+        self.log.append("push")
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def _generate_on_live_weights(llm, request, args):
+    assert llm.weights is not None, f"a generation on discarded weights: {llm.log}"
+    llm.log.append("eval" if request.greedy else "rollout")
+    return [[rc_rollout.Response([1], [] if request.greedy else [-0.5], "1")] * request.n for _ in request.prompts]
+
+
+def _trainer_schedule(args, level: int, start_step: int = 0) -> list:
+    """rc_train.py's order of engine calls (an engine in the trainer's process, --max-staleness 0) on a sleeping
+    engine: the first evaluation, Rollouts.begin, then per step the rollout, the update, the sync, the evaluation
+    every --eval-every steps and at the end, the next request; start_step > 0 is a resumed run (a new engine)."""
+    llm = _SleepingLLM(level)
+    memory = rc_rollout.EngineMemory(llm, enabled=True, level=level)
+    engine = rc_rollout.LocalEngine(llm, memory, _generate_on_live_weights, args)
+    model = torch.nn.Linear(3, 2)
+    rollouts = rc_rollout.Rollouts(args, engine, model, lambda step: ([[1, 2]], 0))
+    eval_prompts = [[3, 4]]
+    if args.eval_before and not start_step:
+        rollouts.evaluate(eval_prompts, 0)
+    rollouts.begin(start_step)
+    for step in range(start_step, args.num_steps):
+        rollouts.take(step)
+        with torch.no_grad():  # the update
+            model.weight.add_(0.1)
+        rollouts.sync(step)
+        last = step == args.num_steps - 1
+        if last or (args.eval_every and (step + 1) % args.eval_every == 0):
+            rollouts.wait_queued(step)
+            rollouts.evaluate(eval_prompts, step + 1, restore=not last)
+        rollouts.request(step + 1 + args.max_staleness)
+    return llm.log
+
+
+def test_no_generation_runs_on_weights_a_level_2_sleep_discarded(monkeypatch):
+    """The rule of rc_rollout.sleep_level, checked on the trainer's own schedule: at --sync-every 1 every rollout and
+    every evaluation after a sleep follows a push, with and without a weight dial (evaluated on the unperturbed weights,
+    then the perturbed ones back), in a fresh run and a resumed one. A level-2 sleep at --sync-every 2 would
+    generate on discarded weights, which is why level 2 needs --sync-every 1."""
+    import rc_train
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    base = dict(num_steps=5, eval_every=2, max_staleness=0)
+    for changes in ({}, dict(rollout_weight_noise=0.1), dict(eval_before=False)):
+        args = dataclasses.replace(rc_train.Args(), **base, **changes)
+        level = rc_rollout.sleep_level(args)
+        assert level == 2
+        log = _trainer_schedule(args, level)
+        assert log.count("rollout") == 5 and log.count("sleep") == 5 and log.count("eval") >= 3, log
+        assert _trainer_schedule(args, level, start_step=3).count("rollout") == 2
+    args = dataclasses.replace(rc_train.Args(), **base, sync_every=2)
+    assert rc_rollout.sleep_level(args) == 1
+    assert _trainer_schedule(args, 1).count("rollout") == 5
+    with pytest.raises(AssertionError, match="discarded weights"):
+        _trainer_schedule(args, 2)
+
+
+def test_make_engine_sleeps_at_the_level_of_the_rule(monkeypatch, tmp_path):
+    """make_engine builds the GPU engine's EngineMemory at rc_rollout.sleep_level (the engine's config says MoE or
+    not) and says the level in the run's engine log; no engine is started here."""
+    import logging
+
+    import rc_train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    accelerator = types.SimpleNamespace(process_index=0, num_processes=1, local_process_index=0)
+    said, log = [], logging.getLogger("vllm.rc_rollout")
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # as the "vllm" logger is once an engine starts (rc_rollout.engine_output_to)
+    try:
+        for moe, changes, level in (
+            (False, {}, 2),
+            (True, {}, 1),
+            (False, dict(sync_every=3), 1),
+            (False, dict(vllm_sleep_level=1), 1),
+        ):
+            config = types.SimpleNamespace(is_moe=moe)
+            llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=config))
+            monkeypatch.setattr(rc_rollout, "start_engine", lambda *a, llm=llm: llm)
+            args = dataclasses.replace(rc_train.Args(), max_staleness=0, **changes)
+            engine = rc_rollout.make_engine(args, "model", str(tmp_path), [[1, 2, 3]], accelerator)
+            assert engine.memory.enabled and engine.memory.level == level, (moe, changes)
+            assert said[-1].startswith(f"sleep level {level} "), said
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(logging.NOTSET)
 
 
 # ---- Metric reduction --------------------------------------------------------------------------------------
@@ -485,6 +625,51 @@ def test_final_weights_from_fsdp2_shards_equal_the_unsharded_ones(tmp_path):
     trained = _trained_from_a_bf16_base(str(tmp_path / "base"))  # writes the base the ranks load
     _spawn_or_fail(_fsdp_final_worker, (2, _free_port(), str(tmp_path / "base"), str(tmp_path / "run")), 300)
     _check_final(tmp_path / "run" / "final", trained)
+
+
+def _fsdp_push_worker(rank, world, port, results):
+    """One FSDP2 rank streaming the weight push (rc_run.full_weights) of a tiny tied Qwen2, its all-gathers counted."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.tensor import DTensor
+
+    import tasks
+
+    model = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    model = rc_run.shard_model(model, "cpu")
+    gathers, full_tensor = [0], DTensor.full_tensor
+
+    def counting_full_tensor(self, *a, **kw):
+        gathers[0] += 1
+        return full_tensor(self, *a, **kw)
+
+    DTensor.full_tensor = counting_full_tensor
+    pushed = [(name, t.clone()) for name, t in rc_run.full_weights(model)]
+    DTensor.full_tensor = full_tensor
+    results[rank] = {
+        "names": [n for n, _ in pushed],
+        "state_dict_names": list(model.state_dict()),
+        "parameters": len(list(model.parameters())),
+        "gathers": gathers[0],
+        "equal": all(torch.equal(t, plain[n]) for n, t in pushed),
+        "tied": model.config.tie_word_embeddings,
+    }
+    dist.destroy_process_group()
+
+
+def test_fsdp2_weight_push_gathers_a_tied_lm_head_once():
+    """A tied lm_head is the embedding under a second name: the push hands it to the engine under both names (vLLM's
+    CPU build keeps its own packed copy of the output layer), in state-dict order, but all-gathers it once (before, a
+    second full gather of the largest tensor at every sync)."""
+    results = mp.Manager().dict()
+    _spawn_or_fail(_fsdp_push_worker, (2, _free_port(), results), 300)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["tied"] and "lm_head.weight" in r["names"], r
+        assert r["names"] == r["state_dict_names"] and r["equal"], r
+        assert r["gathers"] == r["parameters"] == len(r["names"]) - 1, r  # one name fewer: the tied one
 
 
 def test_weight_fingerprint_sees_every_bit():

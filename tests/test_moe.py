@@ -243,6 +243,11 @@ def test_moe_settings_that_need_the_models_config_are_refused_before_the_engine(
     assert check(dense).routing_metrics is False  # None resolves: off for a dense model
     assert check(qwen3).routing_metrics is True  # on for an MoE on the CPU engine
     assert check(qwen3, on_gpu=True).routing_metrics is False  # no capture on GPUs
+    # --compile with an MoE model on a GPU: neither built nor verified there, refused in one line naming both
+    message = refused(lambda: check(qwen3, on_gpu=True, compile=True))
+    assert message.startswith("--compile with an MoE model (--model some/model (qwen3_moe)) on a GPU"), message
+    assert check(qwen3, compile=True).routing_metrics is False  # the CPU engine: allowed (metrics off, as before)
+    assert check(dense, on_gpu=True, compile=True).routing_metrics is False  # a dense model compiles on a GPU
     assert rc_moe.moe_type(dense) is None and rc_moe.moe_type(qwen3) == "qwen3_moe"
 
 

@@ -108,6 +108,11 @@ def records_replay(n=10):
     return [{**r, "rollout/replayed_fraction": 0.0 if r["step"] == 0 else 0.5} for r in records_dense(n)]
 
 
+def records_split(n=10):
+    """A dense run with --mismatch-split: the numerics and staleness parts of alpha_1 (corrections.md §6.9)."""
+    return [{**r, "rollout_corr/numerics_tv": 1e-3, "rollout_corr/staleness_tv": 0.02} for r in records_dense(n)]
+
+
 def records_moe(n=10):
     """A dense run of an MoE model: the routing metrics (and the unreplayed k3 / alpha_1 beside the replayed ones)."""
     return [
@@ -149,8 +154,11 @@ def empty_panels(fig):
 CORE = [p.title for p in rc_plot.PANELS if not p.needs]  # the panels every dashboard draws
 REPLAY = "Replay buffer"
 MOE = "MoE routing (trainer vs engine)"
+SPLIT = "Mismatch split (α₁ = numerics + staleness)"
+SPLIT_NOTE = "Mismatch split (--mismatch-split)"
 DENSE_NOTE = (
-    "optional panels not drawn (no data in this run): Replay buffer (--replay-window), MoE routing (an MoE model)"
+    "optional panels not drawn (no data in this run): Replay buffer (--replay-window), MoE routing (an MoE model), "
+    + SPLIT_NOTE
 )
 
 
@@ -323,11 +331,11 @@ def test_dashboard_not_logged_for_a_run_without_is(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_optional_panels_name_what_fills_them():
     optional = [p for p in rc_plot.PANELS if p.needs]
-    assert [p.title for p in optional] == [REPLAY, MOE]
+    assert [p.title for p in optional] == [REPLAY, MOE, SPLIT]
     assert all(p.needs in rc_plot.NEEDS for p in optional)
     assert rc_plot.left_out_note(optional, 1) == DENSE_NOTE
     two = rc_plot.left_out_note(optional[1:], 2)
-    assert two == "optional panels not drawn (no data in these runs): MoE routing (an MoE model)"
+    assert two == f"optional panels not drawn (no data in these runs): MoE routing (an MoE model), {SPLIT_NOTE}"
     assert rc_plot.left_out_note([], 1) == ""
 
 
@@ -376,7 +384,10 @@ def test_replay_run_draws_the_replay_panel():
     assert empty_panels(fig) == []
     [line] = axes[REPLAY].get_lines()
     assert list(line.get_ydata()) == [0.0] + [0.5] * 9
-    assert fig.get_supxlabel() == "optional panels not drawn (no data in this run): MoE routing (an MoE model)"
+    assert (
+        fig.get_supxlabel()
+        == f"optional panels not drawn (no data in this run): MoE routing (an MoE model), {SPLIT_NOTE}"
+    )
     assert sum(ax.get_visible() for ax in fig.axes) == 16 and len(fig.axes) == 16  # 16 panels fill 4 rows
 
 
@@ -387,7 +398,9 @@ def test_moe_run_draws_the_routing_panel():
     assert empty_panels(fig) == []
     assert len(axes[MOE].get_lines()) == 2
     assert len(axes["Mismatch KL k3"].get_lines()) == 2  # k3 and k3 without MoE replay
-    assert fig.get_supxlabel() == "optional panels not drawn (no data in this run): Replay buffer (--replay-window)"
+    assert fig.get_supxlabel() == (
+        f"optional panels not drawn (no data in this run): Replay buffer (--replay-window), {SPLIT_NOTE}"
+    )
 
 
 def test_compared_runs_draw_an_optional_panel_any_of_them_filled(tmp_path, capsys):
@@ -396,13 +409,16 @@ def test_compared_runs_draw_an_optional_panel_any_of_them_filled(tmp_path, capsy
     fig = rc_plot.build_dashboard([records_dense(), records_replay()], ["dense", "replay"])
     ax = panel_axes(fig)[REPLAY]
     assert lines_of(ax, "C0") == [] and len(lines_of(ax, "C1")) == 1
-    assert fig.get_supxlabel() == "optional panels not drawn (no data in these runs): MoE routing (an MoE model)"
+    assert fig.get_supxlabel() == (
+        f"optional panels not drawn (no data in these runs): MoE routing (an MoE model), {SPLIT_NOTE}"
+    )
 
-    fig = rc_plot.build_dashboard([records_replay(), records_moe()], ["replay", "moe"])
+    fig = rc_plot.build_dashboard([records_replay(), records_moe(), records_split()], ["replay", "moe", "split"])
     assert list(panel_axes(fig)) == [p.title for p in rc_plot.PANELS]
     assert empty_panels(fig) == []
     assert len(fig.axes) == 20 and fig.get_supxlabel() == ""
-    dirs = [str(write_run(tmp_path, n, recs)) for n, recs in (("r", records_replay()), ("m", records_moe()))]
+    runs = (("r", records_replay()), ("m", records_moe()), ("s", records_split()))
+    dirs = [str(write_run(tmp_path, n, recs)) for n, recs in runs]
     assert rc_plot.main(dirs + ["--out", str(tmp_path / "both.png")]) == 0
     assert capsys.readouterr().out.splitlines() == [f"rc_plot: wrote {tmp_path / 'both.png'}"]
 

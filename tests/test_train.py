@@ -784,7 +784,8 @@ def test_bound_zero_in_the_rollout_worker_is_the_synchronous_loop(tmp_path):
     assert final[0] == final[1]
 
 
-# k = 2 with a checkpoint every 2 steps, read by the schedule test and by the kill-and-resume test as its reference.
+# k = 2 with a checkpoint every 2 steps, read by the schedule test and by the kill-and-resume test as its reference;
+# --mismatch-split (diagnostic only) puts the weights kept by version into the checkpoints the resume reads.
 STALE_RUN = [
     *QUICK,
     "--num-steps",
@@ -799,6 +800,7 @@ STALE_RUN = [
     "5e-3",
     "--rc.preset",
     "decoupled_token_is",
+    "--mismatch-split",
 ]
 
 
@@ -823,6 +825,14 @@ def test_staleness_follows_the_schedule_and_is_deterministic(tmp_path, stale_run
     assert [r["actor/sync_count"] for r in rows] == [1, 2, 3, 4, 5, 6]  # one load per update
     k3 = [r["rollout_corr/k3_kl"] for r in rows]
     assert k3[0] < 1e-6 and min(k3[1:]) > 1e-4, k3
+    # the split (corrections §6.9): the fp32 engine holds the trainer's weights, so all of it is staleness, and the
+    # two parts' log-ratios add up to today's total, -rollout_corr/kl = <log pi_old - log mu>
+    for r in rows:
+        assert abs(r["rollout_corr/numerics_log_ratio"]) < 1e-6 and r["rollout_corr/numerics_tv"] < 1e-4, r["step"]
+        total = r["rollout_corr/numerics_log_ratio"] + r["rollout_corr/staleness_log_ratio"]
+        assert total == pytest.approx(-r["rollout_corr/kl"], rel=1e-6, abs=1e-7), r["step"]  # float32 sums
+        assert r["rollout_corr/tv_mismatch"] <= r["rollout_corr/numerics_tv"] + r["rollout_corr/staleness_tv"] + 1e-9
+    assert [r["perf/kept_versions"] for r in rows] == [1, 2, 3, 3, 3, 3]  # versions t - 2 .. t
     assert all(r["timing/rollout_wait_s"] >= 0 and r["timing/engine_idle_s"] >= 0 for r in rows)
     for a, b in zip(rows, again):
         assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})

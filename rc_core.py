@@ -2062,13 +2062,42 @@ def compute_grpo_outcome_advantage(
     return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
 
 
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    scores: torch.Tensor,
+    index: Iterable[Hashable] | torch.Tensor,
+    norm_adv_by_std: bool = True,
+    response_mask: torch.Tensor | None = None,
+    f_norm: float = 1.0,
+) -> torch.Tensor:
+    """GPG outcome advantage (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline", arXiv
+    2504.02546; verl ``compute_gpg_outcome_advantage``, core_algos.py) (docs/corrections.md §8):
+
+    A_i = alpha (R_i - mu_g) / F,  alpha = B / max(#{i: R_i != 0}, 1),  F = ``f_norm`` (1),
+    mu_g the group mean (0 for a group of one); no std division (``norm_adv_by_std`` is ignored). alpha scales the
+    gradient up by the share of rows with a non-zero reward, as verl counts it (the paper counts the valid samples).
+    Over this call's rows: under DDP each rank's own B and count (verl: the whole batch)."""
+    scores = torch.as_tensor(scores)
+    returns = (scores.sum(dim=-1) if scores.dim() == 2 else scores).to(_work_dtype(scores))
+    alpha = returns.shape[0] / max(int(torch.count_nonzero(returns)), 1)
+    centred = compute_grpo_outcome_advantage(returns, index, norm_adv_by_std=False)
+    adv = alpha * centred / f_norm
+    if response_mask is None:
+        return adv
+    mask = _check_mask_values(response_mask, "response_mask")
+    return torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=adv.dtype, device=adv.device))
+
+
 #: Advantage estimators by name, the values of the trainer's ``--adv-estimator``.  One calling convention for all:
 #: ``estimator(scores, index, *, response_mask=None, norm_adv_by_std=True)`` with scores (B,) or (B, T) (summed over
 #: T), index the group id of each row (B,) (hashables or an integer tensor), returning A (B,), or A_i m_it (B, T)
 #: when ``response_mask`` is given.  ``norm_adv_by_std`` is GRPO's std division; an estimator without one ignores
 #: it.  A group is always on one rank, so group statistics are local.  A new estimator: one function and one entry
 #: here (README "Fork it" adds RLOO).
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {"grpo": compute_grpo_outcome_advantage}
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": compute_grpo_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
+}
 
 
 def compute_advantage(

@@ -299,3 +299,18 @@ def test_the_recipes_on_the_running_page_build_these_configs(monkeypatch):
         assert config.bypass_mode and config.rollout_sq_log_ratio_coef == 1e-3 and args.loss_agg_mode == "token-mean"
         built[config.loss_mode] = (args.clip_ratio_low or args.clip_ratio, args.clip_ratio_high or args.clip_ratio)
     assert built == {"dppo_tv": (0.2, 0.2), "ipo": (0.1, 0.1)}
+
+
+def test_gpg_advantage_by_hand():
+    """GPG's estimator (verl compute_gpg_outcome_advantage): alpha (R - group mean), alpha = B / #(R != 0), no std;
+    a group of one keeps its raw score, an all-equal group gets 0, the response mask spreads it over tokens."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1, 2, 3])  # group 2 and 3: one row each
+    alpha = 6 / 4  # four non-zero rewards
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, 0.5], dtype=torch.float64) * alpha
+    assert torch.allclose(rc.compute_advantage("gpg", rewards, groups), expected, rtol=0, atol=1e-15)
+    flat = rc.compute_advantage("gpg", torch.tensor([1.0, 1.0, 0.0, 0.0]), [0, 0, 1, 1])
+    assert flat.tolist() == [0.0, 0.0, 0.0, 0.0]
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 6, dtype=torch.float64)
+    spread = rc.compute_advantage("gpg", rewards, groups, response_mask=mask, norm_adv_by_std=True)
+    assert torch.allclose(spread, expected[:, None] * mask, rtol=0, atol=1e-15)

@@ -182,7 +182,7 @@ def test_rloo_recipe(tmp_path):
         full = core.compute_advantage("rloo", token_scores, ids, response_mask=mask, norm_adv_by_std=True)
         torch.testing.assert_close(full, torch.tensor(want, dtype=torch.float64)[:, None] * mask)
         settings.validate_args(trainer.Args(adv_estimator="rloo"), world_size=1)  # now a valid --adv-estimator
-        with pytest.raises(ValueError, match="--adv-estimator.*grpo, rloo.*'ppo'"):
+        with pytest.raises(ValueError, match="--adv-estimator.*grpo, gpg, rloo.*'ppo'"):
             settings.validate_args(trainer.Args(adv_estimator="ppo"), world_size=1)
 
     # The copy's real trainer, two steps on the one-token fixture with --adv-estimator rloo.

@@ -150,8 +150,7 @@ class Args(
     kl_is_corrected: bool = False
     """weight the KL penalty by pi_theta/pi_old (the unbiased KL, §7.8)"""
     prox_logp: Literal["recompute", "loglinear", "metrics", "sampling"] = "recompute"
-    """decoupled pi_old: a pass; loglinear: from mu and pi_theta by version (§7.10); metrics: both; sampling: the
-    weights that sampled each row (slime's keep-old-actor, §6.9)"""
+    """decoupled pi_old: recompute; loglinear (AReaL, no pass, §7.10); metrics (both); sampling (keep-old-actor §6.9)"""
 
     # Evaluation
     eval_before: bool = True

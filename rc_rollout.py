@@ -4,8 +4,9 @@ What belongs here starts, feeds, asks or stops an engine: its scheduler limits, 
 (sleep and wake), the in-place weight load, the sampling seeds, generation with processed log-probs, an MoE engine's
 expert prepack after a load and its routing capture (MoEEngine, docs/moe.md), the lab's engine-side mismatch dials
 (weights the engine receives, planted tokens), the engine in the trainer's process and the rollout worker process, and
-the staleness schedule and the replay buffer (ReplayBuffer: whole groups of earlier steps, each with its own version,
-docs/async.md §8). rc_train.py starts its engine (make_engine), asks `Rollouts` for
+the staleness schedule, the replay buffer (ReplayBuffer: whole groups of earlier steps, each with its own version,
+docs/async.md §8) and the trainer's weights of those versions (KeptVersions: each row scored at the weights that
+sampled it, docs/corrections.md §6.9). rc_train.py starts its engine (make_engine), asks `Rollouts` for
 the batch of a step (take), hands it the new weights after each update (sync), queues the batch k steps ahead
 (request) and asks it for greedy evaluations (evaluate). What crosses a process boundary is a named tuple: a
 `Request` in, a `Result` of `Response`s out.
@@ -50,6 +51,7 @@ import random
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -57,6 +59,8 @@ import numpy as np
 import torch
 
 import rc_config
+import rc_core
+import rc_forward
 import rc_run
 
 
@@ -1052,6 +1056,36 @@ class KeptVersions:
             yield model
         finally:
             model.load_state_dict(self.weights[current])
+
+    def log_probs(self, args, model, batch: dict, step: int):
+        """log pi_v of each row at the weights of the version v that sampled it: the rollout's own policy under the
+        trainer's numerics (§6.9). Rows of the current version are scored at the current weights."""
+        versions, size = batch["version"], Counter()
+        out = torch.zeros(len(versions), rc_forward.response_width(batch))
+        model.eval()
+        for v in sorted(set(versions.tolist())):
+            rows = torch.nonzero(versions == v).flatten()
+            with self.loaded(model, v, current=step):
+                log_prob, part = rc_forward.no_grad_pass(model, batch, args, rows=rows)
+            out[rows], size = log_prob[rows], size + part
+        return out, size
+
+    @staticmethod
+    def mismatch_split(args, model, batch: dict, tensors: dict, step: int):
+        """log(pi_t/mu) split at pi_v into numerics and staleness (rc_core.mismatch_split_metrics, §6.9). pi_t, the
+        weights of step t, is decoupled's recomputed pi_old; otherwise (bypass, loglinear, sampling) the stale rows
+        are scored at the current weights here."""
+        v, size = tensors["sampling_log_prob"], Counter()
+        if args.prox_logp in ("recompute", "metrics") and "old_log_prob" in tensors:
+            current = tensors["old_log_prob"]
+        else:
+            stale, current = torch.nonzero(batch["version"] < step).flatten(), v.clone()
+            if len(stale):
+                model.eval()
+                scored, size = rc_forward.no_grad_pass(model, batch, args, rows=stale)
+                current[stale] = scored[stale]
+        split = rc_core.mismatch_split_metrics(current, v, tensors["rollout_log_prob"], tensors["response_mask"])
+        return split, size
 
 
 class Rollouts:

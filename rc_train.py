@@ -320,38 +320,6 @@ def decoupled_correction(
     return metrics, size
 
 
-def sampling_log_probs(args: Args, kept: rc_rollout.KeptVersions, model, batch: dict, step: int):
-    """log pi_v of each row at the weights of the version v that sampled it (kept on the host; §6.9): the rollout's
-    own policy under the trainer's numerics. Rows of the current version are scored at the current weights."""
-    versions, size = batch["version"], Counter()
-    out = torch.zeros(len(versions), rc_forward.response_width(batch))
-    model.eval()
-    for v in sorted(set(versions.tolist())):
-        rows = torch.nonzero(versions == v).flatten()
-        with kept.loaded(model, v, current=step):
-            log_prob, part = rc_forward.no_grad_pass(model, batch, args, rows=rows)
-        out[rows], size = log_prob[rows], size + part
-    return out, size
-
-
-def mismatch_split(args: Args, model, batch: dict, tensors: dict, step: int):
-    """The mismatch log(pi_t/mu) split at pi_v into numerics and staleness (rc_core.mismatch_split_metrics, §6.9).
-    pi_t, the weights of step t, is decoupled's recomputed pi_old; otherwise (bypass, loglinear, sampling) the stale
-    rows are scored at the current weights here."""
-    v, mask = tensors["sampling_log_prob"], tensors["response_mask"]
-    size = Counter()
-    if args.prox_logp in ("recompute", "metrics") and "old_log_prob" in tensors:
-        current = tensors["old_log_prob"]
-    else:
-        stale = torch.nonzero(batch["version"] < step).flatten()
-        current = v.clone()
-        if len(stale):
-            model.eval()
-            scored, size = rc_forward.no_grad_pass(model, batch, args, rows=stale)
-            current[stale] = scored[stale]
-    return rc_core.mismatch_split_metrics(current, v, tensors["rollout_log_prob"], mask), size
-
-
 def policy_loss(args: Args, correction, log_prob, micro: dict, denominators: dict, *, first: bool, check: bool):
     """The policy-gradient loss: bypass corrects inside rc_core (§7.3/§7.4), decoupled (§7.2) not."""
     mask = micro["response_mask"]
@@ -669,7 +637,7 @@ if __name__ == "__main__":
         if versions is not None:  # each row at the weights that sampled it (§6.9)
             with timer("timing/sampling_log_prob_s"):
                 versions.keep(step, unwrapped)
-                tensors["sampling_log_prob"], size = sampling_log_probs(args, versions, unwrapped, batch, step)
+                tensors["sampling_log_prob"], size = versions.log_probs(args, unwrapped, batch, step)
         if not correction.bypass_mode and args.prox_logp != "loglinear":  # loglinear: in the update (§7.10)
             with timer("timing/old_log_prob_s"):
                 batch_correction, size = decoupled_correction(
@@ -678,7 +646,7 @@ if __name__ == "__main__":
                 counters["old_log_prob_passes"] += 1
         if args.mismatch_split:  # numerics and staleness (§6.9)
             with timer("timing/sampling_log_prob_s"):
-                split, split_size = mismatch_split(args, unwrapped, batch, tensors, step)
+                split, split_size = versions.mismatch_split(args, unwrapped, batch, tensors, step)
                 batch_correction, size = {**batch_correction, **split}, size + split_size
         if moe and (args.routing_metrics or args.routing_replay == "reference"):  # our own routing
             with timer("timing/routing_s"):

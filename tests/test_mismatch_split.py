@@ -104,7 +104,7 @@ def test_each_row_is_scored_at_the_weights_that_sampled_it():
     new = rc_forward.no_grad_pass(model, b.batch, args)[0]
     kept.keep(step, model)
     current = {k: t.clone() for k, t in model.state_dict().items()}
-    got, _ = rc_train.sampling_log_probs(args, kept, model, b.batch, step)
+    got, _ = kept.log_probs(args, model, b.batch, step)
     odd, valid = torch.arange(n) % 2 == 1, b.batch["response_mask"] > 0  # (padding: whatever each pass left)
     assert torch.allclose(got[odd][valid[odd]], old[odd][valid[odd]], atol=1e-5)
     assert torch.allclose(got[~odd][valid[~odd]], new[~odd][valid[~odd]], atol=1e-5)
@@ -112,7 +112,7 @@ def test_each_row_is_scored_at_the_weights_that_sampled_it():
     assert all(torch.equal(model.state_dict()[k], current[k]) for k in current)
     tensors = {"sampling_log_prob": got, "response_mask": b.batch["response_mask"]}
     tensors["rollout_log_prob"] = b.batch["rollout_log_prob"]
-    split, _ = rc_train.mismatch_split(dataclasses.replace(args, prox_logp="sampling"), model, b.batch, tensors, step)
+    split, _ = kept.mismatch_split(dataclasses.replace(args, prox_logp="sampling"), model, b.batch, tensors, step)
     by_hand = rc_core.mismatch_split_metrics(new, got, b.batch["rollout_log_prob"], b.batch["response_mask"])
     assert split == pytest.approx(by_hand, abs=1e-6)
 

@@ -1057,33 +1057,41 @@ class KeptVersions:
         finally:
             model.load_state_dict(self.weights[current])
 
-    def log_probs(self, args, model, batch: dict, step: int):
+    def log_probs(self, args, model, batch: dict, step: int, current: torch.Tensor | None = None):
         """log pi_v of each row at the weights of the version v that sampled it: the rollout's own policy under the
-        trainer's numerics (§6.9). Rows of the current version are scored at the current weights."""
+        trainer's numerics (§6.9). Rows of the current version are scored at the current weights, or taken from
+        `current` when those log-probs were already computed (decoupled's pi_old)."""
         versions, size = batch["version"], Counter()
         out = torch.zeros(len(versions), rc_forward.response_width(batch))
         model.eval()
         for v in sorted(set(versions.tolist())):
             rows = torch.nonzero(versions == v).flatten()
+            if v == step and current is not None:
+                out[rows] = current[rows]
+                continue
             with self.loaded(model, v, current=step):
                 log_prob, part = rc_forward.no_grad_pass(model, batch, args, rows=rows)
             out[rows], size = log_prob[rows], size + part
         return out, size
 
-    @staticmethod
-    def mismatch_split(args, model, batch: dict, tensors: dict, step: int):
+    def mismatch_split(self, args, model, batch: dict, tensors: dict, step: int):
         """log(pi_t/mu) split at pi_v into numerics and staleness (rc_core.mismatch_split_metrics, §6.9). pi_t, the
         weights of step t, is decoupled's recomputed pi_old; otherwise (bypass, loglinear, sampling) the stale rows
-        are scored at the current weights here."""
-        v, size = tensors["sampling_log_prob"], Counter()
-        if args.prox_logp in ("recompute", "metrics") and "old_log_prob" in tensors:
-            current = tensors["old_log_prob"]
+        are scored at the current weights here. pi_v (tensors["sampling_log_prob"]) is scored here unless --prox-logp
+        sampling already did, the current rows taken from the recomputed pi_old: no row is scored twice."""
+        recomputed = tensors.get("old_log_prob") if args.prox_logp in ("recompute", "metrics") else None
+        size = Counter()
+        if "sampling_log_prob" not in tensors:
+            tensors["sampling_log_prob"], size = self.log_probs(args, model, batch, step, current=recomputed)
+        v = tensors["sampling_log_prob"]
+        if recomputed is not None:
+            current = recomputed
         else:
             stale, current = torch.nonzero(batch["version"] < step).flatten(), v.clone()
             if len(stale):
                 model.eval()
-                scored, size = rc_forward.no_grad_pass(model, batch, args, rows=stale)
-                current[stale] = scored[stale]
+                scored, part = rc_forward.no_grad_pass(model, batch, args, rows=stale)
+                current[stale], size = scored[stale], size + part
         split = rc_core.mismatch_split_metrics(current, v, tensors["rollout_log_prob"], tensors["response_mask"])
         return split, size
 

@@ -637,7 +637,8 @@ if __name__ == "__main__":
         if versions is not None:  # each row at the weights that sampled it (§6.9)
             with timer("timing/sampling_log_prob_s"):
                 versions.keep(step, unwrapped)
-                tensors["sampling_log_prob"], size = versions.log_probs(args, unwrapped, batch, step)
+                if args.prox_logp == "sampling":  # pi_old itself; else the split scores them, after pi_old
+                    tensors["sampling_log_prob"], size = versions.log_probs(args, unwrapped, batch, step)
         if not correction.bypass_mode and args.prox_logp != "loglinear":  # loglinear: in the update (§7.10)
             with timer("timing/old_log_prob_s"):
                 batch_correction, size = decoupled_correction(
@@ -673,8 +674,13 @@ if __name__ == "__main__":
                 step=step,
             )
         dump.save()
-        passes = ("timing/sampling_log_prob_s", "timing/old_log_prob_s", "timing/routing_s", "timing/ref_log_prob_s")
-        passes += ("timing/update_s",)
+        passes = (
+            "timing/sampling_log_prob_s",
+            "timing/old_log_prob_s",
+            "timing/routing_s",
+            "timing/ref_log_prob_s",
+            "timing/update_s",
+        )
         perf = rc_run.pass_metrics(size + update_size, sum(timer.seconds.get(k, 0.0) for k in passes))
         perf.update(versions.metrics() if versions else {})
 

@@ -2588,8 +2588,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout_is_threshold": _Arg("threshold", 5.0),
         "rollout_is_threshold_lower": _Arg("threshold_lower", 0.5),
     },
-    "decoupled_opsm": {"rollout_opsm_threshold": _Arg("opsm_threshold", 1e-4)},  # §4.6, slime's delta
-    "decoupled_m2po": {"rollout_m2_threshold": _Arg("m2_threshold", 0.04)},  # §4.7, M2PO's tau_M2
+    # OPSM (§4.6) at TRL's documented delta 0.5 (trl docs/source/paper_index.md, GRPOConfig.off_policy_mask_threshold;
+    # DeepSeek-V3.2 gives none); slime's --opsm-delta default 1e-4 (the committed catalogue runs) is opsm_threshold=1e-4
+    "decoupled_opsm": {"rollout_opsm_threshold": _Arg("opsm_threshold", 0.5)},
+    # M2PO as AReaL's recipe runs it (examples/math/gsm8k_m2po.yaml; design-readings §29): the decoupled loss with the
+    # token IS weight pi_old/mu, tokens of ratio > 5 masked (rejection_sampling metric=ratio, upper=5, action=mask:
+    # the TIS cap at 5 never bites on a kept token), under the second-moment mask at tau_M2 = 0.04
+    "decoupled_m2po": {
+        "rollout_is": "token",
+        "rollout_is_threshold": _Arg("threshold", 5.0),
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": _Band(None, _Arg("threshold", 5.0)),
+        "rollout_m2_threshold": _Arg("m2_threshold", 0.04),
+    },
+    # the M2 mask alone, no IS weight: the catalogue's "decoupled_m2po" arm before issue 48 (§4.7)
+    "decoupled_m2_mask": {"rollout_m2_threshold": _Arg("m2_threshold", 0.04)},
     "decoupled_outlier_rs": {  # §4.8, SkyRL's suggested bounds
         "rollout_outlier_threshold_low": _Arg("outlier_low", 1e-4),
         "rollout_outlier_threshold_high": _Arg("outlier_high", 100.0),

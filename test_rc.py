@@ -1253,7 +1253,7 @@ def test_every_preset_matches_the_spec_table(name):
 
 
 def test_preset_names_and_lookup():
-    assert len(rc.PRESET_NAMES) == 33 and set(rc.PRESET_NAMES) == set(PRESET_TABLE) | set(MASK_PRESETS)
+    assert len(rc.PRESET_NAMES) == 34 and set(rc.PRESET_NAMES) == set(PRESET_TABLE) | set(MASK_PRESETS)
     assert C.from_name("decoupled_seq_is", threshold=3.0) == C(rollout_is="sequence", rollout_is_threshold=3.0)
     assert C.from_name("decoupled_token_icepop", threshold=4.0, threshold_lower=0.25).is_spec == rc.ISThreshold(
         "icepop", 0.25, 4.0
@@ -1976,8 +1976,15 @@ MASK_PRESETS = {
         "rollout_is_threshold": 5.0,
         "rollout_is_threshold_lower": 0.5,
     },
-    "decoupled_opsm": {"rollout_opsm_threshold": 1e-4},
-    "decoupled_m2po": {"rollout_m2_threshold": 0.04},
+    "decoupled_opsm": {"rollout_opsm_threshold": 0.5},
+    "decoupled_m2po": {
+        "rollout_is": "token",
+        "rollout_is_threshold": 5.0,
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": "_5.0",
+        "rollout_m2_threshold": 0.04,
+    },
+    "decoupled_m2_mask": {"rollout_m2_threshold": 0.04},
     "decoupled_outlier_rs": {"rollout_outlier_threshold_low": 1e-4, "rollout_outlier_threshold_high": 100.0},
 }
 
@@ -2024,6 +2031,48 @@ def test_m2_mask_removes_the_largest_squared_log_ratios_until_the_second_moment_
     assert float(met["rollout_m2_after"]) == pytest.approx(0.05)
     assert float(met["rollout_m2_masked_fraction"]) == pytest.approx(1 / 3)
     assert rc.compute_m2_mask(ell, mask, 1.0)[0].tolist() == mask.tolist()  # within budget: nothing removed
+
+
+def test_m2po_preset_is_the_decoupled_is_weighted_ppo_loss_under_the_m2_mask_by_hand():
+    # M2PO as AReaL's recipe runs it (examples/math/gsm8k_m2po.yaml): sg(w) phi_PPO(pi_theta / pi_old), w = pi_old / mu
+    # (token), tokens with w > 5 masked, under the M2 mask (§4.7), token-mean over m (§7.5); log mu = 0: l = log pi_old.
+    # l = (0.1, -0.2, 1.8 | 0.05, 2.0, pad); tau_M2 = 1 so that the ratio mask acts on a token the M2 mask keeps:
+    # squares sorted (0.0025, 0.01, 0.04, 3.24, 4.0), running means (.0025, .00625, .0175, .8256, 1.4585): the 4.0 one
+    # (l = 2.0) is masked; of the rest, e^1.8 = 6.05 > 5 is masked by the ratio; kept: (0,0), (0,1), (1,0).
+    mu = torch.zeros((2, 3), dtype=torch.float64)
+    old = torch.tensor([[0.1, -0.2, 1.8], [0.05, 2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 3, [-0.5] * 3], dtype=torch.float64)
+    w, keep, met = rc.compute_rollout_correction_and_rejection_mask(old, mu, mask, C.decoupled_m2po(m2_threshold=1.0))
+    assert keep.tolist() == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert met["rollout_corr/rollout_m2_masked_fraction"] == pytest.approx(1 / 5)
+    assert met["rollout_corr/rollout_rs_token_k1_masked_fraction"] == pytest.approx(2 / 5)  # 6.05 and 7.39 > 5
+
+    def phi(r, a, low=0.2, high=0.2, c=3.0):  # PPO with dual clip, one token (§7.1)
+        clipped = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
+        return min(clipped, -a * c) if a < 0 else clipped
+
+    d = [[0.3, -0.1, 0.0], [0.4, 0.0, 0.0]]  # log pi_theta - log pi_old
+    lp = (old + torch.tensor(d, dtype=torch.float64)).requires_grad_()
+    loss, _ = rc.compute_policy_loss_vanilla(old, lp, adv, mask, rollout_is_weights=w, keep_mask=keep)
+    kept = [(0, 0), (0, 1), (1, 0)]
+    by_hand = sum(math.exp(old[i][j]) * phi(math.exp(d[i][j]), float(adv[i][j])) for i, j in kept) / 5
+    assert float(loss.detach()) == pytest.approx(by_hand, rel=1e-12, abs=0)
+    # The recipe's eps_clip 0 and one minibatch: pi_theta = pi_old at the update, and the gradient is M2PO's,
+    # -A w grad log pi on the kept tokens, 0 elsewhere.  (AReaL divides by the 4 tokens the M2 mask keeps,
+    # this loss by the 5 valid ones: design-readings §29.)
+    lp = old.clone().requires_grad_()
+    loss, _ = rc.compute_policy_loss_vanilla(
+        old, lp, adv, mask, clip_ratio_low=0.0, clip_ratio_high=0.0, rollout_is_weights=w, keep_mask=keep
+    )
+    loss.backward()
+    expected = [[-math.exp(0.1) / 5, -math.exp(-0.2) / 5, 0.0], [0.5 * math.exp(0.05) / 5, 0.0, 0.0]]
+    assert lp.grad.tolist() == [pytest.approx(row, rel=1e-12, abs=0) for row in expected]
+    # decoupled_m2_mask (the catalogue's arm before issue 48): the same M2 mask, no weight, no ratio mask
+    w0, keep0, _ = rc.compute_rollout_correction_and_rejection_mask(
+        old, mu, mask, C.decoupled_m2_mask(m2_threshold=1.0)
+    )
+    assert w0 is None and keep0.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
 
 
 def test_outlier_rejection_is_two_sided_worst_token():

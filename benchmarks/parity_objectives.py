@@ -1,14 +1,20 @@
 """The objectives against their peers (issue 32, "Checks"; not a test): every objective of rc_core.POLICY_LOSSES
-(docs/corrections.md §7.7) that verl 0.9.1 or TRL 1.16 also implements, computed by both on the same random inputs:
-the loss, its gradient with respect to log pi_theta, and the metrics both report. Prints the largest difference per
-objective; docs/results.md "Objectives against verl and TRL" records the table.
+(docs/corrections.md §7.7) that verl 0.9.1 or TRL 1.16 also implements, and M2PO (preset decoupled_m2po, §4.7)
+against AReaL 1.0.4, the peer that defines its recipe, computed by both on the same random inputs: the loss, its
+gradient with respect to log pi_theta, and the metrics both report. Prints the largest difference per objective;
+docs/results.md "Objectives against verl and TRL" records the table.
 
 Each peer lives in its own virtual environment under .bench/ (never the trainer's), created here on first use with
 pinned versions. verl's full dependency set (ray[default], vLLM or SGLang extras, wandb, ...) is not needed to call
 its losses: verl is installed with --no-deps beside VERL_IMPORT_DEPS, the packages importing
 verl.trainer.ppo.core_algos needs (found by importing it in an empty environment until it imported). TRL is
 installed with its dependencies (TRL_PINS). Both get this interpreter's torch, pinned to its exact version. The
-comparison runs inside the peer's environment: rc_core is pure torch and is imported from this repository.
+comparison runs inside the peer's environment: rc_core is pure torch and is imported from this repository. AReaL
+1.0.4 is installed with --no-deps (the environment benchmarks/parity_prox.py shares): importing its modules would need
+its whole dependency set, so, as parity_prox.py does, the worker parses the installed files and executes only the
+definitions it needs -- `_apply_m2po_masking` and `_get_m2po_loss_mask` (areal/trainer/ppo/actor.py), `_check_bounds`,
+`RejectionSamplingResult`, `apply_rejection_sampling` and `ppo_actor_loss_fn` (areal/utils/functional/functional.py),
+the dataclass `RejectionSamplingConfig` (areal/api/cli_args.py) -- unchanged.
 
 Call conventions (read from the peers' code):
   verl   core_algos.get_policy_loss_fn(mode)(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
@@ -19,8 +25,17 @@ Call conventions (read from the peers' code):
          trainer object built without __init__ whose per-token log-prob function returns the test's log_prob, with
          one process, no gradient accumulation, no entropy bonus, no vLLM. `vespo` reads the vLLM IS ratio
          (inputs["importance_sampling_ratio"]) into its W even so: its IS-weight row passes our weights there.
+  AReaL  what grpo_loss_fn does with the recipe examples/math/gsm8k_m2po.yaml (use_decoupled_loss, m2_threshold 0.04,
+         rejection_sampling metric=ratio upper=5.0, eps_clip 0.0, no dual clip): loss_mask = _apply_m2po_masking(
+         old_logp=log mu, prox_logp=log pi_old, loss_mask, m2_threshold), then ppo_actor_loss_fn(logprobs=log_prob,
+         proximal_logprobs=log pi_old, old_logprobs=log mu, advantages, eps_clip=0.0, loss_mask, c_clip=None,
+         rejection_sampling=RejectionSamplingConfig(metric="ratio", upper=5.0), importance_sampling_level="token").
+         Its loss divides by the tokens the M2 mask keeps, ours by the valid ones (docs/design-readings.md §31), so
+         ours is compared times N_valid / N_M2-kept; its behaviour weight is computed in float32 (`.float()`).
   ours   rc_core.compute_policy_loss_vanilla(old, log_prob, A, mask, loss_agg_mode, clip_low, clip_high, clip_c,
-         rollout_is_weights=w, config=RolloutCorrectionConfig(loss_mode=..., ...)) (decoupled mode, pi_prox = pi_old).
+         rollout_is_weights=w, config=RolloutCorrectionConfig(loss_mode=..., ...)) (decoupled mode, pi_prox = pi_old);
+         for M2PO w and the keep mask from compute_rollout_correction_and_rejection_mask(old, mu, mask,
+         RolloutCorrectionConfig.decoupled_m2po(m2_threshold=tau)), clip 0 / 0 and no dual clip.
 
 Inputs (float64, SEEDS draws per case): B = 16 responses of 1 to 24 tokens (no empty row), p_old uniform in
 (0.01, 0.99), log p_theta = log p_old + N(0, 0.3^2) kept below log 0.9999 (DPPO's binary KL needs p < 1), garbage at
@@ -65,7 +80,7 @@ VERL_IMPORT_DEPS = (
 )
 TRL_PINS = ("trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0")
 AREAL_PIN = "areal==1.0.4"  # benchmarks/parity_prox.py: its proximal approximation is pure torch, so --no-deps
-PEERS = ("verl", "trl")
+PEERS = ("verl", "trl", "areal")
 SEEDS = 5
 B, T = 16, 24
 
@@ -498,6 +513,129 @@ def trl_kl_row() -> dict:
     return {**row, "agg": "seq-mean-token-mean", "is_weights": False, "note": note, **worst}
 
 
+# ---- AReaL -------------------------------------------------------------------------------------------------------
+AREAL_DEFINITIONS = {  # file under areal/ -> the definitions executed from it, in this order
+    "api/cli_args.py": ("RejectionSamplingConfig",),
+    "utils/functional/functional.py": (
+        "_check_bounds",
+        "RejectionSamplingResult",
+        "apply_rejection_sampling",
+        "ppo_actor_loss_fn",
+    ),
+    "trainer/ppo/actor.py": ("_apply_m2po_masking", "_get_m2po_loss_mask"),
+}
+M2PO_TAUS = (
+    (0.04, "the recipe's tau 0.04: the M2 mask removes the tokens over 5 itself"),
+    (0.15, "tau 0.15: the ratio mask also drops tokens the M2 mask keeps"),
+)
+
+
+def areal_definitions() -> dict:
+    """AReaL's M2PO mask, decoupled loss and rejection-sampling config, executed from the installed files."""
+    import ast
+    import dataclasses
+    import importlib.util
+    import typing
+    import warnings
+
+    import torch
+
+    root = importlib.util.find_spec("areal").submodule_search_locations[0]  # finds, does not import, the package
+    namespace = {"torch": torch, "dataclass": dataclasses.dataclass, "field": dataclasses.field}
+    namespace.update(Any=typing.Any, warnings=warnings)
+    for name, wanted in AREAL_DEFINITIONS.items():
+        path = os.path.join(root, *name.split("/"))
+        tree = ast.parse(open(path).read(), path)
+        keep = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in wanted]
+        if sorted(n.name for n in keep) != sorted(wanted):
+            raise SystemExit(f"{path}: expected {wanted}, found {[n.name for n in keep]}: AReaL's layout changed")
+        exec(compile(ast.Module(keep, []), path, "exec"), namespace)
+    return namespace
+
+
+def _m2po_loss(old, new, adv, mask, w, keep, scale):
+    """Our M2PO loss (clip 0 / 0, no dual clip) and its gradient w.r.t. log pi_theta, both times `scale`."""
+    import rc_core
+
+    log_prob = new.clone().requires_grad_()
+    loss, _ = rc_core.compute_policy_loss_vanilla(
+        old, log_prob, adv, mask.double(), "token-mean", 0.0, 0.0, 1e9, rollout_is_weights=w, keep_mask=keep
+    )
+    loss.backward()
+    return float(loss.detach()) * scale, log_prob.grad * scale, {}
+
+
+def areal_worker() -> list[dict]:
+    import torch
+
+    import rc_core
+
+    areal = areal_definitions()
+    config = areal["RejectionSamplingConfig"](metric="ratio", upper=5.0)  # the recipe's; level token, action mask
+    rows = []
+    for tau, note in M2PO_TAUS:
+        for at_old in (False, True):
+            worst, exercised = defaultdict(float), defaultdict(int)
+            for seed in range(SEEDS):
+                old, new, adv, mask, _ = make_inputs(seed, False, False)
+                g = torch.Generator().manual_seed(seed + 500)
+                # l = log pi_old - log mu: N(0, 0.25^2) with 4 % of the tokens moved by +-2 (ratios e^+-2)
+                ell = 0.25 * torch.randn((B, T), generator=g, dtype=torch.float64)
+                ell += 2.0 * torch.sign(torch.randn((B, T), generator=g)) * (torch.rand((B, T), generator=g) < 0.04)
+                mu = torch.where(mask, old - ell, old)
+                new = old.clone() if at_old else new
+                w, keep, _ = rc_core.compute_rollout_correction_and_rejection_mask(
+                    old, mu, mask.double(), rc_core.RolloutCorrectionConfig.decoupled_m2po(m2_threshold=tau)
+                )
+                m2_ours, _ = rc_core.compute_m2_mask(old - mu, mask, tau)
+                m2_theirs = areal["_apply_m2po_masking"](mu, old, mask, tau)
+                scale = int(mask.sum()) / int(m2_theirs.sum())  # their denominator is the M2-kept count
+                ours = _m2po_loss(old, new, adv, mask, w, keep, scale)
+                log_prob = new.clone().requires_grad_()
+                their_loss, stat = areal["ppo_actor_loss_fn"](
+                    logprobs=log_prob,
+                    proximal_logprobs=old,
+                    old_logprobs=mu,
+                    advantages=adv,
+                    eps_clip=0.0,
+                    loss_mask=m2_theirs,
+                    c_clip=None,
+                    rejection_sampling=config,
+                    importance_sampling_level="token",
+                )
+                their_loss.backward()
+                kept = stat["behave_mask"]
+                theirs = (float(their_loss.detach()), log_prob.grad, {"w": stat["behave_imp_weight"].double()})
+                diff = compare(ours, theirs, [], mask)
+                diff["metric M2-mask tokens differing"] = float((m2_ours != m2_theirs).sum())
+                diff["metric kept tokens differing"] = float((keep.bool() != kept).sum())
+                relative = (w / theirs[2]["w"] - 1.0)[kept].abs().max()
+                diff["metric behaviour weight, relative (theirs float32)"] = float(relative)
+                with_theirs = _m2po_loss(old, new, adv, mask, theirs[2]["w"], keep, scale)  # ours, their weights
+                diff["metric loss with their float32 weights"] = abs(with_theirs[0] - theirs[0])
+                diff["metric grad with their float32 weights"] = float((with_theirs[1] - theirs[1]).abs().max())
+                for k, v in diff.items():
+                    worst[k] = max(worst[k], v)
+                exercised["M2"] += int((mask & ~m2_theirs).sum())
+                exercised["ratio"] += int((m2_theirs & ~kept).sum())
+            if not exercised["M2"] or (tau > 0.04 and not exercised["ratio"]):
+                raise SystemExit(f"M2PO tau {tau}: a mask is not exercised ({dict(exercised)})")
+            where = "pi_theta = pi_old (the recipe's one update per batch)" if at_old else "pi_theta != pi_old"
+            masked = f"{exercised['M2']} M2-masked, {exercised['ratio']} ratio-masked tokens over the seeds"
+            rows.append(
+                {
+                    "peer": "areal",
+                    "objective": "M2PO (decoupled_m2po)",
+                    "peer_name": "grpo_loss_fn's M2 mask + ppo_actor_loss_fn, gsm8k_m2po.yaml",
+                    "agg": "token-mean",
+                    "is_weights": True,
+                    "note": f"{note}; {where}; {masked}; ours x N/N_M2",
+                    **worst,
+                }
+            )
+    return rows
+
+
 # ---- report ------------------------------------------------------------------------------------------------------
 def report(rows: list[dict], versions: dict) -> str:
     lines = [f"peers: {', '.join(f'{k} {v}' for k, v in versions.items())}; float64, {SEEDS} seeds per row", ""]
@@ -526,6 +664,10 @@ def worker(peer: str) -> dict:
         import verl
 
         rows, version = verl_worker(), verl.__version__
+    elif peer == "areal":
+        from importlib.metadata import version as installed
+
+        rows, version = areal_worker(), installed("areal")
     else:
         import trl
 
@@ -535,7 +677,7 @@ def worker(peer: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated: verl, trl")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated: verl, trl, areal")
     p.add_argument("--json", default=None, help="also write the raw numbers here")
     p.add_argument("--worker", choices=PEERS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)

@@ -10,7 +10,9 @@
 (`--levels none,rollout_dtype=bfloat16,rollout_weight_quant=int4`); a preset entry may add correction fields
 (`naive+rollout_token_veto_threshold=1e-4`) or other Args fields (`bypass_ppo_clip+kl_coef=0.05`). An MoE sweep
 (`-- --model tiny-moe`, levels of rollout_dtype and moe_router_scale) reads each level against the float32-engine level
-of the same router scale (MOE_RULE, reference_level) and each `P+routing_replay=r3` arm against `P`. Runs trained with
+of the same router scale (MOE_RULE, reference_level) and each `P+routing_replay=r3` arm against `P`. A split sweep
+(`-- --mismatch-split`, arms `P+prox_logp=sampling|loglinear` beside `P`) reads the staleness share of alpha_1 at each
+level and each cheaper pi_old against `P` (SPLIT_RULE, split_verdicts). Runs trained with
 --dump-log-ratio-every also get the length lab: length.md/.csv, length_law.png (chi2_seq against (1 + chi2_token)^T -
 1, ESS of token vs sequence weights) and
 length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-length bin.
@@ -18,8 +20,10 @@ length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-
 Each run is `rc_train.py --output-dir OUT --run-name PRESET__DIAL=LEVEL__sSEED --rc.preset PRESET --seed SEED
 --DIAL LEVEL --num-steps STEPS EXTRA...` (OMP_NUM_THREADS=1), its output in OUT/RUN_NAME.log. A run whose
 metrics.jsonl already holds steps 0..STEPS-1 is skipped, so an interrupted sweep resumes; an incomplete run
-folder is re-run with --overwrite. sweep.json lists every invocation of the sweep in its folder (`invocations`: start,
-end, command line, load average at start, runs done; run_sweep). The alpha plot shows the estimates of the
+folder is re-run with --overwrite. A cell rc_train.py refuses to start (its own checks, asked before anything
+starts: refused_cells) is not launched: sweep.json and the report list it with the trainer's reason. sweep.json lists
+every invocation of the sweep in its folder (`invocations`: start, end, command line, load average at start, runs
+done; run_sweep). The alpha plot shows the estimates of the
 three-policy TRPO bound (docs/corrections.md §12.6): alpha_0 = D_TV(pi_old, pi_theta) ~ `actor/tv_update`,
 alpha_1 = D_TV(mu, pi_old) ~ `rollout_corr/tv_mismatch` (in bypass presets the latter estimates beta = D_TV(mu,
 pi_theta) instead and tv_update is not logged; see rc_core.compute_rollout_correction_and_rejection_mask).
@@ -231,6 +235,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
                     *extra,
                 ]
                 runs.append({"name": name, "preset": preset, "level": level, "seed": seed, "cmd": cmd})
+    refused = refused_cells(runs, presets, levels) if fields is not None else []
+    skip = {(c["preset"], c["level"]) for c in refused}
+    runs = [r for r in runs if (r["preset"], r["level"]) not in skip]
     return {
         "presets": presets,
         "dial": args.dial,
@@ -240,8 +247,68 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         "extra": list(extra),
         "jobs": args.jobs,
         "trainer": RC_TRAIN,
+        "refused": refused,
         "runs": runs,
     }
+
+
+# rc_train.py's defaults on a GPU when neither --config nor --model is given (the path its __main__ passes parse_cli).
+TRAINER_GPU_CONFIG = os.path.join(ROOT, "configs", "gsm8k_qwen0.5b_bypass.yaml")
+
+
+def trainer_refusal(flags: list[str]) -> str | None:
+    """The one line with which rc_train.py would refuse to start with `flags`, or None when it would start: its own
+    parse (rc_config.parse_cli, --config defaults included) and the checks it runs before the run folder exists
+    (resolve_max_staleness, validate_args, build_correction_config, check_prox_logp; one process). Nothing starts:
+    no engine, no model. The checks that need the model (the kept versions' memory) or the launcher are not run.
+    Flags rc_train.py cannot parse are bad input (LabError), not a refusal."""
+    import unittest.mock
+
+    import torch
+
+    import rc_config
+    import rc_run
+    import rc_train
+
+    try:
+        with unittest.mock.patch.object(sys, "argv", [RC_TRAIN, *flags]):
+            args = rc_config.parse_cli(rc_train.Args, rc_train.load_yaml_defaults, TRAINER_GPU_CONFIG)
+    except SystemExit as e:  # tyro printed its message above
+        said = f": {e.code}" if isinstance(e.code, str) else " (its message above)"
+        raise LabError(f"rc_train.py cannot parse the flags {' '.join(flags)}{said}") from None
+    try:
+        run_dir = os.path.join(args.output_dir, args.run_name or "")
+        args.max_staleness = rc_config.resolve_max_staleness(args, torch.cuda.is_available(), run_dir)
+        rc_config.validate_args(args, 1)
+        rc_config.check_prox_logp(args, rc_config.build_correction_config(args.rc))
+    except rc_run.REFUSALS as e:
+        return str(e)
+    return None
+
+
+def refused_cells(runs: list[dict], presets: list[str], levels: list[str]) -> list[dict]:
+    """The cells (preset, level) rc_train.py refuses to start (trainer_refusal of each cell's first run), in sweep
+    order: [{preset, level, reason}]. A sweep skips them, records them in sweep.json and lists them in its report:
+    a design may hold a cell the trainer cannot run (`--prox-logp sampling` at k = 0 without replay). A preset or a
+    level the trainer refuses everywhere is bad input (LabError with the trainer's reason): nothing of it would run."""
+    refused, seen = [], set()
+    for run in runs:
+        if (run["preset"], run["level"]) not in seen:
+            seen.add((run["preset"], run["level"]))
+            reason = trainer_refusal(run["cmd"][2:])
+            if reason is not None:
+                refused.append({"preset": run["preset"], "level": run["level"], "reason": reason})
+    for key, names, width in (("preset", presets, len(levels)), ("level", levels, len(presets))):
+        for name in names:
+            cells = [c for c in refused if c[key] == name]
+            if len(cells) == width:
+                raise LabError(f"rc_train.py refuses every cell of {key} {name!r}: {cells[0]['reason']}")
+    return refused
+
+
+def refused_keys(sweep: dict) -> set[tuple[str, str]]:
+    """(preset, level) of the cells the sweep did not launch because rc_train.py refuses them (refused_cells)."""
+    return {(c["preset"], c["level"]) for c in sweep.get("refused", [])}
 
 
 def eval_key(records: list[dict]) -> str:
@@ -458,6 +525,10 @@ EXPORT_KEYS = (
     "rollout_corr/routing_flip_token_fraction",
     "rollout_corr/unreplayed_k3_kl",
     "rollout_corr/unreplayed_tv_mismatch",
+    "rollout_corr/numerics_tv",
+    "rollout_corr/staleness_tv",
+    "rollout_corr/numerics_k3_kl",
+    "rollout_corr/staleness_k3_kl",
 )
 
 
@@ -687,8 +758,12 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
     has_routing = any(
         r["records"] and any("rollout_corr/routing_agreement" in x for x in r["records"]) for r in sweep["runs"]
     )
+    has_split = any(r["records"] and any(SPLIT_KEYS[1] in x for x in r["records"]) for r in sweep["runs"])
+    refused = refused_keys(sweep)
     for preset in sweep["presets"]:
         for level in sweep["levels"]:
+            if (preset, level) in refused:  # never launched: listed under the table (write_summary)
+                continue
             recs = [
                 r["records"] for r in sweep["runs"] if r["preset"] == preset and r["level"] == level and r["records"]
             ]
@@ -747,6 +822,13 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                         )
                     }
                 )
+            if has_split:  # --mismatch-split runs: the staleness share of alpha_1 (SPLIT_RULE)
+                shares = [s for s in map(staleness_share, recs) if s is not None]
+                rows[-1].update(
+                    staleness_share=_mean_std(shares)[0],
+                    staleness_share_min=min(shares, default=None),
+                    staleness_share_max=max(shares, default=None),
+                )
             if has_veto:
                 rows[-1]["veto_fraction"] = (
                     float(np.mean([_fraction(x, "rollout_corr/rollout_is_veto_fraction") for x in recs]))
@@ -763,11 +845,11 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                     rows[-1]["expected_veto"] = _mean_std([expected_planted_rows(x, p) for x in recs])[0]
     for row in rows:  # compare with the same preset at its reference (zero-mismatch) level
         level = reference_level(sweep, row["level"])
-        ref = next(r for r in rows if r["preset"] == row["preset"] and r["level"] == level)
+        ref = next((r for r in rows if r["preset"] == row["preset"] and r["level"] == level), None)  # None: refused
         row["delta_eval_acc"], row["flag"] = None, DASH
         if row is ref:
             row["delta_eval_acc"], row["flag"] = (0.0, "ref") if ref["eval_acc"] is not None else (None, "ref")
-        elif row["eval_acc"] is not None and ref["eval_acc"] is not None:
+        elif ref is not None and row["eval_acc"] is not None and ref["eval_acc"] is not None:
             row["delta_eval_acc"] = row["eval_acc"] - ref["eval_acc"]
             row["flag"] = "below" if clearly_below(row, ref) else ""
     return rows
@@ -812,7 +894,8 @@ T_975 = (
     2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
     2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
 )  # fmt: skip
-PAIRED_KINDS = ("ref", "naive", "pick", "twin")  # what a paired comparison reads a row against (paired_comparisons)
+# what a paired comparison reads a row against (paired_comparisons)
+PAIRED_KINDS = ("ref", "naive", "pick", "twin", "recompute")
 
 
 def t_975(df: int) -> float:
@@ -858,7 +941,9 @@ def paired_comparisons(rows: list[dict], sweep: dict) -> list[dict]:
     against the same preset at its reference level (the Δ column and flag); in sweeps read across presets (staleness,
     replay, MoE; with a naive arm) `naive`, each corrected preset against naive at the same compared level (repair);
     in a replay sweep `pick`, each other corrected preset against REPLAY_PICK (clearly above it); in an MoE sweep
-    `twin`, each R3 arm against its unreplayed twin (replay costs / pays)."""
+    `twin`, each R3 arm against its unreplayed twin (replay costs / pays); in a split sweep `recompute`, each cheaper
+    pi_old arm against its recompute arm at the same level (SPLIT_RULE (2)). A cell the sweep did not launch (refused)
+    is in no comparison."""
     by = {(r["preset"], r["level"]): r for r in rows}
     pairs = []  # (kind, row key, other key)
     for r in rows:
@@ -879,6 +964,9 @@ def paired_comparisons(rows: list[dict], sweep: dict) -> list[dict]:
                     for p in sweep["presets"]
                     if p.endswith(REPLAY_ROUTING) and p.removesuffix(REPLAY_ROUTING) in sweep["presets"]
                 ]
+    if is_split(rows, sweep):
+        pairs += [("recompute", (p, lv), (base, lv)) for p, base in cheaper_arms(sweep) for lv in sweep["levels"]]
+    pairs = [x for x in pairs if x[1] in by and x[2] in by]
     pairs.sort(key=lambda x: PAIRED_KINDS.index(x[0]))  # stable: within a kind, sweep order
     evals = functools.lru_cache(maxsize=None)(lambda key: seed_evals(sweep, *key))
     return [
@@ -909,8 +997,11 @@ def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
     if not comparisons:
         return ["Paired view: no comparison in this sweep (each row is its own reference)."]
     n = max(c["n_pairs"] for c in comparisons)
+    uses = "no verdict uses it"
+    if any(c["kind"] == "recompute" for c in comparisons):  # SPLIT_RULE (2) reads the intervals of these rows
+        uses = "the verdicts of the cheaper π_old read its rows against the recompute arm, the others none"
     lines = [
-        "**Paired view (beside the rule above; no verdict uses it).** The arms of a sweep share seeds, so each "
+        f"**Paired view (beside the rule above; {uses}).** The arms of a sweep share seeds, so each "
         "comparison the table and the verdicts make is also read seed by seed. Paired Δ: mean over the seeds both "
         "rows ran of (row's eval acc − the other row's); with every seed present it equals the difference of the "
         "means. 95 % interval: paired Δ ± t·s_d/√n, s_d the sample std of the n per-seed differences and t the "
@@ -929,6 +1020,7 @@ def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
         "naive": lambda c: f"`{c['against_preset']}` at this level",
         "pick": lambda c: f"the pick `{c['against_preset']}` at this level",
         "twin": lambda c: f"`{c['against_preset']}` (no R3) at this level",
+        "recompute": lambda c: f"`{c['against_preset']}` (π_old recomputed) at this level",
     }
     for c in comparisons:
         n_cell = str(c["n_pairs"]) + (f" ({c['unpaired']} unpaired)" if c["unpaired"] else "")
@@ -990,6 +1082,9 @@ COLUMNS = (  # (row key, csv header, markdown header, format)
     ("dropped", "dropped_samples", "dropped", "{:.0f}"),
     ("alpha0", "alpha0_mean", "α₀", "{:.2e}"),
     ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
+    ("staleness_share", "staleness_share_mean", "staleness share of α₁ (seeds)", "{:.3f}"),
+    ("staleness_share_min", "staleness_share_min", None, "{:.3f}"),
+    ("staleness_share_max", "staleness_share_max", None, "{:.3f}"),
     ("routing_agreement", "routing_agreement_mean", "routing agreement", "{:.4f}"),
     ("flip_fraction", "routing_flip_token_fraction", "flipped tokens", "{:.4f}"),
     ("alpha1_unreplayed", "alpha1_unreplayed_mean", "α₁ unreplayed", "{:.2e}"),
@@ -1009,7 +1104,10 @@ def is_naive(preset: str) -> bool:
 
 
 def verdicts(rows: list[dict], sweep: dict) -> list[str]:
-    """One line per non-reference level, the reading rule applied: naive below, corrected presets held?"""
+    """One line per non-reference level, the reading rule applied: naive below, corrected presets held? A split sweep
+    (is_split) is read by SPLIT_RULE instead."""
+    if is_split(rows, sweep):
+        return split_verdicts(rows, sweep)
     if not any(is_naive(p) for p in sweep["presets"]):
         return []
     if sweep["dial"] == STALENESS_DIAL:
@@ -1132,7 +1230,9 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         f"Δ vs level 0: eval acc minus that of the same preset at the first level "
         f"(`{level_title(sweep, sweep['levels'][0])}`, `ref`). {below}"
     )
-    if sweep["dial"] == STALENESS_DIAL:
+    if is_split(rows, sweep):
+        rule = f"{first} {SPLIT_RULE}"
+    elif sweep["dial"] == STALENESS_DIAL:
         rule = f"{first} {STALENESS_RULE}"
     elif sweep["dial"] in REPLAY_DIALS:
         rule = f"{first} {REPLAY_RULE}"
@@ -1158,6 +1258,8 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
             cell = _fmt(r.get(key), fmt)
             if key in ("final_reward", "eval_acc") and r.get(key + "_std") is not None:
                 cell += " ± " + fmt.format(r[key + "_std"])
+            if key == "staleness_share" and r.get(key) is not None:  # the seed range SPLIT_RULE reads
+                cell += f" ({fmt.format(r[key + '_min'])}{DASH}{fmt.format(r[key + '_max'])})"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     columns = (
@@ -1179,13 +1281,19 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
             "`rollout/staleness_mean` (trainer version − sample version), mean over seeds; dropped: "
             "`rollout/dropped_samples` summed over steps, mean over seeds."
         )
+    if any("staleness_share" in r for r in rows):
+        columns += (
+            " Staleness share of α₁: per seed, the mean over steps of `rollout_corr/staleness_tv` / "
+            "(`numerics_tv` + `staleness_tv`) (steps where both are 0 left out), mean over seeds, the seeds' range "
+            "in brackets."
+        )
     if any("expected_veto" in r for r in rows):
         columns += (
             " Planted rows: mean over steps of 1 − (1 − p)^T̄ (T̄ = mean response length, p = "
             "--rollout-corrupt-prob), the share of responses holding a planted token (an upper bound, "
             "Jensen); catastrophic tokens: `rollout_is_catastrophic_token_fraction`, to set against p."
         )
-    lines += ["", *verdicts(rows, sweep), "", *paired_lines(comparisons, sweep), "", columns, ""]
+    lines += [*refused_lines(sweep), "", *verdicts(rows, sweep), "", *paired_lines(comparisons, sweep), "", columns, ""]
     with open(md_path, "w") as f:
         f.write("\n".join(lines))
     return csv_path, md_path
@@ -1339,6 +1447,185 @@ def replay_costs(rows: list[dict], sweep: dict) -> list[str]:
     return lines
 
 
+SPLIT_KEYS = ("rollout_corr/numerics_tv", "rollout_corr/staleness_tv")  # alpha_1's parts (--mismatch-split, §6.9)
+PROX_ARM = re.compile(r"\+prox_logp=([^+]*)")  # a preset entry's cheaper pi_old: `P+prox_logp=sampling|loglinear`
+SPLIT_RULE = (  # the reading rule of the mismatch split (lab/split), fixed in lab/README.md before any run
+    "(1) *How α₁ splits*: at each level, the share of α₁ that is staleness is the mean over seeds of "
+    "`staleness_tv / (numerics_tv + staleness_tv)` over the run's steps; the split is *staleness-dominated* at a "
+    "level when that share's seed range lies above 0.5, *numerics-dominated* when below, otherwise mixed. At k = 0 "
+    "without replay the share must be 0 (a check of the tooling, not a finding). (2) *Whether the cheaper π_old "
+    "holds*: an arm *holds* at a level when its mean final eval accuracy is not below the recompute arm's at the "
+    "same level by more than max(2 × pooled std, 0.05) **and** the paired 95 % interval of its per-seed difference "
+    "from the recompute arm does not lie wholly below 0; it *fails* when both say below. Anything else is "
+    "*undecided* (say so, and what five seeds would need). The rule does not rank `sampling` against `loglinear` "
+    "unless one holds and the other fails at the same level. As applied: a level's split is read on the arm that "
+    "recomputes π_old, whose α₁ = TV(π_old, μ) is the total split (under `--prox-logp sampling` π_old is the "
+    "sampling version's π, so that arm's α₁ is the numerics part alone); a step's share counts once, a step "
+    "where both parts are 0 not at all; a cheaper arm `P+prox_logp=M` is read against `P`, with the paired "
+    "interval of the paired view below (n − 1 degrees of freedom)."
+)
+
+
+def staleness_share(records: list[dict]) -> float | None:
+    """SPLIT_RULE (1) for one run: the mean over its steps of staleness_tv / (numerics_tv + staleness_tv) (steps
+    where both are 0 or either is missing left out; None when no step is left). math.fsum: the same bits on every
+    CPU."""
+    numerics, staleness = SPLIT_KEYS
+    shares = [
+        r[staleness] / (r[numerics] + r[staleness])
+        for r in records
+        if r.get("step", 0) >= 0
+        and all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in SPLIT_KEYS)
+        and r[numerics] + r[staleness] > 0
+    ]
+    return math.fsum(shares) / len(shares) if shares else None
+
+
+def cheaper_arms(sweep: dict) -> list[tuple[str, str]]:
+    """(arm, its recompute arm) for each preset entry `P+prox_logp=M` (M not recompute) whose `P`, the entry without
+    that field, is in the sweep too; in sweep order."""
+    arms = []
+    for preset in sweep["presets"]:
+        found, base = PROX_ARM.search(preset), PROX_ARM.sub("", preset)
+        if found and found.group(1) != "recompute" and base in sweep["presets"]:
+            arms.append((preset, base))
+    return arms
+
+
+def is_split(rows: list[dict], sweep: dict) -> bool:
+    """A split sweep (SPLIT_RULE): its runs log alpha_1's two parts and it has a cheaper pi_old arm to read."""
+    return any(r.get("staleness_share") is not None for r in rows) and bool(cheaper_arms(sweep))
+
+
+def _setting(sweep: dict, level: str, field: str) -> str | None:
+    """The value the flags of a cell at `level` give rc_train.py's field `field`: the level's, else the sweep's extra
+    flags' (`--flag VALUE` or `--flag=VALUE`); None when neither sets it."""
+    value = level_value(sweep["dial"], level, field)
+    flags, flag = sweep.get("extra", []), "--" + field.replace("_", "-")
+    for i, f in enumerate(flags):
+        if value is None and f == flag and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif value is None and f.startswith(flag + "="):
+            value = f.partition("=")[2]
+    return value
+
+
+def no_stale_samples(sweep: dict, level: str) -> bool:
+    """The level runs at k = 0 without replay (unset: the sweep pins k = 0 and replays nothing), so every sample is
+    current and the staleness part of alpha_1 must be 0."""
+    k, f = _setting(sweep, level, "max_staleness"), _setting(sweep, level, "replay_fraction")
+    return float(k or 0) == 0 and float(f or 0) == 0
+
+
+def split_reading(row: dict, no_stale: bool) -> str:
+    """SPLIT_RULE (1) on one row: the tooling check where no sample is stale (share 0 in every seed), else the split
+    by the seeds' range of the share against 0.5."""
+    if row.get("staleness_share") is None:
+        return "not logged"
+    if no_stale:
+        return f"tooling check {'passes' if row['staleness_share_max'] == 0 else 'fails'} (not a finding)"
+    if row["staleness_share_min"] > 0.5:
+        return "staleness-dominated"
+    return "numerics-dominated" if row["staleness_share_max"] < 0.5 else "mixed"
+
+
+def pi_old_verdict(arm: dict, recompute: dict, paired: dict) -> str:
+    """SPLIT_RULE (2) for one cheaper pi_old arm against the recompute arm at the same level: `holds` when neither the
+    mean (clearly_below) nor the paired 95 % interval (wholly below 0) says below, `fails` when both do, else
+    `undecided` (also without eval acc or without an interval: fewer than 2 shared seeds)."""
+    if arm["eval_acc"] is None or recompute["eval_acc"] is None or paired["ci_high"] is None:
+        return "undecided"
+    by_mean, by_pairs = clearly_below(arm, recompute), paired["ci_high"] < 0
+    return "fails" if by_mean and by_pairs else "undecided" if by_mean or by_pairs else "holds"
+
+
+def five_seeds(paired: dict, margin: float) -> str:
+    """What five seeds would need, for an undecided comparison: the paired interval's half-width at n = 5 at the
+    spread observed (t with 4 degrees of freedom), and the mean test's margin, which more seeds do not narrow."""
+    need = f"the mean test needs Δ below −{margin:.3f} at any number of seeds (the margin is a spread, not an error)"
+    if paired["sd"] is None:
+        return f"five seeds would give the paired interval its first estimate; {need}"
+    half = t_975(4) * paired["sd"] / math.sqrt(5)
+    d = paired["delta"]
+    side = "lie below 0" if d + half < 0 else "lie above 0" if d - half > 0 else "still cover 0"
+    return f"five seeds at this spread (s_d {paired['sd']:.3f}): half-width {half:.3f}, Δ {d:+.3f} would {side}; {need}"
+
+
+def split_verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """SPLIT_RULE applied at each level: (1) the staleness share of alpha_1 on each recompute arm, (2) each cheaper
+    pi_old arm against its recompute arm (pi_old_verdict, paired by seed), and the ranking the rule allows."""
+    by, arms = {(r["preset"], r["level"]): r for r in rows}, cheaper_arms(sweep)
+    lines = ["Verdicts (the rule above, applied):"]
+    for level in sweep["levels"]:
+        no_stale = no_stale_samples(sweep, level)
+        for base in dict.fromkeys(b for _, b in arms):
+            row = by.get((base, level))
+            if row is None:
+                continue
+            where = "; k = 0 without replay: must be 0" if no_stale else ""
+            lines.append(
+                f"- `{level_title(sweep, level)}`: staleness share of α₁ (`{base}`) {_share_text(row)}{where} → "
+                f"**{split_reading(row, no_stale)}**"
+            )
+            lines += _pi_old_lines([(a, by.get((a, level))) for a, b in arms if b == base], row, sweep)
+    return lines
+
+
+def _share_text(row: dict) -> str:
+    """A row's staleness share of alpha_1 with its seeds' range: `0.620 (seeds 0.550–0.700)`, or DASH."""
+    if row.get("staleness_share") is None:
+        return DASH
+    low, high = row["staleness_share_min"], row["staleness_share_max"]
+    return f"{row['staleness_share']:.3f} (seeds {low:.3f}{DASH}{high:.3f})"
+
+
+def _pi_old_lines(arms: list[tuple[str, dict | None]], recompute: dict, sweep: dict) -> list[str]:
+    """SPLIT_RULE (2)'s lines at one level: each cheaper arm that ran there against `recompute`, then the ranking."""
+    lines, verdict_of = [], {}
+    for name, arm in arms:
+        if arm is not None:  # None: refused at this level (listed under the table)
+            verdict_of[name], line = _pi_old_line(arm, recompute, sweep)
+            lines.append(line)
+    held = [a for a, v in verdict_of.items() if v == "holds"]
+    failed = [a for a, v in verdict_of.items() if v == "fails"]
+    if held and failed:
+        ranked = " above ".join(", ".join(f"`{a}`" for a in group) for group in (held, failed))
+        lines.append(f"  - ranked: {ranked} (holds where the other fails)")
+    elif len(verdict_of) >= 2:
+        lines.append("  - not ranked: no cheaper arm holds here where another fails")
+    return lines
+
+
+def _pi_old_line(arm: dict, recompute: dict, sweep: dict) -> tuple[str, str]:
+    """(pi_old_verdict, its line) of one cheaper arm against the recompute arm at the same level: the mean's Δ against
+    the rule's margin, the paired interval, and for an undecided one what five seeds would need."""
+    level = arm["level"]
+    paired = paired_difference(seed_evals(sweep, arm["preset"], level), seed_evals(sweep, recompute["preset"], level))
+    margin, verdict = rule_margin(arm, recompute), pi_old_verdict(arm, recompute, paired)
+    mean = DASH
+    if margin is not None:
+        side = "below" if clearly_below(arm, recompute) else "not below"
+        mean = f"{_delta(arm, recompute):+.3f} (margin {margin:.3f}: {side})"
+    interval = DASH
+    if paired["ci_low"] is not None:
+        interval = f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] ({_zero_side(paired)})"
+    line = f"  - `{arm['preset']}` against `{recompute['preset']}`: Δ {mean}; paired 95 % interval {interval}"
+    undecided = verdict == "undecided" and margin is not None
+    line += f" → **{verdict}**" + (f"; {five_seeds(paired, margin)}" if undecided else "")
+    return verdict, line
+
+
+def refused_lines(sweep: dict) -> list[str]:
+    """The cells the sweep did not launch because rc_train.py refuses them (refused_cells), each with its reason;
+    nothing when there are none."""
+    cells = sweep.get("refused", [])
+    if not cells:
+        return []
+    head = "Not launched, so not in the table: rc_train.py refuses these cells before anything starts (its own checks):"
+    lines = ["", head]
+    return lines + [f"- `{c['preset']}` at `{level_title(sweep, c['level'])}`: refused: {c['reason']}" for c in cells]
+
+
 def _column(rows: list[dict], key: str) -> np.ndarray:
     """`key` of each row as floats (NaN where missing)."""
     return np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
@@ -1351,8 +1638,9 @@ def plot_against_staleness(rows: list[dict], sweep: dict, path: str) -> str:
     fig, axes = _new_figure(3, sharey=False)
     levels = sweep["levels"]
     x = np.arange(len(levels))
+    by = {(r["preset"], r["level"]): r for r in rows}
     for i, preset in enumerate(sweep["presets"]):
-        color, at = f"C{i % 10}", [next(r for r in rows if r["preset"] == preset and r["level"] == lv) for lv in levels]
+        color, at = f"C{i % 10}", [by.get((preset, lv), {}) for lv in levels]  # {}: a refused cell, no point
         series = functools.partial(_column, at)
         std = np.nan_to_num(series("eval_acc_std"))
         axes[0].errorbar(x, series("eval_acc"), yerr=std, color=color, label=preset, marker="o", capsize=3, lw=1.3)
@@ -1800,6 +2088,9 @@ def main(argv: list[str] | None = None) -> int:
             export(args.out, args.dest)
             return 0
         spec = build_spec(args, extra)
+        for cell in spec["refused"]:
+            note = f"not launched, rc_train.py refuses {cell['preset']} at {cell['level']}: {cell['reason']}"
+            print(f"rc_lab: note: {note}", file=sys.stderr)
         failed = run_sweep(spec, args.out, args.overwrite, command)
         report(args.out, args.reward_level)
         return 1 if failed else 0

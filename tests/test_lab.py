@@ -679,6 +679,9 @@ ARGS_FIELDS, RC_FIELDS, BOOL_FIELDS = rc_lab._trainer_fields()
 
 
 def test_mismatch_levels_and_preset_fields_become_flags(tmp_path, monkeypatch, capsys):
+    import torch  # build_spec asks rc_train.py's own checks, which refuse --max-staleness >= 1 on a GPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = rc_lab._parser().parse_args(
         [
             "sweep",

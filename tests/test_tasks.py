@@ -82,6 +82,7 @@ def test_warm_start_format_share():
         (dict(format_share=1.5), "1.5"),
         (dict(operand_max=2, max_steps=1, train_size=5000), "cannot produce"),
         (dict(sft_learning_rate=0.0), "--mini.sft-learning-rate"),
+        (dict(sft_schedule="linear"), "--mini.sft-schedule must be one of cosine, constant, got 'linear'"),
     ],
 )
 def test_impossible_settings_are_refused(change, needle):
@@ -234,8 +235,11 @@ def test_settings_hash_covers_every_setting():
     base = tasks.settings_hash(MINI)
     for f in dataclasses.fields(MINI):
         value = getattr(MINI, f.name)
-        changed = dataclasses.replace(MINI, **{f.name: value + 1 if not isinstance(value, float) else value / 2})
-        assert tasks.settings_hash(changed) != base, f.name
+        if isinstance(value, str):
+            other = "constant" if value != "constant" else "cosine"
+        else:
+            other = value / 2 if isinstance(value, float) else value + 1
+        assert tasks.settings_hash(dataclasses.replace(MINI, **{f.name: other})) != base, f.name
 
 
 def test_tiny_warm_start_builds_a_loadable_model(tmp_path, monkeypatch):
@@ -254,11 +258,14 @@ def test_tiny_warm_start_builds_a_loadable_model(tmp_path, monkeypatch):
 
 
 def test_minigsm_base_keeps_its_cache_name_and_corpus():
-    """The default job's base is cached as minigsm-base-1fa400aac5e0bdb3; the generic warm start must rebuild exactly
+    """The default job's base is cached as minigsm-base-1fa400aac5e0bdb3 (its name before sft_schedule existed: the
+    constant schedule is not hashed); a cosine schedule gets its own name. The generic warm start must rebuild exactly
     it: same name, same prompts and solutions as the minigsm-only builder wrote (re-implemented here)."""
     task = tasks.make_task("minigsm", MINI)
     prompts, solutions = tasks.warm_start_corpus(task, MINI)
     assert tasks.warm_base_name(task, MINI, prompts, solutions) == "minigsm-base-1fa400aac5e0bdb3"
+    cosine = dataclasses.replace(MINI, sft_schedule="cosine")
+    assert tasks.warm_base_name(task, cosine, prompts, solutions) != "minigsm-base-1fa400aac5e0bdb3"
     train = tasks.minigsm_problems(MINI, "train")
     rng = random.Random(f"warm-start/{MINI.model_seed}")
     assert solutions == [tasks.warm_start_solution(p, rng, MINI.format_share) for p in train]
@@ -608,3 +615,15 @@ def test_a_build_says_how_long_it_will_take_after_its_first_steps(tmp_path):
         "building the minigsm base model (once): ~7 min (900 steps, 0.45 s each on 2 thread(s))"
     )
     assert "~45 s" in tasks.build_estimate("x", 100, [0.45], 1)
+
+
+def test_the_warm_starts_learning_rate():
+    """A linear warm-up over 100 steps, then constant (the base before 2026-11-29) or a cosine down to 10 % at the
+    last step, falling all the way."""
+    const = dataclasses.replace(MINI, sft_steps=600, sft_schedule="constant")
+    cos = dataclasses.replace(const, sft_schedule="cosine")
+    assert [tasks.sft_rate(const, s) for s in (0, 49, 99, 100, 599)] == [0.01, 0.5, 1.0, 1.0, 1.0]
+    assert [tasks.sft_rate(cos, s) for s in (0, 49, 99, 100)] == [0.01, 0.5, 1.0, 1.0]
+    assert tasks.sft_rate(cos, 599) == pytest.approx(0.1) and tasks.sft_rate(cos, 350) == pytest.approx(0.55, abs=0.01)
+    rates = [tasks.sft_rate(cos, s) for s in range(100, 600)]
+    assert all(a > b for a, b in zip(rates, rates[1:]))

@@ -12,7 +12,9 @@
 (`-- --model tiny-moe`, levels of rollout_dtype and moe_router_scale) reads each level against the float32-engine level
 of the same router scale (MOE_RULE, reference_level) and each `P+routing_replay=r3` arm against `P`. A split sweep
 (`-- --mismatch-split`, arms `P+prox_logp=sampling|loglinear` beside `P`) reads the staleness share of alpha_1 at each
-level and each cheaper pi_old against `P` (SPLIT_RULE, split_verdicts). Runs trained with
+level and each cheaper pi_old against `P` (SPLIT_RULE, split_verdicts). A --max-staleness sweep started with
+`--rule paired` (kept in sweep.json; without it, `standard`: STALENESS_RULE) reads each hold and repair by the margin
+and the paired interval over seeds together (PAIRED_STALENESS_RULE, paired_staleness_verdicts). Runs trained with
 --dump-log-ratio-every also get the length lab: length.md/.csv, length_law.png (chi2_seq against (1 + chi2_token)^T -
 1, ESS of token vs sequence weights) and
 length_trap.png (rejection rate of a sequence-sum gate vs Geo-RS), per response-length bin.
@@ -201,6 +203,8 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         raise LabError(f"--jobs must be >= 1, got {args.jobs}")
     if args.steps < 1:
         raise LabError(f"--steps must be >= 1, got {args.steps}")
+    if args.rule != "standard" and args.dial != STALENESS_DIAL:
+        raise LabError(f"--rule {args.rule} reads a --dial {STALENESS_DIAL} sweep only (PAIRED_STALENESS_RULE)")
     clash = [f for f in extra if f.split("=")[0] in RESERVED + tuple(swept)]
     if clash:
         raise LabError(f"extra flag(s) {', '.join(clash)} are set by the sweep itself")
@@ -245,6 +249,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> dict:
         "seeds": seeds,
         "steps": args.steps,
         "extra": list(extra),
+        "rule": args.rule,
         "jobs": args.jobs,
         "trainer": RC_TRAIN,
         "refused": refused,
@@ -403,6 +408,8 @@ def run_sweep(spec: dict, out: str, overwrite: bool = False, command: list[str] 
         with open(sweep_path) as f:
             old = json.load(f)
         earlier = list(invocations(old))
+        if sweep_rule(old) != sweep_rule(spec):  # the reading rule is fixed before the runs
+            raise LabError(f"{out!r} was swept under --rule {sweep_rule(old)}: resume it with the same --rule")
         if old.get("extra") != spec["extra"] and not overwrite:
             print(
                 f"rc_lab: note: previous sweep used extra flags {old.get('extra')}; completed runs are kept "
@@ -1000,6 +1007,8 @@ def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
     uses = "no verdict uses it"
     if any(c["kind"] == "recompute" for c in comparisons):  # SPLIT_RULE (2) reads the intervals of these rows
         uses = "the verdicts of the cheaper π_old read its rows against the recompute arm, the others none"
+    if sweep["dial"] == STALENESS_DIAL and sweep_rule(sweep) == "paired":  # PAIRED_STALENESS_RULE reads them all
+        uses = "the amended rule's verdicts read its rows against k = 0 and against naive"
     lines = [
         f"**Paired view (beside the rule above; {uses}).** The arms of a sweep share seeds, so each "
         "comparison the table and the verdicts make is also read seed by seed. Paired Δ: mean over the seeds both "
@@ -1105,13 +1114,14 @@ def is_naive(preset: str) -> bool:
 
 def verdicts(rows: list[dict], sweep: dict) -> list[str]:
     """One line per non-reference level, the reading rule applied: naive below, corrected presets held? A split sweep
-    (is_split) is read by SPLIT_RULE instead."""
+    (is_split) is read by SPLIT_RULE instead, a staleness sweep swept with `--rule paired` by PAIRED_STALENESS_RULE."""
     if is_split(rows, sweep):
         return split_verdicts(rows, sweep)
     if not any(is_naive(p) for p in sweep["presets"]):
         return []
     if sweep["dial"] == STALENESS_DIAL:
-        return staleness_verdicts(rows, sweep)
+        paired = sweep_rule(sweep) == "paired"  # `sweep --rule paired`: PAIRED_STALENESS_RULE
+        return paired_staleness_verdicts(rows, sweep) if paired else staleness_verdicts(rows, sweep)
     if sweep["dial"] in REPLAY_DIALS:
         return staleness_verdicts(rows, sweep, at_level="this level", reference="f = 0", pick=REPLAY_PICK)
     if is_moe(rows):
@@ -1233,7 +1243,7 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
     if is_split(rows, sweep):
         rule = f"{first} {SPLIT_RULE}"
     elif sweep["dial"] == STALENESS_DIAL:
-        rule = f"{first} {STALENESS_RULE}"
+        rule = f"{first} {PAIRED_STALENESS_RULE if sweep_rule(sweep) == 'paired' else STALENESS_RULE}"
     elif sweep["dial"] in REPLAY_DIALS:
         rule = f"{first} {REPLAY_RULE}"
     elif is_moe(rows):
@@ -1392,6 +1402,24 @@ STALENESS_RULE = (  # the reading rule of a --max-staleness sweep, fixed before 
     '`below` its own k = 0 row. A level reproduces "staleness breaks naive, correction repairs it" when the naive '
     "row is `below` and at least two corrected presets repair."
 )
+RULES = ("standard", "paired")  # `sweep --rule`, kept in sweep.json: how a --max-staleness sweep is read (sweep_rule)
+PAIRED_STALENESS_RULE = (  # `--rule paired`: the amended staleness rule (issue 48 item 7), fixed in lab/README.md
+    "Amended rule (`--rule paired`, issue 48), fixed before any run of it. Under staleness every preset learns from "
+    "older samples, so a correction can remove the bias of stale samples but not their lag: each k is also read "
+    "across presets. Every comparison is read twice: by the margin of the means, max(2 × pooled std, 0.05), and by "
+    "the paired 95 % interval of the per-seed differences over the seeds both rows ran (paired Δ ± t·s_d/√n, t with "
+    "n − 1 degrees of freedom; the paired view below). A preset *holds* at k when its mean final eval acc is not below "
+    "its own k = 0 row by more than the margin **and** the paired interval of its (k − k = 0) difference does not lie "
+    "wholly below 0; it is *below* when both say below; otherwise *undecided*. A corrected preset *repairs* at k when "
+    "its mean is above naive's at the same k by more than the margin **and** the paired interval of (preset − naive) "
+    "lies wholly above 0; it *does not repair* when neither says above; otherwise *undecided*. Naive *breaks* at k "
+    'when it is *below* by both tests. A level reproduces "staleness breaks naive, correction repairs it" when naive '
+    "breaks and at least two corrected presets repair; it does *not* when naive holds or fewer than two corrected "
+    "presets repair or are undecided (no undecided comparison could change it); otherwise the level is *undecided*. "
+    "A comparison without an interval (fewer than 2 shared seeds) is undecided. Each undecided comparison states the "
+    "half-width five seeds would give at the spread observed, t₄ · s_d / √5 (t₄ = 2.776), and the Δ the mean test "
+    "needs, which more seeds do not narrow. The table's `below` flag is the margin test alone."
+)
 
 
 REPLAY_DIALS = ("replay_fraction", "replay_window")  # sweeps of a replay buffer (docs/async.md §8)
@@ -1539,10 +1567,12 @@ def pi_old_verdict(arm: dict, recompute: dict, paired: dict) -> str:
     return "fails" if by_mean and by_pairs else "undecided" if by_mean or by_pairs else "holds"
 
 
-def five_seeds(paired: dict, margin: float) -> str:
+def five_seeds(paired: dict, margin: float, above: bool = False) -> str:
     """What five seeds would need, for an undecided comparison: the paired interval's half-width at n = 5 at the
-    spread observed (t with 4 degrees of freedom), and the mean test's margin, which more seeds do not narrow."""
-    need = f"the mean test needs Δ below −{margin:.3f} at any number of seeds (the margin is a spread, not an error)"
+    spread observed (t with 4 degrees of freedom), and the mean test's margin, which more seeds do not narrow (below
+    −margin; `above`, for a test of being above the other row, a repair: above +margin)."""
+    bound = f"above +{margin:.3f}" if above else f"below −{margin:.3f}"
+    need = f"the mean test needs Δ {bound} at any number of seeds (the margin is a spread, not an error)"
     if paired["sd"] is None:
         return f"five seeds would give the paired interval its first estimate; {need}"
     half = t_975(4) * paired["sd"] / math.sqrt(5)
@@ -1613,6 +1643,110 @@ def _pi_old_line(arm: dict, recompute: dict, sweep: dict) -> tuple[str, str]:
     undecided = verdict == "undecided" and margin is not None
     line += f" → **{verdict}**" + (f"; {five_seeds(paired, margin)}" if undecided else "")
     return verdict, line
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: the amended staleness rule (`sweep --rule paired`, PAIRED_STALENESS_RULE; issue 48 item 7)
+# ---------------------------------------------------------------------------------------------
+def sweep_rule(sweep: dict) -> str:
+    """The reading rule the sweep asked for (`sweep --rule`, one of RULES); a sweep.json written before the option
+    (every committed one) reads as `standard`."""
+    return sweep.get("rule", "standard")
+
+
+def paired_hold(row: dict, ref: dict, paired: dict) -> str:
+    """PAIRED_STALENESS_RULE's hold of `row` against its own k = 0 row `ref` (`paired`: row − ref by seed), by
+    SPLIT_RULE (2)'s two tests (pi_old_verdict): `holds` when neither the margin nor the interval says below, `below`
+    when both do, else `undecided`. Naive *breaks* when it is `below`."""
+    verdict = pi_old_verdict(row, ref, paired)
+    return "below" if verdict == "fails" else verdict
+
+
+def paired_repair(arm: dict, naive: dict, paired: dict) -> str:
+    """PAIRED_STALENESS_RULE's repair of a corrected `arm` against naive at the same k (`paired`: arm − naive by
+    seed): `repairs` when its mean is above naive's by more than the margin (clearly_below(naive, arm)) and the paired
+    interval lies wholly above 0, `does not repair` when neither, else `undecided` (also without an eval acc or an
+    interval: fewer than 2 shared seeds)."""
+    if arm["eval_acc"] is None or naive["eval_acc"] is None or paired["ci_low"] is None:
+        return "undecided"
+    by_mean, by_pairs = clearly_below(naive, arm), paired["ci_low"] > 0
+    return "repairs" if by_mean and by_pairs else "undecided" if by_mean or by_pairs else "does not repair"
+
+
+def paired_reproduction(naive: str | None, repairs: list[str]) -> str:
+    """A level's verdict under PAIRED_STALENESS_RULE from naive's paired_hold (None: naive not run there) and the
+    corrected presets' paired_repair: `reproduced` when naive is below and at least two repair; `not reproduced` when
+    naive holds or fewer than two repair or are undecided (no undecided comparison could change it); else
+    `undecided`."""
+    done, open_ = repairs.count("repairs"), repairs.count("undecided")
+    if naive == "below" and done >= 2:
+        return "reproduced"
+    return "not reproduced" if naive == "holds" or done + open_ < 2 else "undecided"
+
+
+def _two_tests(row: dict, other: dict, sweep: dict, verdict_of, above: bool = False) -> tuple[str, str]:
+    """(verdict, text) of `row` read against `other` by the margin and the paired interval (row − other by seed),
+    verdict_of(row, other, paired) giving the verdict: the mean's Δ against the margin, the interval, the verdict,
+    and for an undecided one what five seeds would give (five_seeds; `above`: a test of row above other)."""
+    paired = paired_difference(*(seed_evals(sweep, r["preset"], r["level"]) for r in (row, other)))
+    margin, verdict = rule_margin(row, other), verdict_of(row, other, paired)
+    mean = DASH
+    if margin is not None:
+        says = clearly_below(other, row) if above else clearly_below(row, other)
+        side = ("" if says else "not ") + ("above" if above else "below")
+        mean = f"{_delta(row, other):+.3f} (margin {margin:.3f}: {side})"
+    interval = DASH
+    if paired["ci_low"] is not None:
+        interval = f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] ({_zero_side(paired)})"
+    text = f"Δ {mean}; paired 95 % interval {interval} → **{verdict}**"
+    if verdict == "undecided" and margin is not None:
+        text += f"; {five_seeds(paired, margin, above)}"
+    return verdict, text
+
+
+def _read(by: dict, key: tuple, other: tuple, sweep: dict, verdict_of, above: bool = False) -> tuple[str | None, str]:
+    """_two_tests of the rows `key` and `other` of `by`; (None, a note) when either did not run (refused)."""
+    if key not in by or other not in by:
+        return None, "not run (refused; listed under the table)"
+    return _two_tests(by[key], by[other], sweep, verdict_of, above)
+
+
+BREAKS = {"below": "breaks", "holds": "does not break", "undecided": "undecided", None: "not run"}
+
+
+def paired_staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """PAIRED_STALENESS_RULE applied at each level after the first (sweep_rule `paired`): naive against its own k = 0
+    row (breaks?), each corrected preset against its own k = 0 row (hold) and against naive at the same k (repair),
+    then the level's verdict (paired_reproduction)."""
+    by = {(r["preset"], r["level"]): r for r in rows}
+    naive = next(p for p in sweep["presets"] if is_naive(p))
+    lines = ["Verdicts (the rule above, applied):"]
+    for level in compared_levels(sweep):
+        ref = reference_level(sweep, level)
+        broke, text = _read(by, (naive, level), (naive, ref), sweep, paired_hold)
+        lines.append(f"- `{level_title(sweep, level)}`: `{naive}` against its own k = 0: {text}")
+        held, repaired = {}, {}
+        for p in (p for p in sweep["presets"] if not is_naive(p)):
+            held[p], text = _read(by, (p, level), (p, ref), sweep, paired_hold)
+            lines.append(f"  - `{p}` against its own k = 0 (hold): {text}")
+            repaired[p], text = _read(by, (p, level), (naive, level), sweep, paired_repair, above=True)
+            lines.append(f"  - `{p}` against `{naive}` at this k (repair): {text}")
+        lines.append(_paired_level_line(broke, held, repaired))
+    return lines
+
+
+def _paired_level_line(broke: str | None, held: dict, repaired: dict) -> str:
+    """The last line of a level under PAIRED_STALENESS_RULE from naive's paired_hold (`broke`) and each corrected
+    preset's hold and repair: naive's break, who repairs and holds (and who is undecided), the level's verdict."""
+
+    def names(verdicts: dict, verdict: str) -> str:
+        return ", ".join(f"`{p}`" for p, v in verdicts.items() if v == verdict) or "none"
+
+    verdict = paired_reproduction(broke, list(repaired.values()))
+    return (
+        f"  - naive {BREAKS[broke]}; repair: {names(repaired, 'repairs')} (undecided: {names(repaired, 'undecided')}); "
+        f"hold: {names(held, 'holds')} (undecided: {names(held, 'undecided')}) → **{verdict}**"
+    )
 
 
 def refused_lines(sweep: dict) -> list[str]:
@@ -2054,6 +2188,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=40, help="--num-steps of each run (default 40)")
     s.add_argument("--overwrite", action="store_true", help="re-run runs that are already complete")
     s.add_argument("--reward-level", type=float, default=0.5, help="reward level of the report (default 0.5)")
+    s.add_argument(
+        "--rule",
+        choices=RULES,
+        default="standard",
+        help="reading rule of a --dial max_staleness sweep, kept in sweep.json: standard (STALENESS_RULE, default) or "
+        "paired (PAIRED_STALENESS_RULE: the margin and the paired 95 %% interval over seeds must agree)",
+    )
     r = sub.add_parser("report", help="summary table and plots of a sweep folder")
     r.add_argument("out", metavar="SWEEP_DIR")
     r.add_argument("--reward-level", type=float, default=0.5, help="'steps to reach' level (default 0.5)")

@@ -963,7 +963,6 @@ def test_committed_sweeps_hold_no_machine_path():
         "noise_sweep",
         "replay",
         "staleness",
-        "staleness_mu",
         "veto",
     ]
     for name in COMMITTED:

@@ -257,7 +257,7 @@ def test_a_number_no_summary_holds_fails_and_a_held_one_passes():
 
 def test_the_scan_reads_the_lab_readmes_claims():
     assert lab_sections()["6"] == ("catalogue",) and lab_sections()["3"] == lab_sections()["4"] == ("length",)
-    assert lab_sections()["1"] == ("staleness", "staleness_mu")
+    assert lab_sections()["1"] == ("staleness",)
     found = {n: folders for _, body, folders in blocks(read(LAB_README), True) for n in quoted_numbers(body)}
     assert found["0.557"] >= {"catalogue"} and found["0.608"] >= {"staleness"}  # a verdict, a finding of "In short"
     assert len(checked(read(LAB_README), True)) > 500

@@ -962,6 +962,7 @@ def test_committed_sweeps_hold_no_machine_path():
         "moe",
         "noise_sweep",
         "replay",
+        "split",
         "staleness",
         "veto",
     ]

@@ -394,6 +394,12 @@ def cache_root() -> str:
     return os.environ.get("RC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rc_train"))
 
 
+# Built models the repository ships, by cache name (models/NAME: the files and build.json with their SHA-256): the
+# default job's base, so a first run starts training at once, and every machine trains from the same weights (a build
+# here depends on the thread count, which follows the machine's load: docs/running.md "The miniature GSM8K").
+SHIPPED_MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+
+
 def resolve_model(args, task: Task, main: bool) -> str:
     """The path of --model: a tiny model built here and cached (base_model_path; the MoE with its router scale; the
     main process says where it is), else the local path or Hugging Face id as given."""
@@ -534,13 +540,20 @@ def remove_stale_builds(held: str, log: Callable[[str], None]) -> list[str]:
 
 
 def cached_build(name: str, build: Callable[[str], dict], log: Callable[[str], None]) -> str:
-    """cache/name, built once by build(tmp_dir) and renamed into place (atomic: a half-built model is never
+    """models/name when the repository ships it and its files match its stamp (SHIPPED_MODELS); else cache/name,
+    built once by build(tmp_dir) and renamed into place (atomic: a half-built model is never
     picked up). A complete build holds build.json with the SHA-256 of its files; a folder whose files no longer
     match it (corrupt, truncated, edited) is moved aside and rebuilt, never loaded. Two processes that want the same
     model at once (two runs, or the test suite's workers, on a fresh machine) build it once: the second waits on the
     first's lock (cache/name.lock, an empty file that stays; flock, so the kernel releases it if its holder dies)
     and then finds the model cached. A build that fails or is interrupted removes its folder; one that was killed
     leaves it, and the next build removes it (remove_stale_builds)."""
+    shipped = os.path.join(SHIPPED_MODELS, name)
+    if _cached(shipped):
+        log(f"model: {shipped} (shipped with the repository, checksum verified)")
+        return shipped
+    if os.path.isdir(shipped):
+        log(f"model: {shipped} fails its checksum (edited or damaged), not loaded; using the cache")
     path = os.path.join(cache_root(), name)
     if _cached(path):
         log(f"model: {path} (cached)")

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -627,3 +628,36 @@ def test_the_warm_starts_learning_rate():
     assert tasks.sft_rate(cos, 599) == pytest.approx(0.1) and tasks.sft_rate(cos, 350) == pytest.approx(0.55, abs=0.01)
     rates = [tasks.sft_rate(cos, s) for s in range(100, 600)]
     assert all(a > b for a, b in zip(rates, rates[1:]))
+
+
+def test_the_repository_ships_the_default_base_and_a_first_run_loads_it(tmp_path, monkeypatch):
+    """models/ holds the default job's base under its cache name, its stamp matching its files and its build.json
+    naming the default settings; base_model_path returns it without building or touching the cache. A shipped copy
+    that fails its stamp is never loaded: the cache's copy (here a fake build) is used instead, and the line says so."""
+    task, mini = tasks.make_task("minigsm", MINI), tasks.MiniGSMArgs()
+    name = tasks.warm_base_name(task, mini, *tasks.warm_start_corpus(task, mini))
+    shipped = os.path.join(tasks.SHIPPED_MODELS, name)
+    assert os.listdir(tasks.SHIPPED_MODELS) == [name] and tasks._cached(shipped)
+    info = json.load(open(os.path.join(shipped, "build.json")))
+    assert info["settings"] == tasks.hashed_settings(mini) and info["kind"] == "minigsm base"
+    monkeypatch.setenv("RC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_build(*_, **__):
+        raise AssertionError("built")
+
+    monkeypatch.setattr(tasks, "build_warm_base", no_build)
+    logs = []
+    assert tasks.base_model_path(task, mini, seed=1, log=logs.append) == shipped
+    assert "shipped with the repository" in logs[0] and not (tmp_path / "cache").exists()
+    damaged = tmp_path / "models" / name
+    shutil.copytree(shipped, damaged)
+    (damaged / "config.json").write_text((damaged / "config.json").read_text().replace("128", "129", 1))
+    monkeypatch.setattr(tasks, "SHIPPED_MODELS", str(tmp_path / "models"))
+    logs.clear()
+
+    def fake(path):
+        open(os.path.join(path, "config.json"), "w").write("{}")
+        return {}
+
+    path = tasks.cached_build(name, fake, logs.append)
+    assert path == str(tmp_path / "cache" / name) and "fails its checksum" in logs[0]

@@ -76,8 +76,8 @@ needs_minigsm_base = pytest.mark.minigsm_base
 # ---- 0. The default job: the miniature GSM8K learns (builds the cached base model on first use) ----------
 @needs_minigsm_base
 def test_default_run_learns_multi_token_answers(tmp_path):
-    # The default job (configs/cpu_demo.yaml), shortened: SHORT_STEPS steps, eval on 100 test problems. The base's
-    # build comes first (measured: 14 min on 2 threads of an idle 2-core machine; one thread beside a busy one: ~20).
+    # The default job (configs/cpu_demo.yaml), shortened: SHORT_STEPS steps, eval on 100 test problems, from the base
+    # the repository ships (models/; tests/test_tasks.py checks it is the default's and loaded without a build).
     rows, proc = run_train(
         tmp_path, "--num-steps", str(SHORT_STEPS), "--eval-limit", "100", "--no-save-final", timeout=3600
     )

@@ -536,6 +536,9 @@ EXPORT_KEYS = (
     "rollout_corr/staleness_tv",
     "rollout_corr/numerics_k3_kl",
     "rollout_corr/staleness_k3_kl",
+    "actor/opsm_seq_masked_fraction",
+    "actor/opsm_neg_adv_seq_masked_fraction",
+    "rollout_corr/rollout_m2_masked_fraction",
 )
 
 

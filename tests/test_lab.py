@@ -956,6 +956,7 @@ def test_committed_sweeps_hold_no_machine_path():
     """sweep.json, the configs in the runs file and every text file of lab/ name no absolute path."""
     assert COMMITTED == [
         "catalogue",
+        "catalogue_published",
         "collapse",
         "length",
         "length_long",

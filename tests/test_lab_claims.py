@@ -241,7 +241,7 @@ def test_a_number_no_summary_holds_fails_and_a_held_one_passes():
     verdict = "(0.557, like naive)"  # the catalogue's M2 mask arm at k = 8 (lab/catalogue/summary.md)
     assert verdict in page and unbacked(page, True) == []
     planted = unbacked(page.replace(verdict, "(0.567, like naive)"), True)
-    assert [(n, folders) for _, n, folders in planted] == [("0.567", ("catalogue",))]
+    assert [(n, folders) for _, n, folders in planted] == [("0.567", ("catalogue", "catalogue_published"))]
     # another page: a paragraph that cites a folder is checked against that folder's summaries only
     assert unbacked("Measured (`lab/catalogue/`): OPSM ends at 0.802, naive at −0.205 below.", False) == []
     assert [n for _, n, _ in unbacked("Measured (`lab/catalogue/`): naive ends at 0.855.", False)] == ["0.855"]

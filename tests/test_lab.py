@@ -948,8 +948,10 @@ def test_export_round_trip(tmp_path, monkeypatch):
     assert rc_lab.main(["sweep", "--out", str(dest), "--presets", "naive", "--dial", DIAL, "--levels", "0"]) == 2
 
 
-def test_lab_holds_fewer_than_100_files():
-    assert sum(len(files) for _, _, files in os.walk(LAB)) < 100
+def test_lab_holds_fewer_than_120_files():
+    """The lab stays a few files per sweep (the compact form and its report): 11 sweeps and the code, 103 files in
+    session 22 (the bound was 100 for 9 sweeps)."""
+    assert sum(len(files) for _, _, files in os.walk(LAB)) < 120
 
 
 def test_committed_sweeps_hold_no_machine_path():

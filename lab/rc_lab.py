@@ -1630,22 +1630,10 @@ def _pi_old_lines(arms: list[tuple[str, dict | None]], recompute: dict, sweep: d
 
 
 def _pi_old_line(arm: dict, recompute: dict, sweep: dict) -> tuple[str, str]:
-    """(pi_old_verdict, its line) of one cheaper arm against the recompute arm at the same level: the mean's Δ against
-    the rule's margin, the paired interval, and for an undecided one what five seeds would need."""
-    level = arm["level"]
-    paired = paired_difference(seed_evals(sweep, arm["preset"], level), seed_evals(sweep, recompute["preset"], level))
-    margin, verdict = rule_margin(arm, recompute), pi_old_verdict(arm, recompute, paired)
-    mean = DASH
-    if margin is not None:
-        side = "below" if clearly_below(arm, recompute) else "not below"
-        mean = f"{_delta(arm, recompute):+.3f} (margin {margin:.3f}: {side})"
-    interval = DASH
-    if paired["ci_low"] is not None:
-        interval = f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] ({_zero_side(paired)})"
-    line = f"  - `{arm['preset']}` against `{recompute['preset']}`: Δ {mean}; paired 95 % interval {interval}"
-    undecided = verdict == "undecided" and margin is not None
-    line += f" → **{verdict}**" + (f"; {five_seeds(paired, margin)}" if undecided else "")
-    return verdict, line
+    """(pi_old_verdict, its line) of one cheaper arm against the recompute arm at the same level (_two_tests: the
+    mean's Δ against the rule's margin, the paired interval, and for an undecided one what five seeds would need)."""
+    verdict, text = _two_tests(arm, recompute, sweep, pi_old_verdict)
+    return verdict, f"  - `{arm['preset']}` against `{recompute['preset']}`: {text}"
 
 
 # ---------------------------------------------------------------------------------------------

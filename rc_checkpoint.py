@@ -202,12 +202,14 @@ def save_checkpoint(
     scheduler,
     counters: dict,
     in_flight: dict,
+    carried: list | None = None,
     replay=(),
     kept_versions: dict | None = None,
 ) -> None:
     """checkpoints/step_N: model and optimizer through torch distributed checkpoint (each rank writes its own shards
     under FSDP2; replicated DDP tensors are written once), every rank's RNG state, the batches it has in flight
-    (--max-staleness k: those of the next k steps, sampled by older versions) and its replay buffer (--replay-window:
+    (--max-staleness k: those of the next k steps, sampled by older versions), its unfinished responses
+    (--partial-rollout: rc_rollout.PartialRollouts.state after the last of them) and its replay buffer (--replay-window:
     rc_rollout.ReplayBuffer.state), the weights kept by version (--mismatch-split, --prox-logp sampling:
     rc_rollout.KeptVersions, written once, by the main process), the scheduler, trainer_state.json (the step, the
     counters, the schedule and the settings that decide what a step computes: run_settings) and checksums.json (the
@@ -226,7 +228,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         accelerator.wait_for_everyone()
-        _write_rank_files(files, accelerator.process_index, args, model, optimizer, in_flight, replay)
+        _write_rank_files(files, accelerator.process_index, args, model, optimizer, in_flight, replay, carried)
         if main and kept_versions is not None:
             torch.save(kept_versions, files.at("kept_versions.pt"))
         accelerator.wait_for_everyone()
@@ -249,9 +251,9 @@ def save_checkpoint(
         prune_checkpoints(run_dir, args.keep_checkpoints, final)
 
 
-def _write_rank_files(files: _Files, rank: int, args, model, optimizer, in_flight: dict, replay) -> None:
+def _write_rank_files(files: _Files, rank: int, args, model, optimizer, in_flight: dict, replay, carried) -> None:
     """Every rank's part of a checkpoint: its shards of the model and optimizer (DCP), its RNG states, its batches in
-    flight and, under --replay-window, its replay buffer."""
+    flight, under --replay-window its replay buffer, under --partial-rollout its unfinished responses."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -262,6 +264,8 @@ def _write_rank_files(files: _Files, rank: int, args, model, optimizer, in_fligh
     torch.save(in_flight, files.at(f"in_flight_rank{rank}.pt"))
     if args.replay_window:
         torch.save(replay, files.at(f"replay_rank{rank}.pt"))
+    if args.partial_rollout:
+        torch.save(carried, files.at(f"partial_rank{rank}.pt"))
 
 
 def _write_main_files(files: _Files, step: int, world: int, args, scheduler, counters: dict, in_flight: dict) -> None:
@@ -679,6 +683,7 @@ class Resumed:
     rng: dict
     replay: list
     kept_versions: dict | None = None
+    carried: list | None = None  # --partial-rollout: the unfinished responses (rc_rollout.PartialRollouts.state)
 
 
 def load_resume(
@@ -713,6 +718,7 @@ def load_resume(
         in_flight, rng = load_in_flight(ckpt, rank), load_rng(ckpt, rank)
         replay = load_replay(ckpt, rank) if args.replay_window else []
         kept = load_kept_versions(ckpt) if args.mismatch_split or args.prox_logp == "sampling" else None
+        carried = load_carried(ckpt, rank) if args.partial_rollout else None
         start = state["step"] + 1
         missing = [t for t in range(start, min(start + args.max_staleness, args.num_steps)) if t not in in_flight]
         if missing:
@@ -726,7 +732,7 @@ def load_resume(
         lacking = [k for k in counters if k not in state]
         if lacking:
             raise rc_run.RunError(f"{os.path.join(ckpt, 'trainer_state.json')} lacks {lacking[0]}")
-        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng, replay, kept)
+        resumed = Resumed(ckpt, start, {k: state[k] for k in counters}, in_flight, rng, replay, kept, carried)
     except rc_run.RunError as e:
         error = str(e)
     errors = [e for e in host.gather(error) if e]
@@ -776,6 +782,23 @@ def load_replay(path: str, rank: int) -> list:
     if not ok:
         raise rc_run.RunError(f"{file} cannot be loaded (not the replay buffer a checkpoint writes)")
     return entries
+
+
+def load_carried(path: str, rank: int) -> list:
+    """This rank's unfinished responses when the checkpoint was written (rc_rollout.PartialRollouts.state): [[row,
+    prompt, seed keys, [[token ids, log mu, versions, text, finished], ...]], ...], checked."""
+    file = os.path.join(path, f"partial_rank{rank}.pt")
+    if not os.path.isfile(file):
+        name = os.path.basename(file)
+        raise rc_run.RunError(f"{path} holds no unfinished responses ({name}) for this --partial-rollout run")
+    groups = _loaded(file, lambda: torch.load(file, weights_only=False))
+    ok = isinstance(groups, list) and all(
+        isinstance(g, list) and len(g) == 4 and all(len(r) == 5 and len(r[0]) == len(r[1]) == len(r[2]) for r in g[3])
+        for g in groups
+    )
+    if not ok:
+        raise rc_run.RunError(f"{file} cannot be loaded (not the unfinished responses a checkpoint writes)")
+    return groups
 
 
 def load_rng(path: str, rank: int) -> dict:

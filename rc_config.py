@@ -408,6 +408,7 @@ def _check_rollout(args, world_size: int) -> None:
     )
     need(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     _check_replay(args, world_size)
+    _check_partial_rollout(args)
     need(
         args.train_dtype != "float16",
         f"--train-dtype must be float32 or bfloat16, got {args.train_dtype}: the trainer has no gradient scaler, "
@@ -437,6 +438,31 @@ def _check_replay(args, world_size: int) -> None:
         f"--replay-fraction {f} replays all {per_rank} prompt groups per rank (round({f} x {per_rank})), leaving no "
         f"fresh group: lower it or raise --num-prompts-per-step",
     )
+
+
+def _check_partial_rollout(args) -> None:
+    """--partial-rollout (docs/async.md §9): its round length and token bound, and what reads one version per row."""
+    tokens, bound, k = args.partial_rollout_tokens, args.partial_rollout_max_staleness, args.max_staleness or 0
+    need(tokens >= 1, f"--partial-rollout-tokens must be >= 1 (tokens per response per round), got {tokens}")
+    need(
+        bound is None or bound >= k,
+        f"--partial-rollout-max-staleness {bound} is below --max-staleness {k}: every token of every response would "
+        f"be masked; use >= {k} (None = {k} + 1)",
+    )
+    if not args.partial_rollout:
+        return
+    one_version = [
+        ("--replay-fraction > 0", args.replay_fraction > 0),
+        ("--mismatch-split", args.mismatch_split),
+        (f"--prox-logp {args.prox_logp}", args.prox_logp in ("sampling", "loglinear")),
+        ("--routing-replay / --routing-metrics", routing_capture(args)),
+    ]
+    for flag, on in one_version:
+        need(
+            not on,
+            f"--partial-rollout with {flag}: it reads one policy version (or one routing) per response, and a partial "
+            f"response has several (docs/async.md §9); drop one",
+        )
 
 
 def _check_schedule_and_dials(args) -> None:

@@ -44,6 +44,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -119,6 +120,8 @@ def engine_limits(args, world: int, longest_prompt: int, on_gpu: bool) -> dict:
     needs a step budget >= --max-model-len (checked in validate_args). GPU generators rewind fine: chunked
     prefill stays on there and the budget is passed only when set."""
     batch = rc_config.rollout_batch_size(args, world)
+    if args.partial_rollout:  # two steps' groups in flight, each response's prefix part of its prompt
+        batch, longest_prompt = 2 * batch, longest_prompt + args.max_response_length
     max_num_seqs = args.vllm_max_num_seqs or batch
     tokens = args.vllm_max_num_batched_tokens
     if tokens is None and not on_gpu:
@@ -428,6 +431,7 @@ class Response(NamedTuple):
     log_probs: list[float]
     text: str
     routed_experts: np.ndarray | None = None
+    versions: list[int] | None = None  # --partial-rollout: the version that sampled each token (PartialRollouts)
 
 
 class Request(NamedTuple):
@@ -439,6 +443,8 @@ class Request(NamedTuple):
     seed_keys: tuple = ()
     first_index: int = 0
     greedy: bool = False
+    rows: tuple = ()  # --partial-rollout: the train row of each prompt ...
+    keys: tuple = ()  # ... and its seed keys (PartialRollouts; whole responses need neither)
 
 
 class Result(NamedTuple):
@@ -449,6 +455,8 @@ class Result(NamedTuple):
     groups: list[list[Response]]
     generating_s: float
     idle_s: float
+    rows: list[int] | None = None  # --partial-rollout: each group's train row (PartialRollouts)...
+    carried: list | None = None  # ... and the responses it left unfinished (the state the next request continues)
 
 
 def load_weights(llm, weights) -> None:
@@ -630,6 +638,16 @@ def sampling_seed(*keys: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+def sampling_settings(args) -> dict:
+    """SamplingParams of a sampled (not greedy) rollout, but n, max_tokens and the seed."""
+    return dict(
+        temperature=args.rollout_temperature or args.temperature,
+        top_p=args.top_p,
+        logprobs=0,
+        extra_args={CORRUPT_KEY: args.rollout_corrupt_prob},
+    )
+
+
 def generate(llm, request: Request, args) -> list[list[Response]]:
     """Per prompt of the request, its n Responses.
 
@@ -638,12 +656,7 @@ def generate(llm, request: Request, args) -> list[list[Response]]:
     prompt_ids, greedy = request.prompts, request.greedy
     from vllm import SamplingParams
 
-    sampling = dict(
-        temperature=args.rollout_temperature or args.temperature,
-        top_p=args.top_p,
-        logprobs=0,
-        extra_args={CORRUPT_KEY: args.rollout_corrupt_prob},
-    )  # greedy: the defaults at temperature 0
+    sampling = sampling_settings(args)  # greedy: the defaults at temperature 0
     params = [
         SamplingParams(
             n=request.n,
@@ -677,6 +690,88 @@ def generate(llm, request: Request, args) -> list[list[Response]]:
     return result
 
 
+class PartialRollouts:
+    """--partial-rollout (docs/async.md §9): responses that span weight updates. Held by the engine, which answers its
+    requests in order, so each request continues what the one before it left unfinished.
+
+    A request admits prompts (its `rows`, each with its seed keys) as groups of n empty responses, then generates in
+    rounds of --partial-rollout-tokens L tokens per unfinished response, at the engine's current version, until
+    `per_rank` groups are complete (every response ended: EOS, or --max-response-length), as slime stops a rollout
+    once its batch is full, and for one round at least (an engine with unfinished work never idles; without it, a
+    request that found its batch already complete would leave every response where it was). It returns the
+    `per_rank` complete groups admitted first; the rest stay: their unfinished responses continue in the next
+    request, under whatever version the engine holds then, their earlier tokens and log mu kept. Every token carries
+    the version that sampled it. The trainer admits one step's prompts per request and two at the first
+    (Rollouts.request), so the pool holds 2 x per_rank groups before each emission and a request always ends with
+    per_rank complete groups. A round seeds each response's continuation by (its prompt's seed keys, its index in
+    the group, its length so far): a schedule deterministic in (seed, step), independent of timing. State: plain
+    lists (state(), for a checkpoint), group = [row, prompt, keys, responses], response = [token ids, log mu,
+    versions, text, finished]."""
+
+    def __init__(self, per_rank: int, state=None):
+        self.per_rank, self.groups = per_rank, self._copy(state or [])
+
+    def state(self) -> list:
+        return self._copy(self.groups)
+
+    @staticmethod
+    def _copy(groups) -> list:
+        return [
+            [row, list(prompt), tuple(keys), [[*map(list, r[:3]), *r[3:]] for r in responses]]
+            for row, prompt, keys, responses in groups
+        ]
+
+    def serve(self, llm, request: Request, version: int, args) -> tuple[list, list]:
+        """(per_rank complete groups of Responses, their train rows), admitted first first."""
+        for row, prompt, keys in zip(request.rows, request.prompts, request.keys):
+            self.groups.append([row, list(prompt), tuple(keys), [[[], [], [], "", False] for _ in range(request.n)]])
+        for rounds in itertools.count():  # at least one round: the engine never idles while a response is unfinished
+            complete = [g for g in self.groups if all(r[4] for r in g[3])]
+            live = [(g, j, r) for g in self.groups for j, r in enumerate(g[3]) if not r[4]]
+            if not live or (rounds and len(complete) >= self.per_rank):
+                break
+            self._round(llm, live, version, args)
+        emitted = complete[: self.per_rank]
+        self.groups = [g for g in self.groups if all(g is not e for e in emitted)]
+        groups = [[Response(r[0], r[1], r[3], None, r[2]) for r in g[3]] for g in emitted]
+        return groups, [g[0] for g in emitted]
+
+    @staticmethod
+    def _round(llm, live: list, version: int, args) -> None:
+        """Up to L more tokens of each unfinished response, at `version`: the prompt and the response so far are the
+        engine's prompt (its prefix cache holds them when the version has not changed since)."""
+        from vllm import SamplingParams
+
+        longest, budget = args.max_response_length, args.partial_rollout_tokens
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=min(budget, longest - len(r[0])),
+                seed=sampling_seed(*keys, j, len(r[0])),
+                **sampling_settings(args),
+            )
+            for (_, _, keys, _), j, r in live
+        ]
+        prompts = [{"prompt_token_ids": g[1] + r[0]} for g, _, r in live]
+        for (_, _, r), out in zip(live, llm.generate(prompts, params, use_tqdm=False)):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            r[0] += ids
+            r[1] += [d[t].logprob if t in d else float("nan") for d, t in zip(o.logprobs, ids)]
+            r[2] += [version] * len(ids)
+            r[3] += o.text
+            r[4] = o.finish_reason != "length" or len(r[0]) >= longest
+
+
+def answer(llm, request: Request, args, generate, partial: PartialRollouts | None, version: int):
+    """(groups, rows, carried) of a request: a sampled one through the partial rollouts when they are on (rows and
+    carried None otherwise)."""
+    if partial is not None and not request.greedy:
+        groups, rows = partial.serve(llm, request, version, args)
+        return groups, rows, partial.state()
+    return generate(llm, request, args), None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Engines: load(version, weights), submit(tag, Request), result(tag) -> (Result, seconds the caller waited).
 # ---------------------------------------------------------------------------------------------
@@ -685,10 +780,15 @@ class LocalEngine:
     rollout at the start of the step); a load runs at once, so it needs no request to be waiting (k = 0 only).
     On a GPU the engine sleeps during the update (EngineMemory)."""
 
-    def __init__(self, llm, memory: EngineMemory, generate, args, owns_process_group: bool = False):
+    def __init__(self, llm, memory: EngineMemory, generate, args, owns_process_group: bool = False, partial=None):
         self.llm, self.memory, self.generate, self.args = llm, memory, generate, args
         self.owns_process_group = owns_process_group  # the engine created this process's default group (world 1)
         self.version, self.waiting, self.idle, self.free_since = 0, {}, 0.0, time.time()
+        self.partial = partial  # --partial-rollout: the unfinished responses (PartialRollouts)
+
+    def carry(self, state: list) -> None:
+        """A checkpoint's unfinished responses (resume): the next request continues them."""
+        self.partial = PartialRollouts(self.partial.per_rank, state)
 
     def _busy(self):
         self.idle += time.time() - self.free_since
@@ -709,9 +809,9 @@ class LocalEngine:
         self._busy()
         request = self.waiting.pop(tag)
         with engine_awake(self.memory, "weights", "kv_cache", sleep_after=not request.greedy):  # the update next
-            groups = self.generate(self.llm, request, self.args)
+            groups, rows, carried = answer(self.llm, request, self.args, self.generate, self.partial, self.version)
         idle, self.idle, self.free_since = self.idle, 0.0, time.time()
-        return Result(self.version, groups, time.time() - t0, idle), time.time() - t0
+        return Result(self.version, groups, time.time() - t0, idle, rows, carried), time.time() - t0
 
     def close(self) -> None:
         """At world 1 the engine created the process's torch.distributed groups itself: tear them down now, with
@@ -767,12 +867,15 @@ def exit_with_trainer() -> None:
     threading.Thread(target=watch, name="exit-with-trainer", daemon=True).start()
 
 
-def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_path: str, requests, results) -> None:
+def worker_main(
+    args, generate, model_path: str, seed: int, limits: dict, log_path: str, requests, results, per_rank: int = 0
+) -> None:
     """The rollout worker process: start the engine, then serve requests in order until ("stop",).
 
     ("load", version, {name: tensor})  weights in shared memory, owned by this request; reloaded in place
                                        between two generations, then the prefix cache is dropped
     ("generate", tag, Request)      -> ("result", tag, Result)
+    ("carry", state)                   --partial-rollout: a checkpoint's unfinished responses, continued next
     """
     exit_with_trainer()  # first: the engine's start alone takes ~15 s
     import tqdm
@@ -787,6 +890,7 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
         results.put(("failed", f"{type(e).__name__}: {e}"))
         return
     version, idle = 0, 0.0
+    partial = PartialRollouts(per_rank) if args.partial_rollout else None
     results.put(("ready",))
     while True:
         t0 = time.time()
@@ -800,10 +904,13 @@ def worker_main(args, generate, model_path: str, seed: int, limits: dict, log_pa
             load_weights(llm, list(weights.items()))
             del weights, message
             continue
+        if message[0] == "carry":
+            partial = PartialRollouts(per_rank, message[1])
+            continue
         _, tag, request = message
         t0 = time.time()
-        groups = generate(llm, request, args)
-        results.put(("result", tag, Result(version, groups, time.time() - t0, idle)))
+        groups, rows, carried = answer(llm, request, args, generate, partial, version)
+        results.put(("result", tag, Result(version, groups, time.time() - t0, idle, rows, carried)))
         idle = 0.0
 
 
@@ -812,7 +919,7 @@ class RolloutWorker:
     back in request order; one that arrives before it is wanted is kept). The worker's torch takes as many threads
     as the trainer's (rc_config.torch_threads): at k >= 1, half the cores each."""
 
-    def __init__(self, args, generate, model_path: str, seed: int, limits: dict, log_path: str):
+    def __init__(self, args, generate, model_path: str, seed: int, limits: dict, log_path: str, per_rank: int = 0):
         import torch.multiprocessing as mp  # its queues pass tensors through shared memory, not through a pipe
 
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of the trainer's threads or engine state
@@ -821,7 +928,7 @@ class RolloutWorker:
             target=worker_main,
             name="rollout-worker",
             daemon=True,
-            args=(args, generate, model_path, seed, limits, log_path, self.requests, self.results),
+            args=(args, generate, model_path, seed, limits, log_path, self.requests, self.results, per_rank),
         )
         self.process.start()
         self.kept: dict = {}
@@ -838,6 +945,10 @@ class RolloutWorker:
     def submit(self, tag, request: Request) -> None:
         self.requests.put(("generate", tag, request))
 
+    def carry(self, state: list) -> None:
+        """A checkpoint's unfinished responses (resume): the worker's next request continues them."""
+        self.requests.put(("carry", state))
+
     def result(self, tag, keep: bool = False) -> tuple[Result, float]:
         """The Result of `tag` (waited for; kept for a later call when `keep`), and the seconds waited."""
         t0 = time.time()
@@ -848,7 +959,7 @@ class RolloutWorker:
 
     def restore(self, tag, result: Result) -> None:
         """A result saved by a checkpoint (resume): handed out by result(tag) as if the worker had sent it."""
-        self.kept[tag] = Result(*result[:4])
+        self.kept[tag] = Result(*result)
 
     def _receive(self):
         while True:
@@ -885,8 +996,9 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
     on_gpu = torch.cuda.is_available()
     limits = engine_limits(args, world, max(map(len, prompts)), on_gpu)
     engine_log = os.path.join(run_dir, f"engine{rank or ''}.log")
+    per_rank = rc_config.prompts_per_rank(args, world)  # --partial-rollout: the groups a request must complete
     if rc_config.uses_rollout_worker(args):  # a process of its own: rollouts overlap the update
-        return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log)
+        return RolloutWorker(args, generate, model_path, args.seed + rank, limits, engine_log, per_rank)
     placement, env = engine_placement(on_gpu, rank, accelerator.local_process_index, world)
     os.environ.update(env)
     import torch.distributed as dist
@@ -899,7 +1011,8 @@ def make_engine(args, model_path: str, run_dir: str, prompts: list, accelerator)
         if memory.enabled
         else "the engine never sleeps (CPU, or --no-vllm-sleep)"
     )
-    return LocalEngine(llm, memory, generate, args, owns_process_group=not had_group and dist.is_initialized())
+    partial = PartialRollouts(per_rank) if args.partial_rollout else None
+    return LocalEngine(llm, memory, generate, args, not had_group and dist.is_initialized(), partial)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -913,7 +1026,30 @@ def staleness_bound(args) -> int | None:
         bound = args.max_staleness
     else:
         bound = args.sync_every - 1 if args.sync_every else None
+    if bound is not None and args.partial_rollout:  # a response's tokens may lag more (PartialRollouts): per token
+        return bound + 1 if args.partial_rollout_max_staleness is None else args.partial_rollout_max_staleness
     return None if bound is None else bound + (args.replay_window if args.replay_fraction > 0 else 0)
+
+
+def mask_stale_tokens(batch: dict, mask: torch.Tensor, step: int, bound: int | None) -> dict:
+    """--partial-rollout (docs/async.md §9): mask every response token more than `bound` versions behind the trainer
+    (slime's semantics, per token: the rest of its response still trains; dropping the response would drop exactly
+    the long ones, the bias partial rollouts remove); rollout/* of the tokens' staleness before the mask. {} for whole
+    responses (no batch["token_version"])."""
+    if "token_version" not in batch:
+        return {}
+    tokens = mask > 0
+    staleness = step - batch["token_version"]
+    versions = [len(set(v[m].tolist())) for v, m in zip(batch["token_version"], tokens) if m.any()]
+    masked = stale_rows(batch["token_version"], step, bound) & tokens
+    mask[masked] = 0.0
+    return {
+        "rollout/token_staleness_mean": float(staleness[tokens].float().mean()) if tokens.any() else 0.0,
+        "rollout/token_staleness_max": float(staleness[tokens].max()) if tokens.any() else 0.0,
+        "rollout/spanning_responses": float(np.mean([v > 1 for v in versions])) if versions else 0.0,
+        "rollout/versions_per_response": float(np.mean(versions)) if versions else 0.0,
+        "rollout/masked_stale_tokens": float(masked.sum()),
+    }
 
 
 def stale_rows(versions: torch.Tensor, trainer_version: int, bound: int | None) -> torch.Tensor:
@@ -1100,13 +1236,14 @@ class Rollouts:
     """The batches of the run, each sampled by the version the schedule names (module docstring).
 
     `model` is the trainer's (unwrapped) model: a load reads its weights at the moment it is queued.
-    `prompts_of(step)` gives that step's (prompt ids, index of this rank's first prompt in the step)."""
+    `prompts_of(step)` gives that step's (prompt ids, index of this rank's first prompt in the step, train rows)."""
 
     def __init__(self, args, engine, model, prompts_of, sync_count: int = 0):
         self.args, self.engine, self.model, self.prompts_of = args, engine, model, prompts_of
         self.k, self.dial = args.max_staleness, has_weight_dial(args)
         self.loaded = (0, False)  # (version, perturbed by a dial) of the last load queued; the engine starts at 0
         self.sync_count = sync_count  # loads that brought the engine a new version (actor/sync_count)
+        self.carried = {}  # --partial-rollout: step -> the unfinished responses its request left (PartialRollouts)
 
     def load(self, version: int, dials: bool = True, count: bool = True) -> None:
         """Queue the trainer's current weights as `version`: perturbed by the lab's weight dial when `dials`
@@ -1117,15 +1254,18 @@ class Rollouts:
         self.sync_count += int(count and version != self.loaded[0])
         self.loaded = (version, dials and self.dial)
 
-    def begin(self, step: int, in_flight: dict | None = None) -> None:
+    def begin(self, step: int, in_flight: dict | None = None, carried: list | None = None) -> None:
         """Before the first step run (`step`: 0, or the checkpoint's next step): the engine gets the trainer's
-        weights when they are not the initial ones, or when a dial perturbs them; then the batches of steps
-        step..step+k are queued, except those a checkpoint saved (`in_flight`: step -> result, sampled earlier)."""
+        weights when they are not the initial ones, or when a dial perturbs them, and a checkpoint's unfinished
+        responses (`carried`, --partial-rollout); then the batches of steps step..step+k are queued, except those a
+        checkpoint saved (`in_flight`: step -> result, sampled earlier)."""
         if step > 0 or self.dial:
             self.load(step, count=False)
+        if carried is not None:
+            self.engine.carry(carried)
         in_flight = in_flight or {}
         for t, result in sorted(in_flight.items()):
-            self.engine.restore(t, Result(*result[:4]))  # a checkpoint of an older version holds plain tuples
+            self.engine.restore(t, Result(*result))  # a checkpoint of an older version holds plain tuples
         for t in range(step, step + self.k + 1):
             if t not in in_flight:
                 self.request(t)
@@ -1141,17 +1281,27 @@ class Rollouts:
 
     def request(self, step: int) -> None:
         """Queue the batch of `step` (past the last step, only one a checkpoint keeps: wanted)."""
-        if self.wanted(step):
-            prompts, first_index = self.prompts_of(step)
-            self.engine.submit(
-                step, Request(prompts, self.args.num_samples_per_prompt, (self.args.seed, step, 0), first_index)
-            )
+        if not self.wanted(step):
+            return
+        n = self.args.num_samples_per_prompt
+        if not self.args.partial_rollout:
+            prompts, first_index = self.prompts_of(step)[:2]
+            self.engine.submit(step, Request(prompts, n, (self.args.seed, step, 0), first_index))
+            return
+        prompts, rows, keys = [], [], []  # the prompts of step + 1 (and at the first request of step 0 too)
+        for admitted in ([0] if step == 0 else []) + [step + 1]:
+            ids, first_index, indices = self.prompts_of(admitted)
+            prompts, rows = prompts + ids, rows + list(indices)
+            keys += [(self.args.seed, admitted, 0, first_index + i) for i in range(len(ids))]
+        self.engine.submit(step, Request(prompts, n, rows=tuple(rows), keys=tuple(keys)))
 
-    def take(self, step: int) -> tuple[list, int, dict]:
-        """The batch of `step`: (groups of responses, the version that sampled them, timing/* seconds)."""
+    def take(self, step: int) -> tuple[list, int, dict, list | None]:
+        """The batch of `step`: (groups of responses, the version that sampled them, timing/* seconds, the groups'
+        train rows under --partial-rollout, else None: the step's own prompts)."""
         result, waited = self.engine.result(step)
+        self.carried = {t: c for t, c in self.carried.items() if t > step} | {step: result.carried}
         seconds = {"timing/rollout_s": result.generating_s, "timing/rollout_wait_s": waited}
-        return result.groups, result.version, {**seconds, "timing/engine_idle_s": result.idle_s}
+        return result.groups, result.version, {**seconds, "timing/engine_idle_s": result.idle_s}, result.rows
 
     def sync(self, step: int) -> None:
         """After the update of `step` the trainer holds version step+1: load it when --sync-every says so."""
@@ -1178,7 +1328,14 @@ class Rollouts:
         sampled by versions <= step (waited for here; they stay queued for the steps that take them), those past the
         last step included when a checkpoint keeps them (wanted). The batch of step+k+1 is not among them: the
         checkpoint's own weights sample it again on resume."""
-        return {t: self.engine.result(t, keep=True)[0] for t in range(step + 1, step + self.k + 1) if self.wanted(t)}
+        queued = {t: self.engine.result(t, keep=True)[0] for t in range(step + 1, step + self.k + 1) if self.wanted(t)}
+        self.carried.update({t: result.carried for t, result in queued.items()})
+        return queued
+
+    def carried_after(self, step: int) -> list | None:
+        """--partial-rollout: the unfinished responses after the last batch queued before the update of `step`
+        returned (step + k's), for a checkpoint (after wait_queued); None otherwise."""
+        return self.carried.get(step + self.k)
 
     def close(self) -> None:
         self.engine.close()

@@ -184,6 +184,7 @@ _EXTREMES = {
     "max": (
         "response_length/max",
         "rollout/staleness_max",
+        "rollout/token_staleness_max",
         "rollout_corr/log_ppl_diff_max",
         "rollout_corr/rollout_probs_diff_max",
         "rollout_corr/log_prob_abs_diff_max",

@@ -103,6 +103,12 @@ class Args(
     """push the weights into vLLM every k steps; 0 = never"""
     max_staleness: int | None = None
     """k: step t trains on version max(0, t-k)'s batch (docs/async.md); None: by device"""
+    partial_rollout: bool = False
+    """responses unfinished when a step's batch is full continue next step, under newer weights (docs/async.md §9)"""
+    partial_rollout_tokens: int = 16
+    """--partial-rollout: tokens each unfinished response generates between two checks for a full batch"""
+    partial_rollout_max_staleness: int | None = None
+    """--partial-rollout: a token further behind the trainer is masked; None = the staleness bound + 1"""
     replay_window: int = 0
     """replay buffer: keep the fresh groups of the last W steps (docs/async.md §8)"""
     replay_fraction: float = 0.0
@@ -267,6 +273,10 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
     )
     if any(getattr(r, "routed_experts", None) is not None for r in responses):  # an MoE's
         batch["rollout_routing"] = rc_moe.batch_routing(prompt_ids, responses, P, T)
+    if any(getattr(r, "versions", None) for r in responses):  # --partial-rollout: each token's version
+        batch["token_version"] = torch.zeros((B, T), dtype=torch.long)
+        for i, r in enumerate(responses):
+            batch["token_version"][i, : len(r.versions)] = torch.tensor(r.versions, dtype=torch.long)
     return batch
 
 
@@ -279,7 +289,10 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
     batch = make_batch(prompts, [s.response for s in samples], data.pad_id, [s.group for s in samples])
     mask, rollout_log_prob = batch.pop("response_mask"), batch.pop("rollout_log_prob")
     n_nonfinite = drop_nonfinite(mask, rollout_log_prob)
-    batch["version"] = versions = torch.tensor([s.version for s in samples])  # the weights that sampled each row
+    # the weights that sampled each row (--partial-rollout: its newest token's; each token's in batch["token_version"])
+    versions = [s.response.versions[-1] if s.response.versions else s.version for s in samples]
+    batch["version"] = versions = torch.tensor(versions)
+    partial = rc_rollout.mask_stale_tokens(batch, mask, step, bound)  # --partial-rollout: per token (async.md §9)
     stale = rc_rollout.stale_rows(versions, step, bound)  # beyond the bound: never trained on
     mask[stale] = 0.0
     advantages = rc_core.compute_advantage(
@@ -292,7 +305,7 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
     metrics = rc_run.batch_metrics(
         args, rewards, corrects, mask, n_nonfinite, versions=versions, step=step, stale=stale, n_fresh=n_fresh
     )
-    return batch, dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_log_prob), metrics
+    return batch, dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_log_prob), metrics | partial
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,7 +576,7 @@ if __name__ == "__main__":
     learner, ref_model = make_learner(args, accelerator, host, model_path, moe)
     model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
     unwrapped = accelerator.unwrap_model(model)
-    start_step, counters, in_flight, kept = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}, ()
+    start_step, counters, in_flight, kept, carried = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}, (), None
     if args.resume:  # all loaded and checked before the run folder is touched
         with rc_run.refused(rc_run.RunError):
             resumed = rc_checkpoint.load_resume(
@@ -571,6 +584,7 @@ if __name__ == "__main__":
             )
         rc_checkpoint.set_rng(resumed.rng)
         start_step, counters, in_flight, kept = resumed.start_step, resumed.counters, resumed.in_flight, resumed.replay
+        carried = resumed.carried  # --partial-rollout: the unfinished responses
     engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # RNG states kept
     if args.resume:  # the engine is up: the resume takes the run folder over
         rc_checkpoint.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)
@@ -585,7 +599,8 @@ if __name__ == "__main__":
         return prompt_indices(len(train_prompts), args.seed, step * P, P)[first : first + replay.fresh(step)]
 
     def step_prompts(step: int):
-        return [train_prompts[i] for i in step_indices(step)], rank * prompts_per_rank
+        indices = step_indices(step)
+        return [train_prompts[i] for i in indices], rank * prompts_per_rank, indices
 
     rollouts = rc_rollout.Rollouts(args, engine, unwrapped, step_prompts, counters["sync_count"])
     log, evals = rc_run.RunLog(run_dir, accelerator), []
@@ -606,7 +621,7 @@ if __name__ == "__main__":
     if args.eval_before and not args.resume:  # the initial policy, logged at step -1
         timer = rc_run.StepTimer()
         log.log(-1, {**run_eval(-1, timer), **timer.seconds}, trackers=False)
-    rollouts.begin(start_step, in_flight)  # the batches of the first k+1 steps are queued
+    rollouts.begin(start_step, in_flight, carried)  # the batches of the first k+1 steps are queued
     bound = rc_rollout.staleness_bound(args)  # a sample further behind is never trained on
     log.start_trackers(args, run.name)
     bar = rc_run.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
@@ -618,9 +633,9 @@ if __name__ == "__main__":
         # ALGO LOGIC: rollout -- the batch of step t, sampled by version max(0, t - k)
         timer = rc_run.StepTimer({"timing/old_log_prob_s": 0.0})
         rc_run.reset_memory_peaks()  # perf/max_memory_*: this step's peaks (CUDA)
-        groups, version, rollout_seconds = rollouts.take(step)
+        groups, version, rollout_seconds, rows = rollouts.take(step)  # rows: --partial-rollout's groups'
         timer.seconds.update(rollout_seconds)  # the engine's clocks
-        indices = step_indices(step)
+        indices = step_indices(step) if rows is None else rows
         fresh = [(i, version, group) for i, group in zip(indices, groups)]
         replayed = replay.draw(step)  # whole groups of earlier steps, each with its own mu
         evicted = replay.add(step, version, indices, groups)
@@ -723,6 +738,7 @@ if __name__ == "__main__":
                     scheduler=scheduler,
                     counters={**counters, "sync_count": rollouts.sync_count},
                     in_flight=rollouts.wait_queued(step),
+                    carried=rollouts.carried_after(step),
                     replay=replay.state(),
                     kept_versions=None if versions is None else versions.weights,
                 )

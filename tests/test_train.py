@@ -377,7 +377,7 @@ def preset_batches(tmp_path_factory):
     try:
         rollouts.begin(0)
         for step in range(args.num_steps):
-            groups, version, _ = rollouts.take(step)
+            groups, version, *_ = rollouts.take(step)
             pairs = enumerate(zip(indices(step), groups))
             samples = [rc_train.Sample(i, g, version, r) for g, (i, group) in pairs for r in group]
             batch, tensors, logged = rc_train.scored_batch(args, data, samples, step, bound, len(samples))
@@ -893,6 +893,37 @@ def test_resume_with_staleness_continues_exactly(tmp_path, stale_run):
     assert [r["step"] for r in rows] == list(range(6))
     for a, b in zip(rows, reference):
         assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+
+
+# --partial-rollout (docs/async.md §9): 16-token answers of the untrained tiny model, 3 tokens a round, so most
+# responses span two versions; a checkpoint every 2 steps.
+PARTIAL_RUN = [*QUICK, "--num-steps", "5", "--checkpoint-every", "2", "--max-response-length", "16"]
+PARTIAL_RUN += ["--partial-rollout", "--partial-rollout-tokens", "3", "--rc.preset", "decoupled_token_is"]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_partial_rollouts_span_versions_and_resume_exactly(tmp_path, k):
+    """k = 0 (the engine in this process) and k = 1 (the rollout worker): responses carry tokens of two versions, each
+    with its own log mu, and a run killed inside the step-3 checkpoint resumes from step 1, with the unfinished
+    responses of that checkpoint in flight, and reproduces the uninterrupted run exactly."""
+    flags = [*PARTIAL_RUN, "--max-staleness", str(k)]
+    reference, _ = run_train(tmp_path, *flags, name="reference")
+    assert max(r["rollout/spanning_responses"] for r in reference) > 0.5
+    assert max(r["rollout/versions_per_response"] for r in reference) > 1.5
+    assert max(r["rollout/token_staleness_max"] for r in reference) == k + 1  # the bound's default: k + 1
+    assert all(r["rollout/masked_stale_tokens"] == r["rollout/dropped_samples"] == 0 for r in reference)
+    env = {**train_env(tmp_path), "RC_TRAIN_KILL_IN_CHECKPOINT": "3"}
+    cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "killed"]
+    killed = subprocess.run([*cmd, *flags], capture_output=True, env=env, cwd=ROOT, timeout=600)
+    assert killed.returncode != 0
+    carried = torch.load(tmp_path / "killed" / "checkpoints" / "step_000001" / "partial_rank0.pt", weights_only=False)
+    assert any(0 < len(r[0]) for g in carried for r in g[3] if not r[4])  # prefixes in flight
+    rows, out = run_train(tmp_path, *flags, "--resume", name="killed")
+    assert "step_000001" in out.stdout + out.stderr and [r["step"] for r in rows] == list(range(5))
+    for a, b in zip(rows, reference):
+        assert _same_metrics(a, b), (a["step"], {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]})
+    _, refused = run_train(tmp_path, *flags, "--partial-rollout-tokens", "4", "--resume", name="killed", check=False)
+    assert refused.returncode != 0 and "--partial-rollout-tokens is 3 in the checkpoint, 4 now" in refused.stderr
 
 
 @needs_local_gsm8k

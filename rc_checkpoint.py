@@ -786,14 +786,14 @@ def load_replay(path: str, rank: int) -> list:
 
 def load_carried(path: str, rank: int) -> list:
     """This rank's unfinished responses when the checkpoint was written (rc_rollout.PartialRollouts.state): [[row,
-    prompt, seed keys, [[token ids, log mu, versions, text, finished], ...]], ...], checked."""
+    prompt, seed keys, [[token ids, log mu, versions, finished], ...]], ...], checked."""
     file = os.path.join(path, f"partial_rank{rank}.pt")
     if not os.path.isfile(file):
         name = os.path.basename(file)
         raise rc_run.RunError(f"{path} holds no unfinished responses ({name}) for this --partial-rollout run")
     groups = _loaded(file, lambda: torch.load(file, weights_only=False))
     ok = isinstance(groups, list) and all(
-        isinstance(g, list) and len(g) == 4 and all(len(r) == 5 and len(r[0]) == len(r[1]) == len(r[2]) for r in g[3])
+        isinstance(g, list) and len(g) == 4 and all(len(r) == 4 and len(r[0]) == len(r[1]) == len(r[2]) for r in g[3])
         for g in groups
     )
     if not ok:

@@ -16,27 +16,27 @@ import rc_train
 
 class FakeLLM:
     """An engine whose prompt [goal, ...] answers with goal - (prompt length - 1) tokens in all (its EOS comes then):
-    token = 100 + position, log mu = -position / 10. Records every round's prompts and token limits."""
+    token = 100 + position, log mu = -position / 10, every sample of a prompt alike. Records every call's (prompt,
+    n, max tokens, seed)."""
 
     def __init__(self):
-        self.rounds = []
+        self.calls = []
+
+    def get_tokenizer(self):
+        return SimpleNamespace(decode=lambda ids, skip_special_tokens: "x" * len(ids))
 
     def generate(self, prompts, params, use_tqdm=False):
-        self.rounds.append([(list(p["prompt_token_ids"]), sp.max_tokens, sp.seed) for p, sp in zip(prompts, params)])
+        self.calls.append(
+            [(list(p["prompt_token_ids"]), sp.n, sp.max_tokens, sp.seed) for p, sp in zip(prompts, params)]
+        )
         outs = []
         for p, sp in zip(prompts, params):
             ids = p["prompt_token_ids"]
             done, left = len(ids) - 1, ids[0] - (len(ids) - 1)
             new = [100 + done + i for i in range(min(sp.max_tokens, left))]
             logprobs = [{t: SimpleNamespace(logprob=-(done + i) / 10)} for i, t in enumerate(new)]
-            finish = "stop" if len(new) == left else "length"
-            outs.append(
-                SimpleNamespace(
-                    outputs=[
-                        SimpleNamespace(token_ids=new, logprobs=logprobs, text="x" * len(new), finish_reason=finish)
-                    ]
-                )
-            )
+            samples = [SimpleNamespace(index=k, token_ids=new, logprobs=logprobs) for k in reversed(range(sp.n))]
+            outs.append(SimpleNamespace(outputs=samples))
         return outs
 
 
@@ -53,23 +53,35 @@ def _request(goals, rows, step):
 def test_a_request_ends_with_its_groups_complete_and_the_rest_continue_under_the_next_version():
     args, llm = _args(), FakeLLM()
     pool = rc_rollout.PartialRollouts(per_rank=2)
-    # the first request admits two steps' prompts: responses of 3, 6, 8 and 8 tokens (8: the longest allowed)
+    # the first request admits two steps' prompts: responses of 3, 6, 8 and 8 tokens (8: the longest allowed), which
+    # rounds of 3 tokens complete in rounds 1, 2, 3 and 3: two groups are complete after round 2, so 6 new tokens kept
     groups, rows = pool.serve(llm, _request([3, 6, 9, 9], [10, 11, 12, 13], 0), version=0, args=args)
-    assert rows == [10, 11] and len(llm.rounds) == 2  # after 2 rounds of 3 tokens the first two groups ended
-    assert [len(r.token_ids) for g in groups for r in g] == [3, 3, 6, 6]
+    assert len(llm.calls) == 1 and [(n, limit) for _, n, limit, _ in llm.calls[0]] == [(2, 8)] * 4  # fresh groups
+    assert rows == [10, 11] and [len(r.token_ids) for g in groups for r in g] == [3, 3, 6, 6]
     assert all(r.versions == [0] * len(r.token_ids) for g in groups for r in g)
-    assert [len(g[3][0][0]) for g in pool.groups] == [6, 6]  # the two 8-token groups: 6 tokens each so far
-    # the next request (version 1) admits step 2's prompts; the unfinished ones continue first in admission order
+    assert [[len(r[0]) for r in g[3]] for g in pool.groups] == [[6, 6], [6, 6]]  # cut after round 2: unfinished
+    assert not any(r[3] for g in pool.groups for r in g[3])
+    # the next request (version 1) admits step 2's prompts; the unfinished ones continue from their prefixes
     groups, rows = pool.serve(llm, _request([2, 2], [14, 15], 2), version=1, args=args)
+    assert [(p, n, limit) for p, n, limit, _ in llm.calls[1][:2]] == [([9] + list(range(100, 106)), 1, 2)] * 2
     assert rows == [12, 13]
     spanning = groups[0][0]
     assert spanning.token_ids == [100 + i for i in range(8)]
     assert spanning.versions == [0] * 6 + [1] * 2  # its earlier tokens keep their version ...
     assert spanning.log_probs == pytest.approx([-i / 10 for i in range(8)])  # ... and their log mu
     assert spanning.text == "x" * 8
-    assert [g[0] for g in pool.groups] == [14, 15]  # completed in this request too: they wait for the next
-    # a round continues each response from its prefix, never past --max-response-length
-    assert all(limit == min(3, 8 - (len(p) - 1)) for rnd in llm.rounds for p, limit, _ in rnd)
+    assert [g[0] for g in pool.groups] == [14, 15]  # complete in this request too: they wait for the next
+
+
+def test_a_request_runs_one_round_at_least():
+    """A pool that starts a request with its groups complete still gives every unfinished response L tokens."""
+    args, llm = _args(), FakeLLM()
+    pool = rc_rollout.PartialRollouts(per_rank=1)
+    pool.serve(llm, _request([2, 9], [0, 1], 0), version=0, args=args)  # group 0 ends in round 1: group 1 cut at 3
+    assert [len(r[0]) for r in pool.groups[0][3]] == [3, 3]
+    groups, rows = pool.serve(llm, _request([9], [2], 1), version=1, args=args)
+    assert rows == [1] and groups[0][0].versions == [0] * 3 + [1] * 5  # ends in round 2 of this request
+    assert [len(r[0]) for r in pool.groups[0][3]] == [6, 6]  # the fresh group, cut with it
 
 
 def test_the_checkpointed_state_continues_exactly_as_the_uninterrupted_pool():
@@ -92,11 +104,12 @@ def test_the_checkpointed_state_continues_exactly_as_the_uninterrupted_pool():
 
 def test_seeds_follow_the_prompt_the_sample_and_the_length_so_far():
     args, llm = _args(), FakeLLM()
-    rc_rollout.PartialRollouts(2).serve(llm, _request([9, 9, 9, 9], [0, 1, 2, 3], 0), 0, args)
-    seeds = [s for rnd in llm.rounds for _, _, s in rnd]
-    assert len(set(seeds)) == len(seeds)  # every continuation its own stream
-    assert llm.rounds[0][0][2] == rc_rollout.sampling_seed(1, 0, 0, 0, 0, 0)
-    assert llm.rounds[1][1][2] == rc_rollout.sampling_seed(1, 0, 0, 0, 1, 3)
+    pool = rc_rollout.PartialRollouts(1)
+    pool.serve(llm, _request([3, 9], [0, 1], 0), 0, args)  # group 1 cut at 3 tokens
+    pool.serve(llm, _request([9], [2], 1), 1, args)
+    assert [s for *_, s in llm.calls[0]] == [rc_rollout.sampling_seed(1, 0, 0, i) for i in range(2)]  # fresh groups
+    continued = [s for p, n, _, s in llm.calls[1] if n == 1]
+    assert continued == [rc_rollout.sampling_seed(1, 0, 0, 1, j, 3) for j in range(2)]
 
 
 def test_the_request_admits_the_next_steps_prompts():

@@ -917,7 +917,7 @@ def test_partial_rollouts_span_versions_and_resume_exactly(tmp_path, k):
     killed = subprocess.run([*cmd, *flags], capture_output=True, env=env, cwd=ROOT, timeout=600)
     assert killed.returncode != 0
     carried = torch.load(tmp_path / "killed" / "checkpoints" / "step_000001" / "partial_rank0.pt", weights_only=False)
-    assert any(0 < len(r[0]) for g in carried for r in g[3] if not r[4])  # prefixes in flight
+    assert any(0 < len(r[0]) for g in carried for r in g[3] if not r[3])  # prefixes in flight
     rows, out = run_train(tmp_path, *flags, "--resume", name="killed")
     assert "step_000001" in out.stdout + out.stderr and [r["step"] for r in rows] == list(range(5))
     for a, b in zip(rows, reference):

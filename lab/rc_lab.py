@@ -539,6 +539,10 @@ EXPORT_KEYS = (
     "actor/opsm_seq_masked_fraction",
     "actor/opsm_neg_adv_seq_masked_fraction",
     "rollout_corr/rollout_m2_masked_fraction",
+    "rollout/token_staleness_mean",
+    "rollout/spanning_responses",
+    "rollout/masked_stale_tokens",
+    "timing/rollout_s",
 )
 
 
@@ -769,6 +773,7 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
         r["records"] and any("rollout_corr/routing_agreement" in x for x in r["records"]) for r in sweep["runs"]
     )
     has_split = any(r["records"] and any(SPLIT_KEYS[1] in x for x in r["records"]) for r in sweep["runs"])
+    partial = is_partial(sweep)
     refused = refused_keys(sweep)
     for preset in sweep["presets"]:
         for level in sweep["levels"]:
@@ -820,6 +825,17 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                     staleness=_mean_std([_series_stat(x, "rollout/staleness_mean", np.mean) for x in recs])[0],
                     dropped=_mean_std([_series_stat(x, "rollout/dropped_samples", np.sum) for x in recs])[0],
                     ppl_rise=_mean_std([ppl_rise(x) for x in recs])[0],
+                )
+            if partial:  # partial-rollout sweeps (PARTIAL_RULE): each token's staleness, the mixture, the step time
+                rows[-1].update(
+                    {
+                        name: _mean_std([_series_stat(x, key, np.mean) for x in recs])[0]
+                        for name, key in (
+                            ("token_staleness", "rollout/token_staleness_mean"),
+                            ("spanning", "rollout/spanning_responses"),
+                            ("step_s", "timing/step_s"),
+                        )
+                    }
                 )
             if has_routing:  # MoE runs (docs/moe.md): the trainer's own routing against the engine's, unreplayed
                 rows[-1].update(
@@ -1010,6 +1026,8 @@ def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
     uses = "no verdict uses it"
     if any(c["kind"] == "recompute" for c in comparisons):  # SPLIT_RULE (2) reads the intervals of these rows
         uses = "the verdicts of the cheaper π_old read its rows against the recompute arm, the others none"
+    if is_partial(sweep):  # PARTIAL_RULE reads every row against whole responses
+        uses = "the partial-rollout rule's verdicts read its rows against whole responses"
     if sweep["dial"] == STALENESS_DIAL and sweep_rule(sweep) == "paired":  # PAIRED_STALENESS_RULE reads them all
         uses = "the amended rule's verdicts read its rows against k = 0 and against naive"
     lines = [
@@ -1092,6 +1110,9 @@ COLUMNS = (  # (row key, csv header, markdown header, format)
     ("ppl_rise", "training_ppl_rise", "ppl rise", "{:.3f}"),
     ("staleness", "staleness_mean", "staleness", "{:.2f}"),
     ("dropped", "dropped_samples", "dropped", "{:.0f}"),
+    ("token_staleness", "token_staleness_mean", "token staleness", "{:.2f}"),
+    ("spanning", "spanning_responses_mean", "spanning", "{:.3f}"),
+    ("step_s", "step_s_mean", "step s", "{:.2f}"),
     ("alpha0", "alpha0_mean", "α₀", "{:.2e}"),
     ("alpha1", "alpha1_mean", "α₁", "{:.2e}"),
     ("staleness_share", "staleness_share_mean", "staleness share of α₁ (seeds)", "{:.3f}"),
@@ -1120,6 +1141,8 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
     (is_split) is read by SPLIT_RULE instead, a staleness sweep swept with `--rule paired` by PAIRED_STALENESS_RULE."""
     if is_split(rows, sweep):
         return split_verdicts(rows, sweep)
+    if is_partial(sweep):
+        return partial_verdicts(rows, sweep)
     if not any(is_naive(p) for p in sweep["presets"]):
         return []
     if sweep["dial"] == STALENESS_DIAL:
@@ -1245,6 +1268,8 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
     )
     if is_split(rows, sweep):
         rule = f"{first} {SPLIT_RULE}"
+    elif is_partial(sweep):
+        rule = f"{first} {PARTIAL_RULE}"
     elif sweep["dial"] == STALENESS_DIAL:
         rule = f"{first} {PAIRED_STALENESS_RULE if sweep_rule(sweep) == 'paired' else STALENESS_RULE}"
     elif sweep["dial"] in REPLAY_DIALS:
@@ -1293,6 +1318,13 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
             "minimum, as a ratio minus 1 (collapse signature), mean over seeds. Staleness: mean over steps of "
             "`rollout/staleness_mean` (trainer version − sample version), mean over seeds; dropped: "
             "`rollout/dropped_samples` summed over steps, mean over seeds."
+        )
+    if any("token_staleness" in r for r in rows):
+        columns += (
+            " Token staleness: mean over steps of `rollout/token_staleness_mean` (trainer version − the version that "
+            "sampled each response token; partial rows only), spanning: mean over steps of "
+            "`rollout/spanning_responses` (share of responses sampled by more than one version), step s: mean over "
+            "steps of `timing/step_s`; each mean over seeds."
         )
     if any("staleness_share" in r for r in rows):
         columns += (
@@ -1703,6 +1735,57 @@ def _read(by: dict, key: tuple, other: tuple, sweep: dict, verdict_of, above: bo
 
 
 BREAKS = {"below": "breaks", "holds": "does not break", "undecided": "undecided", None: "not run"}
+
+# The partial-rollout lab (issue 52; lab/README.md section 11): which arms correct per token, which per sequence
+PARTIAL_TOKEN_ARMS = ("decoupled_token_is", "bypass_ppo_clip")
+PARTIAL_SEQUENCE_ARMS = ("decoupled_seq_mis", "decoupled_geo_rs")
+PARTIAL_RULE = (  # fixed in lab/README.md section 11 before the sweep ran
+    "Partial-rollout rule (issue 52), fixed before the sweep ran. The first level trains on whole responses, the "
+    "other on partial ones (--partial-rollout) at the same --max-staleness, so a response's tokens come from two "
+    "versions or more. Each preset is read against itself on whole responses by the two tests of the paired rule: it "
+    "*holds* when its mean final eval acc is not below its whole-response row by more than max(2 × pooled std, 0.05) "
+    "**and** the paired 95 % interval of its (partial − whole) difference does not lie wholly below 0; it *loses* "
+    "when both say below; otherwise *undecided*. The question, do sequence-level corrections lose what token-level "
+    f"ones keep when a sequence mixes versions, is answered *yes* when at least one token-level arm "
+    f"({', '.join(PARTIAL_TOKEN_ARMS)}) holds and every sequence-level arm ({', '.join(PARTIAL_SEQUENCE_ARMS)}) "
+    "loses; *no* when every sequence-level arm holds; otherwise *undecided*. Naive is read the same way and reported, "
+    "not counted. Partial rollouts also carry some tokens one version further (their staleness is logged: "
+    "`rollout/token_staleness_mean`), so a loss that every arm shares is the extra lag, not the mixture."
+)
+
+
+def is_partial(sweep: dict) -> bool:
+    """A partial-rollout sweep (PARTIAL_RULE): a mismatch sweep one of whose levels sets partial_rollout=true."""
+    return sweep["dial"] == MISMATCH and any(
+        (level_value(MISMATCH, lv, "partial_rollout") or "").lower() == "true" for lv in sweep["levels"]
+    )
+
+
+def partial_verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """PARTIAL_RULE at each partial level: every preset against itself on whole responses (the first level, by
+    paired_hold's two tests), then the answer from the token-level and sequence-level arms."""
+    by, lines = {(r["preset"], r["level"]): r for r in rows}, ["Verdicts (the rule above, applied):"]
+    name = {"holds": "holds", "below": "loses", "undecided": "undecided", None: "not run"}
+    for level in compared_levels(sweep):
+        ref, read = reference_level(sweep, level), {}
+        lines.append(f"- `{level_title(sweep, level)}` against `{level_title(sweep, ref)}`:")
+        for p in sweep["presets"]:
+            read[p], text = _read(by, (p, level), (p, ref), sweep, paired_hold)
+            lines.append(f"  - `{p}`: {text}")
+        tokens = [name[read.get(p)] for p in PARTIAL_TOKEN_ARMS]
+        sequences = [name[read.get(p)] for p in PARTIAL_SEQUENCE_ARMS]
+        answer = (
+            "yes"
+            if "holds" in tokens and all(v == "loses" for v in sequences)
+            else "no"
+            if all(v == "holds" for v in sequences)
+            else "undecided"
+        )
+        lines.append(
+            f"  - token-level arms: {', '.join(tokens)}; sequence-level arms: {', '.join(sequences)} → sequence-level "
+            f"corrections lose what token-level ones keep: **{answer}**"
+        )
+    return lines
 
 
 def paired_staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:

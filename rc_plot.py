@@ -315,7 +315,14 @@ PANELS: tuple[Panel, ...] = (
     Panel(
         "Staleness (versions behind the trainer)",
         "versions",
-        (Series("rollout/staleness_mean", "mean"), Series("rollout/staleness_max", "max", "--")),
+        (
+            Series("rollout/staleness_mean", "mean"),
+            Series("rollout/staleness_max", "max", "--"),
+            Series("rollout/token_staleness_mean", "token mean", ":"),  # --partial-rollout's (docs/async.md §9)
+            Series("rollout/token_staleness_max", "token max", "-."),
+            Series("rollout/versions_per_response", "versions/resp.", ":", "."),
+            Series("rollout/spanning_responses", "spanning share", ":", "x"),
+        ),
         min_span=(0.0, 1.0),
     ),
     Panel(

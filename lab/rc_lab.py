@@ -1150,6 +1150,8 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
         return paired_staleness_verdicts(rows, sweep) if paired else staleness_verdicts(rows, sweep)
     if sweep["dial"] in REPLAY_DIALS:
         return staleness_verdicts(rows, sweep, at_level="this level", reference="f = 0", pick=REPLAY_PICK)
+    if is_moe(rows) and is_gspo_moe(sweep):
+        return gspo_moe_verdicts(rows, sweep)
     if is_moe(rows):
         return staleness_verdicts(rows, sweep, at_level="this level", reference="`ref`") + replay_costs(rows, sweep)
     lines = ["Verdicts (the rule above, applied):"]
@@ -1274,6 +1276,8 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         rule = f"{first} {PAIRED_STALENESS_RULE if sweep_rule(sweep) == 'paired' else STALENESS_RULE}"
     elif sweep["dial"] in REPLAY_DIALS:
         rule = f"{first} {REPLAY_RULE}"
+    elif is_moe(rows) and is_gspo_moe(sweep):
+        rule = f"Δ vs ref: eval acc minus that of the same preset at its `ref` level. {below} {GSPO_MOE_RULE}"
     elif is_moe(rows):
         rule = f"Δ vs ref: eval acc minus that of the same preset at its `ref` level. {below} {MOE_RULE}"
     else:
@@ -1481,6 +1485,78 @@ MOE_RULE = (  # the reading rule of an MoE sweep (levels of rollout_dtype, moe_r
     "*costs* when the R3 arm is below `P` by the margin and *pays* when it is above. Eval acc is always greedy "
     "decoding on the engine, which never replays: the model as the engine serves it."
 )
+
+
+GSPO_CLIP = "+clip_ratio_low=0.0003+clip_ratio_high=0.0004"  # GSPO's ranges (arXiv 2507.18071, §5.1)
+GSPO = "naive+loss_mode=gspo" + GSPO_CLIP  # against the recomputed pi_old, mu ignored: the paper's setting
+GSPO_FACTORS = (  # (arm, the arm it is read against, the one factor between them): lab/README.md section 12
+    (GSPO, "naive", "the objective: GSPO's sequence ratio and clip against token PPO"),
+    ("naive+loss_mode=gspo_token" + GSPO_CLIP, GSPO, "GSPO-token's per-token gradient against GSPO's"),
+    (GSPO + REPLAY_ROUTING, GSPO, "routing replay (R3) under GSPO"),
+    ("bypass_ppo_clip+loss_mode=gspo" + GSPO_CLIP, GSPO, "pi_old := mu (bypass) against pi_old recomputed"),
+)
+GSPO_MOE_RULE = (  # fixed in lab/README.md section 12 before the sweep ran (issue 48 items 2 and 7)
+    "GSPO in the MoE lab (issue 48), fixed before the sweep ran. Every comparison is read by the paired rule's two "
+    "tests (section 10): the margin of the means, max(2 × pooled std, 0.05), and the paired 95 % interval over seeds. "
+    "(1) *Hold*: each arm at the bf16 engine against its own row with the float32 engine at the same router scale "
+    "(`ref`): it *holds* when neither test says below, is *below* when both do, else *undecided*. (2) *One factor at "
+    "a time*: at each level each arm of GSPO_FACTORS is read against the arm it differs from in one factor (the "
+    "objective; GSPO-token against GSPO; R3 under GSPO; bypass against π_old recomputed): *above* when both tests say "
+    "above, *below* when both say below, *no difference found* when neither says either, else *undecided*. (3) The "
+    "three-policy note's claim, GSPO needs no routing replay under routing mismatch, is *supported* when GSPO holds at "
+    "the bf16 level and GSPO + R3 is not above GSPO there, *contradicted* when GSPO is below at the bf16 level and "
+    "GSPO + R3 holds, else *undecided*. Eval acc is greedy decoding on the engine, which never replays."
+)
+
+
+def is_gspo_moe(sweep: dict) -> bool:
+    """The MoE GSPO sweep (GSPO_MOE_RULE): its arms include GSPO as GSPO_FACTORS names it."""
+    return GSPO in sweep["presets"]
+
+
+def paired_side(row: dict, other: dict, paired: dict) -> str:
+    """GSPO_MOE_RULE (2): `above` / `below` when the margin and the paired interval both say so, `no difference found`
+    when neither says either, else `undecided` (also without an interval)."""
+    if row["eval_acc"] is None or other["eval_acc"] is None or paired["ci_low"] is None:
+        return "undecided"
+    below = (clearly_below(row, other), paired["ci_high"] < 0)
+    above = (clearly_below(other, row), paired["ci_low"] > 0)
+    if all(below) or all(above):
+        return "below" if all(below) else "above"
+    return "undecided" if any(below) or any(above) else "no difference found"
+
+
+def gspo_moe_verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """GSPO_MOE_RULE: (1) every arm against its float32 row, (2) each one-factor pair at every level, (3) the claim."""
+    by, lines = {(r["preset"], r["level"]): r for r in rows}, ["Verdicts (the rule above, applied):"]
+    held = {}
+    for level in compared_levels(sweep):
+        lines.append(f"- `{level_title(sweep, level)}` against `{level_title(sweep, reference_level(sweep, level))}`:")
+        for p in sweep["presets"]:
+            held[p, level], text = _read(by, (p, level), (p, reference_level(sweep, level)), sweep, paired_hold)
+            lines.append(f"  - `{p}` (hold): {text}")
+    sides = {}
+    for level in sweep["levels"]:
+        lines.append(f"- one factor at a time at `{level_title(sweep, level)}`:")
+        for arm, against, factor in GSPO_FACTORS:
+            if arm in sweep["presets"] and against in sweep["presets"]:
+                sides[arm, level], text = _read(by, (arm, level), (against, level), sweep, paired_side)
+                lines.append(f"  - `{arm}` against `{against}` ({factor}): {text}")
+    for level in compared_levels(sweep):
+        gspo, r3 = held.get((GSPO, level)), sides.get((GSPO + REPLAY_ROUTING, level))
+        r3_holds = held.get((GSPO + REPLAY_ROUTING, level))
+        claim = (
+            "supported"
+            if gspo == "holds" and r3 not in ("above", None)
+            else "contradicted"
+            if gspo == "below" and r3_holds == "holds"
+            else "undecided"
+        )
+        lines.append(
+            f"- at `{level_title(sweep, level)}`: GSPO {gspo}; GSPO + R3 against GSPO: {r3} → the claim that GSPO "
+            f"needs no routing replay: **{claim}**"
+        )
+    return lines
 
 
 def is_moe(rows: list[dict]) -> bool:

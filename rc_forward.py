@@ -45,16 +45,40 @@ def shares_prefix(args) -> bool:
         or args.fsdp  # one or two forwards by length: the ranks' sharded forwards (collectives) could differ
         or args.routing_replay != "none"  # each sample's prompt carries its own routing: one shared pass cannot
         or args.routing_metrics  # replay or record it
-        or args.compile  # the cache and the layer index in each call: a graph per layer instead of one
     )
 
 
 def compile_layers(model, backend: str = "inductor"):
-    """--compile: torch.compile each transformer block in place (PyTorch's regional compilation): one graph shared by
-    all blocks, module and parameter names unchanged (weight sync, checkpoints), dynamic shapes (micro-batches differ
-    in rows and length). Embeddings, final norm, lm_head and the log-prob kernels stay eager."""
+    """--compile: torch.compile each transformer block's forward in place (PyTorch's regional compilation): all blocks
+    share the compiled graphs, module and parameter names stay (weight sync, checkpoints), shapes are dynamic
+    (micro-batches differ in rows and length). Embeddings, final norm, lm_head and the log-prob kernels stay eager.
+
+    The shared-prompt pass (shared_prefix_logits) hands every layer the model's KV cache, which the layer indexes by
+    its own layer_idx: an integer a compiled graph holds as a constant, so each layer would compile its own. Hence the
+    forward alone is compiled, and a pre-hook, eager, hands each layer its own layer of a DynamicCache instead (a
+    DynamicLayer, whose update takes no index). The blocks then run the same few graphs whatever the depth, one for
+    each combination of: prompt or response pass, masked or causal, one row or more, one query or more, with
+    gradients or not; each compiled once (tests/test_forward.py). They can outnumber Dynamo's default limit of 8
+    graphs per function (past it, a call runs eager): raised to 32."""
+    import inspect
+
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    takes = inspect.signature(DynamicLayer.update).parameters.values()  # the attention passes its layer_idx on
+    if not any(p.kind is p.VAR_POSITIONAL for p in takes):
+        raise RuntimeError("--compile: this transformers' DynamicLayer.update takes no layer index (compile_layers)")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+
+    def own_cache_layer(block, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, DynamicCache):
+            kwargs["past_key_values"] = cache.layers[block.self_attn.layer_idx]
+        return args, kwargs
+
     for block in rc_run.transformer_blocks(model, "--compile"):
-        block.compile(dynamic=True, backend=backend)
+        block.forward = torch.compile(block.forward, dynamic=True, backend=backend)
+        block.register_forward_pre_hook(own_cache_layer, with_kwargs=True)
     return model
 
 
@@ -178,7 +202,8 @@ def response_logits(model, micro: Micro, dtype: str) -> torch.Tensor:
 def shared_prefix_logits(model, input_ids, attention_mask, T: int, group: torch.Tensor) -> torch.Tensor:
     """The logits that predict the last T tokens, each distinct prompt forwarded once: pass 1 runs the distinct
     prompts and keeps their KV cache, each row indexes its prompt's (so its gradients add up there), pass 2 runs the
-    responses on it. Same positions and masks as one pass over [prompt | response] (tests/test_forward.py)."""
+    responses on it. Same positions and masks as one pass over [prompt | response] (tests/test_forward.py).
+    Compiled layers (--compile) each take their own layer of the cache (compile_layers)."""
     P = input_ids.shape[1] - T
     distinct, row_prompt = torch.unique(group, return_inverse=True)
     first = torch.empty(len(distinct), dtype=torch.long, device=group.device)

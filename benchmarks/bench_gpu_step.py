@@ -44,7 +44,8 @@ step's, cut from the same seed):
     pass is the update's own optimizer step (run_step) with marks between its calls (rc_forward's log-prob, entropy
     and log-prob backward are wrapped for the time of the pass); the phases partition the pass, and the gap to the
     timed update's seconds per micro-batch is what the marks miss;
-  * the same pass without the shared-prompt pass, and the no-grad pass (the decoupled pi_old pass), for comparison;
+  * the same pass without the shared-prompt pass (compiled too under --compile layers: the compiled update with and
+    without the shared prompt, side by side), and the no-grad pass (the decoupled pi_old pass), for comparison;
   * the aten ops and the host synchronisations per micro-batch of the update itself (one unmarked update under a
     TorchFunctionMode and a TorchDispatchMode): a value read to the host (.item(), float(), bool(), .tolist()),
     a tensor copied to the host, a blocking copy to the device, an op whose output size depends on the data
@@ -332,10 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
         const="model",
         choices=["layers", "off", "model"],
         help="torch.compile before the update, dynamic shapes: how much of the per-micro-batch host overhead fusion "
-        "removes. 'layers': the trainer's --compile (rc_forward.compile_layers: each decoder layer on its own, one "
-        "graph for all; the shared-prompt pass off); 'off': eager; 'model' (a bare --compile): the whole model, an "
-        "experiment of this benchmark. Default: the config's compile (layers when true). The warm-up update's "
-        "seconds, which include the compilation, are reported",
+        "removes. 'layers': the trainer's --compile (rc_forward.compile_layers: each decoder layer on its own, the "
+        "same graphs for all; the shared-prompt pass on, as the config has it, unless --no-share-prompt-prefix; "
+        "--breakdown times both); 'off': eager; 'model' (a bare --compile): the whole model, an experiment of this "
+        "benchmark. Default: the config's compile (layers when true). The warm-up update's seconds, which include "
+        "the compilation, are reported",
     )
     p.add_argument(
         "--compile-backend",
@@ -420,7 +422,7 @@ def make_plan(ns: argparse.Namespace, world: int = 1) -> Plan:
     if ns.no_share_prompt_prefix:
         train = dataclasses.replace(train, share_prompt_prefix=False)
     compile_mode = ns.compile or ("layers" if train.compile else "off")
-    train = dataclasses.replace(train, compile=compile_mode == "layers")  # shares_prefix reads it
+    train = dataclasses.replace(train, compile=compile_mode == "layers")  # check_settings reads it
     check_settings(train, world)  # the trainer's own checks of these settings
     if train.fsdp and world < 2:
         raise ValueError(
@@ -656,7 +658,7 @@ def setup(plan: Plan, accelerator=None) -> Bench:
     model = build_model(plan, accelerator.device)
     if plan.compile == "model":
         model = torch.compile(model, dynamic=True, backend=plan.compile_backend)
-    elif plan.compile == "layers":  # the trainer's --compile (the settings say so: no shared-prompt pass)
+    elif plan.compile == "layers":  # the trainer's --compile
         rc_forward.compile_layers(model, backend=plan.compile_backend)
     if args.fsdp:
         model = rc_run.shard_model(model, accelerator.device.type)

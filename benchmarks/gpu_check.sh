@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check of the trainer's update, one command: benchmarks/bench_gpu_step.py on one GPU at the configs' own
 # micro-batches (Qwen2.5-0.5B at the mean GSM8K shape with --breakdown, 1.5B at the worst case: 400-token prompts,
-# 512-token responses), then the same two shapes with torch.compile'd decoder layers, then one table of the runs. At
-# most 9 minutes (each run is bounded by `timeout`, so a slow or failing run leaves the others).
+# 512-token responses), then the same two shapes with torch.compile'd decoder layers (0.5B with --breakdown: its
+# micro-batches with and without the shared-prompt pass side by side), then one table of the runs. At most 550 s
+# (each run is bounded by `timeout`, so a slow or failing run leaves the others).
 #
 #   bash benchmarks/gpu_check.sh          # from any folder; writes to $OUT if set, else runs/gpu_check
 #   GPU_CHECK_EXTRA="--tiny --prompt-len 16 --response-len 12" bash benchmarks/gpu_check.sh   # a CPU dry run, seconds
@@ -65,9 +66,11 @@ run() { # run NAME SECONDS ARGS...: one bench_gpu_step run; its last line (the J
     rm -f "$stdout"
 }
 
-# The configs' micro-batches (sized by tokens), eager (--compile off: with the shared-prompt pass), then the same
-# shapes as the configs run them, with the trainer's --compile (bench_gpu_step --compile layers: every decoder layer
-# compiled, fused kernels against the host-bound eager update; the shared-prompt pass off, as --compile turns it off).
+# The configs' micro-batches (sized by tokens), eager (--compile off), then the same shapes as the configs run them,
+# with the trainer's --compile (bench_gpu_step --compile layers: every decoder layer compiled, fused kernels against
+# the host-bound eager update). All four with the shared-prompt pass, as the configs run; the compiled 0.5B run's
+# --breakdown times its micro-batches without it too (its "without the shared-prompt pass" row: the compiled update
+# with and without the shared prompt, side by side).
 BREAKDOWN="--breakdown" run 0.5b_mean 120 --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2 --compile off
 BREAKDOWN="" run 1.5b_worst 100 --config configs/gsm8k_qwen1.5b_bypass.yaml --prompt-len 400 --response-len 512 \
     --repeats 1 --compile off
@@ -75,8 +78,8 @@ BREAKDOWN="" run 1.5b_worst 100 --config configs/gsm8k_qwen1.5b_bypass.yaml --pr
 # varying shapes otherwise leave the cache at twice the memory in use (108 GiB reserved for 44 GiB allocated,
 # reported by the 2026-11-28 session without a committed record).
 alloc=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-PYTORCH_CUDA_ALLOC_CONF=$alloc BREAKDOWN="" run 0.5b_mean_compiled 150 --config configs/gsm8k_qwen0.5b_bypass.yaml \
-    --repeats 2 --compile layers
+PYTORCH_CUDA_ALLOC_CONF=$alloc BREAKDOWN="--breakdown" run 0.5b_mean_compiled 180 \
+    --config configs/gsm8k_qwen0.5b_bypass.yaml --repeats 2 --compile layers
 PYTORCH_CUDA_ALLOC_CONF=$alloc BREAKDOWN="" run 1.5b_worst_compiled 150 --config configs/gsm8k_qwen1.5b_bypass.yaml \
     --prompt-len 400 --response-len 512 --repeats 1 --compile layers
 

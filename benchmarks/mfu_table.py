@@ -8,7 +8,8 @@ docs/gpus.md, "MFU as the field counts it"; tests/test_bench_gpu_step.py checks 
 The accountings, per update, over the seconds per update (the median of the run's timed updates):
 
   * old: bench_gpu_step's `mfu` as recorded: 6 x all parameters (embeddings included) x the tokens the run computed
-    (under --compile every sample's prompt copy, eager each group's prompt once per micro-batch it has rows in),
+    (with the shared-prompt pass each group's prompt once per micro-batch it has rows in, without it every sample's
+    prompt copy: the 2026-11-28 --compile runs, which turned the pass off),
     against the bf16 8192^3 matmul measured in the run;
   * 6 N + lm_head, tokens computed: non-embedding 6N on the same tokens plus the lm_head's 6 x d x V on the logit
     positions (one per response token), no attention, against the card's dense bf16 peak: the issue's recomputation;
@@ -81,7 +82,7 @@ def rebuilt(record: dict) -> dict:
         *("--prompt-len", str(record["prompt_len"]), "--response-len", str(record["response_len"])),
         *("--compile", "layers" if record["compile"] else "off"),
     ]
-    if not record["compile"] and not record["shared_prompt_pass"]:
+    if not record["shared_prompt_pass"]:  # off by the flag, or (compiled runs before issue 51) by --compile
         argv.append("--no-share-prompt-prefix")
     if record["fsdp"]:
         argv.append("--fsdp")

@@ -166,31 +166,33 @@ def test_tiny_breakdown_reports_phases_ops_and_syncs(capsys, tmp_path):
 
 
 def gpu_check_runs() -> list[tuple[str, list[str]]]:
-    """benchmarks/gpu_check.sh's calls of its run(): (NAME, FLAGS), after any VAR=value assignments."""
+    """benchmarks/gpu_check.sh's calls of its run(): (NAME, FLAGS), BREAKDOWN's flags first (as run() passes them)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "benchmarks", "gpu_check.sh")) as f:
         text = f.read().replace("\\\n", " ")  # continued lines joined
     runs = []
     for line in text.splitlines():
-        words = shlex.split(line, comments=True)
+        words, extra = shlex.split(line, comments=True), []
         while words and "=" in words[0] and not words[0].startswith("-"):
-            words.pop(0)
+            name, value = words.pop(0).split("=", 1)
+            extra += value.split() if name == "BREAKDOWN" else []
         if words[:1] == ["run"]:
-            runs.append((words[1], words[3:]))  # run NAME SECONDS FLAGS...
+            runs.append((words[1], extra + words[3:]))  # run NAME SECONDS FLAGS...
     return runs
 
 
 def test_gpu_check_script_runs_valid_flags():
     # benchmarks/gpu_check.sh runs where nothing can be fixed in between: its runs' flags pass the benchmark's checks;
-    # eager and compiled runs at the 0.5B mean shape and the 1.5B worst case
+    # eager and compiled runs at the 0.5B mean shape and the 1.5B worst case, all with the shared-prompt pass (the
+    # configs'), the compiled 0.5B run with --breakdown: its micro-batches without the shared prompt beside them
     runs = gpu_check_runs()
     assert len(runs) == 4 and len({name for name, _ in runs}) == 4
     plans = {name: bench.make_plan(bench.build_parser().parse_args(["--breakdown", *flags])) for name, flags in runs}
     assert {p.model_size for p in plans.values()} == {"0.5b", "1.5b"}
     assert sorted(str(p.compile) for p in plans.values()) == ["None", "None", "layers", "layers"]
-    for plan in plans.values():  # the trainer's --compile turns the shared-prompt pass off
-        assert plan.train.compile == (plan.compile == "layers")
-        assert rc_forward.shares_prefix(plan.train) == (plan.compile is None)
+    for plan in plans.values():
+        assert plan.train.compile == (plan.compile == "layers") and rc_forward.shares_prefix(plan.train)
+    assert "--breakdown" in dict(runs)["0.5b_mean_compiled"]
 
 
 def test_compile_follows_the_config_unless_a_flag_says_otherwise():
@@ -214,7 +216,7 @@ def test_tiny_run_with_compiled_layers_reports_the_compilation(capsys):
     argv = ["--tiny", "--repeats", "1", "--compile", "layers", "--compile-backend", "aot_eager"]
     assert bench.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["compile"] == "layers (aot_eager)" and not result["shared_prompt_pass"]
+    assert result["compile"] == "layers (aot_eager)" and result["shared_prompt_pass"]
     assert result["compiled_graphs"]["unique_graphs"] >= 1 and result["compiled_graphs"]["graph_breaks"] == 0
     assert result["warmup_seconds"] > 0 and math.isfinite(result["seconds_per_update"])
 

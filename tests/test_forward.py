@@ -6,7 +6,8 @@ What the trainer does to make that pass cheap -- micro-batches sorted by length 
 distinct prompt forwarded once (shared_prefix_logits), compiled decoder layers (compile_layers), the chunked log-prob
 and entropy kernels (log_probs_from_logits, entropy_from_logits) -- changes no number beyond float rounding: the
 log-probs, entropies, loss and gradients here agree with the plain computation, in float64 on a tiny Qwen2
-(tasks.make_qwen2). Runs on a CPU in seconds (the compiled-layers test: a minute), no engine.
+(tasks.make_qwen2; the compiled layers in float32). Runs on a CPU in seconds (the two compiled-layers tests: up to
+a minute each), no engine.
 """
 
 from __future__ import annotations
@@ -204,11 +205,11 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
 def test_compiled_layers_give_the_same_log_probs_and_gradients():
     # --compile (rc_forward.compile_layers): every decoder layer torch.compiled in place. Against the eager model: the
     # same log-probs and gradients, padded and unpadded micro-batches, with and without gradients; the parameter
-    # names unchanged (weight sync and checkpoints read them); one set of graphs for all the layers; the shared-prompt
-    # pass off. Inductor, as --compile runs it (its CPU code here; tests/test_bench_gpu_step.py checks aot_eager).
+    # names unchanged (weight sync and checkpoints read them); one set of graphs for all the layers. Each row its own
+    # prompt (the shared prompt: the next test). Inductor, as --compile runs it (its CPU code here; the next test and
+    # tests/test_bench_gpu_step.py check aot_eager).
     from torch._dynamo.utils import counters
 
-    assert not rc_forward.shares_prefix(dataclasses.replace(rc_train.Args(), compile=True))
     torch._dynamo.reset()
     eager = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=2, intermediate=64, seed=0)
     compiled = copy.deepcopy(eager)
@@ -240,6 +241,68 @@ def test_compiled_layers_give_the_same_log_probs_and_gradients():
                 torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     compiled_graphs = counters["stats"]["unique_graphs"] - graphs
     assert 1 <= compiled_graphs <= 4, compiled_graphs  # a graph per layer would be twice as many
+
+
+def _grouped_batch(groups, seed: int = 0):
+    """A padded batch of GRPO groups: [(prompt length, [response lengths])], random tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts, responses, group_ids = [], [], []
+    for g, (p, lengths) in enumerate(groups):
+        prompt = torch.randint(1, 50, (p,), generator=gen).tolist()
+        for k in lengths:
+            ids = torch.randint(1, 50, (k,), generator=gen).tolist()
+            prompts.append(prompt)
+            responses.append((ids, [-1.0] * k, ""))
+            group_ids.append(g)
+    return rc_train.make_batch(prompts, responses, 0, group_ids)
+
+
+def test_compiled_layers_share_the_prompt_with_the_same_graphs_for_every_layer():
+    # --compile with the shared-prompt pass: compile_layers hands each compiled layer its own layer of the KV cache,
+    # so the layers share their graphs. Micro-batches of several groups (prompts of different lengths, left-padded),
+    # of one group, of one row: log-probs and gradients as the eager model's with the shared prompt and without it
+    # (float32); with and without gradients, as many graphs for 1 layer as for 3; then other shapes compile nothing.
+    # aot_eager: Dynamo's capture and AOT autograd without code generation (inductor: the test above).
+    from torch._dynamo.utils import counters
+
+    assert rc_forward.shares_prefix(dataclasses.replace(rc_train.Args(), compile=True))
+    warm = _grouped_batch([(5, [4, 6, 3]), (9, [5, 3, 7]), (7, [6, 3, 4]), (4, [3, 5])])
+    other = _grouped_batch([(3, [8, 4]), (6, [3, 9]), (10, [5, 6, 4]), (8, [7])], seed=1)
+
+    def run(model, batch, rows, shared, with_grad=True):
+        model.zero_grad()
+        ids, att, t = rc_forward.trimmed_inputs(batch, rows)
+        with torch.set_grad_enabled(with_grad):
+            lp = response_log_probs(model, ids, att, t, group=batch["group"][rows] if shared else None)
+        lp = lp * batch["response_mask"][rows, :t]
+        if with_grad:
+            (lp.sum() * 0.1).backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if with_grad}
+
+    def calls(batch):  # the micro-batches the trainer cuts (several groups each), one group, one row
+        micro = rc_forward.cut_micro_batches(torch.arange(len(batch["group"])), batch, 5, None, by_group=True)
+        assert any(len(set(batch["group"][m].tolist())) > 1 for m in micro)
+        return [*micro, torch.nonzero(batch["group"] == 2)[:, 0], torch.tensor([1])]
+
+    graphs = {}
+    for layers in (1, 3):
+        torch._dynamo.reset()
+        start = counters["stats"]["unique_graphs"]
+        eager = tasks.make_qwen2(vocab_size=50, eos=0, hidden=64, layers=layers, intermediate=64, seed=0)
+        compiled = rc_forward.compile_layers(copy.deepcopy(eager), backend="aot_eager")
+        for rows in calls(warm):
+            for with_grad in (True, False):
+                lp, grads = run(compiled, warm, rows, True, with_grad)
+                for want in (run(eager, warm, rows, True, with_grad), run(eager, warm, rows, False, with_grad)):
+                    torch.testing.assert_close(lp, want[0], rtol=1e-5, atol=1e-6)
+                    for name, grad in want[1].items():
+                        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        graphs[layers] = counters["stats"]["unique_graphs"] - start
+    assert graphs[1] == graphs[3] < torch._dynamo.config.recompile_limit, graphs  # not one set per layer
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in calls(other):
+            for with_grad in (True, False):
+                run(compiled, other, rows, True, with_grad)
 
 
 def test_split_to_count_halves_the_largest_micro_batch():

@@ -1026,6 +1026,8 @@ def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
     uses = "no verdict uses it"
     if any(c["kind"] == "recompute" for c in comparisons):  # SPLIT_RULE (2) reads the intervals of these rows
         uses = "the verdicts of the cheaper π_old read its rows against the recompute arm, the others none"
+    if is_gspo_moe(sweep):  # GSPO_MOE_RULE reads every verdict by the margin and the paired interval
+        uses = "the GSPO rule's verdicts read its rows against the float32 engine (its one-factor pairs: the verdicts)"
     if is_partial(sweep):  # PARTIAL_RULE reads every row against whole responses
         uses = "the partial-rollout rule's verdicts read its rows against whole responses"
     if sweep["dial"] == STALENESS_DIAL and sweep_rule(sweep) == "paired":  # PAIRED_STALENESS_RULE reads them all
@@ -1540,14 +1542,16 @@ def gspo_moe_verdicts(rows: list[dict], sweep: dict) -> list[str]:
         lines.append(f"- one factor at a time at `{level_title(sweep, level)}`:")
         for arm, against, factor in GSPO_FACTORS:
             if arm in sweep["presets"] and against in sweep["presets"]:
-                sides[arm, level], text = _read(by, (arm, level), (against, level), sweep, paired_side)
+                a, b = by.get((arm, level)), by.get((against, level))
+                up = a is not None and b is not None and (_delta(a, b) or 0) > 0  # two-sided: the side Δ is on
+                sides[arm, level], text = _read(by, (arm, level), (against, level), sweep, paired_side, up)
                 lines.append(f"  - `{arm}` against `{against}` ({factor}): {text}")
     for level in compared_levels(sweep):
-        gspo, r3 = held.get((GSPO, level)), sides.get((GSPO + REPLAY_ROUTING, level))
+        gspo, r3 = held.get((GSPO, level)), sides.get((GSPO + REPLAY_ROUTING, level), "not run")
         r3_holds = held.get((GSPO + REPLAY_ROUTING, level))
         claim = (
             "supported"
-            if gspo == "holds" and r3 not in ("above", None)
+            if gspo == "holds" and r3 not in ("above", "not run")
             else "contradicted"
             if gspo == "below" and r3_holds == "holds"
             else "undecided"

@@ -964,6 +964,7 @@ def test_committed_sweeps_hold_no_machine_path():
         "length_long",
         "moe",
         "noise_sweep",
+        "partial",
         "replay",
         "split",
         "staleness",

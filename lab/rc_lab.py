@@ -543,6 +543,7 @@ EXPORT_KEYS = (
     "rollout/spanning_responses",
     "rollout/masked_stale_tokens",
     "timing/rollout_s",
+    "rollout/replayed_fraction",
 )
 
 
@@ -1028,6 +1029,8 @@ def paired_lines(comparisons: list[dict], sweep: dict) -> list[str]:
         uses = "the verdicts of the cheaper π_old read its rows against the recompute arm, the others none"
     if is_gspo_moe(sweep):  # GSPO_MOE_RULE reads every verdict by the margin and the paired interval
         uses = "the GSPO rule's verdicts read its rows against the float32 engine (its one-factor pairs: the verdicts)"
+    if is_replay_vs_staleness(sweep):  # REPLAY_VS_STALENESS_RULE reads its rows by both tests
+        uses = "the replay-against-staleness rule's verdicts read its rows against k = 0 and replay against staleness"
     if is_partial(sweep):  # PARTIAL_RULE reads every row against whole responses
         uses = "the partial-rollout rule's verdicts read its rows against whole responses"
     if sweep["dial"] == STALENESS_DIAL and sweep_rule(sweep) == "paired":  # PAIRED_STALENESS_RULE reads them all
@@ -1145,6 +1148,8 @@ def verdicts(rows: list[dict], sweep: dict) -> list[str]:
         return split_verdicts(rows, sweep)
     if is_partial(sweep):
         return partial_verdicts(rows, sweep)
+    if is_replay_vs_staleness(sweep):
+        return replay_vs_staleness_verdicts(rows, sweep)
     if not any(is_naive(p) for p in sweep["presets"]):
         return []
     if sweep["dial"] == STALENESS_DIAL:
@@ -1274,6 +1279,8 @@ def write_summary(rows: list[dict], sweep: dict, out: str, reward_level: float) 
         rule = f"{first} {SPLIT_RULE}"
     elif is_partial(sweep):
         rule = f"{first} {PARTIAL_RULE}"
+    elif is_replay_vs_staleness(sweep):
+        rule = f"{first} {REPLAY_VS_STALENESS_RULE}"
     elif sweep["dial"] == STALENESS_DIAL:
         rule = f"{first} {PAIRED_STALENESS_RULE if sweep_rule(sweep) == 'paired' else STALENESS_RULE}"
     elif sweep["dial"] in REPLAY_DIALS:
@@ -1832,6 +1839,63 @@ PARTIAL_RULE = (  # fixed in lab/README.md section 11 before the sweep ran
     "not counted. Partial rollouts also carry some tokens one version further (their staleness is logged: "
     "`rollout/token_staleness_mean`), so a loss that every arm shares is the extra lag, not the mixture."
 )
+
+
+REPLAY_VS_STALENESS_RULE = (  # fixed in lab/README.md section 13 before the sweep ran (issue 48 item 4)
+    "Replay against staleness on one base (issue 48), fixed before the sweep ran. Three levels: the synchronous loop "
+    "(k = 0, the reference), staleness alone (every sample k versions old) and a replay buffer at k = 0 (a mixture of "
+    "versions whose mean age is close to k; each fresh group trained on about 1/(1 − f) times, the reuse staleness "
+    "does not have: reported, not held equal). Every comparison by the paired rule's two tests (section 10). (1) "
+    "Each preset at each of the two off-policy levels against its own k = 0 row: *holds* when neither the margin nor "
+    "the paired interval says below, *below* when both do, else *undecided*. (2) Each preset's replay row against its "
+    "staleness row: replay *costs more* when both tests say below, *costs less* when both say above, *no difference "
+    "found* when neither says either, else *undecided*. (3) The sweep says *replay costs more than staleness of the "
+    "same mean age* when naive and at least two corrected presets cost more, *not* when no preset does and at least "
+    "three find no difference, otherwise *undecided*."
+)
+
+
+def _replays(sweep: dict, level: str) -> bool:
+    return float(level_value(MISMATCH, level, "replay_fraction") or 0) > 0
+
+
+def is_replay_vs_staleness(sweep: dict) -> bool:
+    """A mismatch sweep of three levels, the synchronous loop first, then a staleness level and a replay level in
+    either order (REPLAY_VS_STALENESS_RULE; lab/split's four levels are the split rule's)."""
+    if sweep["dial"] != MISMATCH or len(sweep["levels"]) != 3:
+        return False
+    stale = [lv for lv in sweep["levels"] if int(level_value(MISMATCH, lv, "max_staleness") or 0) > 0]
+    return any(_replays(sweep, lv) for lv in sweep["levels"]) and any(not _replays(sweep, lv) for lv in stale)
+
+
+def replay_vs_staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:
+    """REPLAY_VS_STALENESS_RULE: (1) each preset's holds at both off-policy levels, (2) replay against staleness per
+    preset, (3) the sweep's answer."""
+    by, lines = {(r["preset"], r["level"]): r for r in rows}, ["Verdicts (the rule above, applied):"]
+    ref = sweep["levels"][0]
+    replay = next(lv for lv in sweep["levels"] if _replays(sweep, lv))
+    stale = next(lv for lv in sweep["levels"] if lv != ref and not _replays(sweep, lv))
+    sides = {}
+    for p in sweep["presets"]:
+        lines.append(f"- `{p}`:")
+        for level in (stale, replay):
+            _, text = _read(by, (p, level), (p, ref), sweep, paired_hold)
+            lines.append(f"  - `{level_title(sweep, level)}` against k = 0 (hold): {text}")
+        a, b = by.get((p, replay)), by.get((p, stale))
+        up = a is not None and b is not None and (_delta(a, b) or 0) > 0
+        sides[p], text = _read(by, (p, replay), (p, stale), sweep, paired_side, up)
+        lines.append(f"  - replay against staleness: {text}")
+    naive = [sides[p] for p in sweep["presets"] if is_naive(p)]
+    corrected = [sides[p] for p in sweep["presets"] if not is_naive(p)]
+    answer = (
+        "yes"
+        if naive and all(v == "below" for v in naive) and corrected.count("below") >= 2
+        else "no"
+        if "below" not in sides.values() and list(sides.values()).count("no difference found") >= 3
+        else "undecided"
+    )
+    lines.append(f"- replay costs more than staleness of the same mean age: **{answer}**")
+    return lines
 
 
 def is_partial(sweep: dict) -> bool:

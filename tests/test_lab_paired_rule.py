@@ -220,14 +220,17 @@ def test_standard_reads_as_before(tmp_path, rule):
 
 
 def test_committed_sweeps_read_as_standard():
-    """Every committed sweep but catalogue_published (the first run under --rule paired) was written before the option
-    and reads as standard."""
+    """Every committed sweep but catalogue_published (the first run under --rule paired) reads as standard; those
+    before it were written before the option, those after it (partial: its own rule, read from its levels) say
+    `standard`."""
     names = sorted(p.parent.name for p in LAB.glob("*/sweep.json"))
-    older = [n for n in names if n != "catalogue_published"]
-    assert len(older) == len(names) - 1 and all(
+    newer = ["catalogue_published", "partial"]
+    older = [n for n in names if n not in newer]
+    assert len(older) == len(names) - 2 and all(
         rc_lab.sweep_rule(rc_lab.read_spec(str(LAB / n))) == "standard" for n in older
     )
     assert all("rule" not in rc_lab.read_spec(str(LAB / n)) for n in older)  # written before the option
+    assert rc_lab.read_spec(str(LAB / "partial"))["rule"] == "standard"
     assert rc_lab.sweep_rule(rc_lab.read_spec(str(LAB / "catalogue_published"))) == "paired"
 
 

@@ -463,3 +463,42 @@ def test_gspo_summary_states_its_rule(tmp_path):
     assert md.index("Reading rule") < md.index("| preset | level |") < md.index("Verdicts")
     assert "\n".join(rc_lab.gspo_moe_verdicts(rows, sweep)) in md
     assert "| routing agreement |" in md
+
+
+# =============================================================================================
+# REPLAY_VS_STALENESS_RULE (lab/README.md section 13)
+# =============================================================================================
+SYNC, STALE, REPLAY = "max_staleness=0", "max_staleness=3", "max_staleness=0+replay_window=8+replay_fraction=0.75"
+RS_ARMS = ["naive", "bypass_ppo_clip", "decoupled_token_is", "decoupled_seq_is_rs"]
+
+
+def replay_read(tmp_path, stale: dict, replay: dict) -> list[str]:
+    evals = {(p, SYNC): REF for p in RS_ARMS} | {(p, STALE): stale[p] for p in RS_ARMS}
+    evals |= {(p, REPLAY): replay[p] for p in RS_ARMS}
+    rows, sweep = load(write_sweep(tmp_path / "rs", RS_ARMS, rc_lab.MISMATCH, (SYNC, STALE, REPLAY), evals))
+    assert rc_lab.is_replay_vs_staleness(sweep) and not rc_lab.is_partial(sweep)
+    return rc_lab.verdicts(rows, sweep)
+
+
+def test_replay_costs_more_when_naive_and_two_corrected_arms_are_below_their_staleness_rows(tmp_path):
+    lines = replay_read(
+        tmp_path, {p: HOLDS for p in RS_ARMS}, {**{p: LOSES for p in RS_ARMS}, "decoupled_seq_is_rs": HOLDS}
+    )
+    assert verdict_of(lines[-1]) == "yes"
+    assert sum("replay against staleness" in x and "**below**" in x for x in lines) == 3
+
+
+def test_replay_and_staleness_alike_is_no_and_one_edge_seed_makes_it_undecided(tmp_path):
+    lines = replay_read(tmp_path, {p: HOLDS for p in RS_ARMS}, {p: HOLDS for p in RS_ARMS})
+    assert verdict_of(lines[-1]) == "no"
+    edge = replay_read(tmp_path / "b", {p: HOLDS for p in RS_ARMS}, {**{p: HOLDS for p in RS_ARMS}, "naive": LOSES})
+    assert verdict_of(edge[-1]) == "undecided"  # naive costs more, the corrected arms do not
+
+
+def test_the_replay_against_staleness_rule_reads_only_its_own_sweep_and_the_readme_command(tmp_path):
+    argv = readme_sweep("## 13. Replay against staleness")
+    assert flag(argv, "--levels").split(",") == [SYNC, STALE, REPLAY]
+    assert flag(argv, "--presets").split(",") == RS_ARMS
+    split = {"dial": rc_lab.MISMATCH, "levels": [SYNC, "max_staleness=2", "max_staleness=8", REPLAY]}
+    assert not rc_lab.is_replay_vs_staleness(split)  # lab/split's four levels are the split rule's
+    assert not rc_lab.is_replay_vs_staleness({"dial": "max_staleness", "levels": ["0", "3", "8"]})

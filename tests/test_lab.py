@@ -963,6 +963,7 @@ def test_committed_sweeps_hold_no_machine_path():
         "length",
         "length_long",
         "moe",
+        "moe_gspo",
         "noise_sweep",
         "partial",
         "replay",

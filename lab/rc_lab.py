@@ -761,6 +761,23 @@ def compared_levels(sweep: dict) -> list[str]:
     return [lv for lv in sweep["levels"] if reference_level(sweep, lv) != lv]
 
 
+PARTIAL_COLUMNS = (  # (summary column, metric): a run's mean over steps, then the mean over seeds (_seed_means)
+    ("token_staleness", "rollout/token_staleness_mean"),
+    ("spanning", "rollout/spanning_responses"),
+    ("step_s", "timing/step_s"),
+)
+ROUTING_COLUMNS = (
+    ("routing_agreement", "rollout_corr/routing_agreement"),
+    ("flip_fraction", "rollout_corr/routing_flip_token_fraction"),
+    ("alpha1_unreplayed", "rollout_corr/unreplayed_tv_mismatch"),
+)
+
+
+def _seed_means(recs: list, columns) -> dict:
+    """{column: mean over seeds of each run's mean of the metric over its steps} for (column, metric) pairs."""
+    return {name: _mean_std([_series_stat(x, key, np.mean) for x in recs])[0] for name, key in columns}
+
+
 def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
     """One row per (preset, level) in sweep order with the summary statistics over seeds (None = missing)."""
     rows = []
@@ -828,27 +845,9 @@ def summarise(sweep: dict, reward_level: float = 0.5) -> list[dict]:
                     ppl_rise=_mean_std([ppl_rise(x) for x in recs])[0],
                 )
             if partial:  # partial-rollout sweeps (PARTIAL_RULE): each token's staleness, the mixture, the step time
-                rows[-1].update(
-                    {
-                        name: _mean_std([_series_stat(x, key, np.mean) for x in recs])[0]
-                        for name, key in (
-                            ("token_staleness", "rollout/token_staleness_mean"),
-                            ("spanning", "rollout/spanning_responses"),
-                            ("step_s", "timing/step_s"),
-                        )
-                    }
-                )
+                rows[-1].update(_seed_means(recs, PARTIAL_COLUMNS))
             if has_routing:  # MoE runs (docs/moe.md): the trainer's own routing against the engine's, unreplayed
-                rows[-1].update(
-                    {
-                        name: _mean_std([_series_stat(x, key, np.mean) for x in recs])[0]
-                        for name, key in (
-                            ("routing_agreement", "rollout_corr/routing_agreement"),
-                            ("flip_fraction", "rollout_corr/routing_flip_token_fraction"),
-                            ("alpha1_unreplayed", "rollout_corr/unreplayed_tv_mismatch"),
-                        )
-                    }
-                )
+                rows[-1].update(_seed_means(recs, ROUTING_COLUMNS))
             if has_split:  # --mismatch-split runs: the staleness share of alpha_1 (SPLIT_RULE)
                 shares = [s for s in map(staleness_share, recs) if s is not None]
                 rows[-1].update(

@@ -749,10 +749,8 @@ class PartialRollouts:
         """Every unfinished response to its end at the engine's weights: [(response, new token ids, their log mu)]."""
         from vllm import SamplingParams
 
-        longest, calls = (
-            args.max_response_length,
-            [],
-        )  # (engine prompt, n, max tokens, seed, the responses it continues)
+        longest = args.max_response_length
+        calls = []  # (engine prompt, n, max tokens, seed, the responses it continues)
         for _, prompt, keys, responses in self.groups:
             if all(not r[3] and not r[0] for r in responses):  # a fresh group: one request of n samples
                 calls.append((prompt, len(responses), longest, sampling_seed(*keys), responses))

@@ -1534,6 +1534,13 @@ def paired_side(row: dict, other: dict, paired: dict) -> str:
     return "undecided" if any(below) or any(above) else "no difference found"
 
 
+def _read_sides(by: dict, key: tuple, other: tuple, sweep: dict) -> tuple[str | None, str]:
+    """_read by paired_side, a two-sided test: its text says the side the difference of the means is on."""
+    a, b = by.get(key), by.get(other)
+    up = a is not None and b is not None and (_delta(a, b) or 0) > 0
+    return _read(by, key, other, sweep, paired_side, up)
+
+
 def gspo_moe_verdicts(rows: list[dict], sweep: dict) -> list[str]:
     """GSPO_MOE_RULE: (1) every arm against its float32 row, (2) each one-factor pair at every level, (3) the claim."""
     by, lines = {(r["preset"], r["level"]): r for r in rows}, ["Verdicts (the rule above, applied):"]
@@ -1548,9 +1555,7 @@ def gspo_moe_verdicts(rows: list[dict], sweep: dict) -> list[str]:
         lines.append(f"- one factor at a time at `{level_title(sweep, level)}`:")
         for arm, against, factor in GSPO_FACTORS:
             if arm in sweep["presets"] and against in sweep["presets"]:
-                a, b = by.get((arm, level)), by.get((against, level))
-                up = a is not None and b is not None and (_delta(a, b) or 0) > 0  # two-sided: the side Δ is on
-                sides[arm, level], text = _read(by, (arm, level), (against, level), sweep, paired_side, up)
+                sides[arm, level], text = _read_sides(by, (arm, level), (against, level), sweep)
                 lines.append(f"  - `{arm}` against `{against}` ({factor}): {text}")
     for level in compared_levels(sweep):
         gspo, r3 = held.get((GSPO, level)), sides.get((GSPO + REPLAY_ROUTING, level), "not run")
@@ -1880,9 +1885,7 @@ def replay_vs_staleness_verdicts(rows: list[dict], sweep: dict) -> list[str]:
         for level in (stale, replay):
             _, text = _read(by, (p, level), (p, ref), sweep, paired_hold)
             lines.append(f"  - `{level_title(sweep, level)}` against k = 0 (hold): {text}")
-        a, b = by.get((p, replay)), by.get((p, stale))
-        up = a is not None and b is not None and (_delta(a, b) or 0) > 0
-        sides[p], text = _read(by, (p, replay), (p, stale), sweep, paired_side, up)
+        sides[p], text = _read_sides(by, (p, replay), (p, stale), sweep)
         lines.append(f"  - replay against staleness: {text}")
     naive = [sides[p] for p in sweep["presets"] if is_naive(p)]
     corrected = [sides[p] for p in sweep["presets"] if not is_naive(p)]

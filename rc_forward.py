@@ -1,11 +1,12 @@
 """The policy's forward passes over a padded batch, made fast without changing their numbers.
 
-What belongs here turns a micro-batch of the trainer's padded batch into the logits and log-probs that predict its
-response tokens, and makes that cheap: micro-batches sorted by length and cut to a token budget, each trimmed to its
-own longest prompt and response, each distinct prompt forwarded once (--share-prompt-prefix), compiled decoder layers
-(--compile), and the chunked log-prob and entropy kernels. None of it changes a number beyond float rounding: the
-plain definition is log_softmax(logits / temperature) of one forward over the untrimmed rows, and
-tests/test_forward.py proves sequence_log_probs and no_grad_pass equal to it.
+What belongs here lays out the trainer's padded batch (make_batch: prompts left-padded, responses right-padded, the
+engine's routing and each token's version in the same columns), turns a micro-batch of it into the logits and
+log-probs that predict its response tokens, and makes that cheap: micro-batches sorted by length and cut to a token
+budget, each trimmed to its own longest prompt and response, each distinct prompt forwarded once
+(--share-prompt-prefix), compiled decoder layers (--compile), and the chunked log-prob and entropy kernels. None of it
+changes a number beyond float rounding: the plain definition is log_softmax(logits / temperature) of one forward over
+the untrimmed rows, and tests/test_forward.py proves sequence_log_probs and no_grad_pass equal to it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,57 @@ class ForwardArgs:
     """torch.compile every decoder layer (compile_layers; docs/gpus.md "Compiled layers"); not with --fsdp or MoE"""
     fsdp: bool = False
     """shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard; docs/gpus.md)"""
+
+
+def make_batch(prompt_ids, responses, pad_id, group_ids=None):
+    """Left-pad prompts and right-pad responses so that every response starts at column P."""
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(r[0]) for r in responses))
+    B = len(responses)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, (ids, lps, *_)) in enumerate(zip(prompt_ids, responses)):
+        input_ids[i, P - len(p) : P] = torch.tensor(p)
+        attention[i, P - len(p) : P] = 1
+        if ids:
+            input_ids[i, P : P + len(ids)] = torch.tensor(ids)
+            attention[i, P : P + len(ids)] = 1
+            rollout_lp[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+            mask[i, : len(ids)] = 1.0
+    batch = dict(
+        input_ids=input_ids,
+        attention_mask=attention,
+        rollout_log_prob=rollout_lp,
+        response_mask=mask,
+        prompt_len=attention[:, :P].sum(-1),
+        response_len=attention[:, P:].sum(-1),
+        group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long),
+    )
+    if any(getattr(r, "routed_experts", None) is not None for r in responses):  # an MoE's
+        batch["rollout_routing"] = batch_routing(prompt_ids, responses, P, T)
+    if any(getattr(r, "versions", None) for r in responses):  # --partial-rollout: each token's version
+        batch["token_version"] = torch.zeros((B, T), dtype=torch.long)
+        for i, r in enumerate(responses):
+            batch["token_version"][i, : len(r.versions)] = torch.tensor(r.versions, dtype=torch.long)
+    return batch
+
+
+def batch_routing(prompt_ids: list, responses: list, P: int, T: int) -> torch.Tensor | None:
+    """The engine's routing of a batch laid out as make_batch lays out its tokens (prompts left-padded to P
+    columns, responses right-padded to T): int16 (B, P + T, layers, k), -1 where nothing was recorded (padding, the
+    last token). None when the responses carry no routing (dense model, capture off)."""
+    routed = [getattr(r, "routed_experts", None) for r in responses]
+    if all(r is None for r in routed):
+        return None
+    if any(r is None for r in routed):
+        raise ValueError("some responses of the batch carry their routing and others do not")
+    layers, k = routed[0].shape[1:]
+    out = torch.full((len(responses), P + T, layers, k), -1, dtype=torch.int16)
+    for i, (p, r) in enumerate(zip(prompt_ids, routed)):
+        out[i, P - len(p) : P - len(p) + len(r)] = torch.from_numpy(np.ascontiguousarray(r))
+    return out
 
 
 def shares_prefix(args) -> bool:
@@ -134,7 +186,7 @@ def split_to_count(groups: list[torch.Tensor], batch: dict, count: int) -> list[
 
 
 def response_width(batch: dict) -> int:
-    """T, the batch's response columns (rc_train.make_batch left-pads every prompt to the longest, P columns)."""
+    """T, the batch's response columns (make_batch left-pads every prompt to the longest, P columns)."""
     return batch["input_ids"].shape[1] - int(batch["prompt_len"].max())
 
 

@@ -26,7 +26,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 import rc_config
@@ -208,22 +207,6 @@ def _router_hook(router, args, output):
 # ---------------------------------------------------------------------------------------------
 # The routing a batch carries
 # ---------------------------------------------------------------------------------------------
-def batch_routing(prompt_ids: list, responses: list, P: int, T: int) -> torch.Tensor | None:
-    """The engine's routing of a batch laid out as rc_train.make_batch lays out its tokens (prompts left-padded to P
-    columns, responses right-padded to T): int16 (B, P + T, layers, k), -1 where nothing was recorded (padding, the
-    last token). None when the responses carry no routing (dense model, capture off)."""
-    routed = [getattr(r, "routed_experts", None) for r in responses]
-    if all(r is None for r in routed):
-        return None
-    if any(r is None for r in routed):
-        raise ValueError("some responses of the batch carry their routing and others do not")
-    layers, k = routed[0].shape[1:]
-    out = torch.full((len(responses), P + T, layers, k), -1, dtype=torch.int16)
-    for i, (p, r) in enumerate(zip(prompt_ids, routed)):
-        out[i, P - len(p) : P - len(p) + len(r)] = torch.from_numpy(np.ascontiguousarray(r))
-    return out
-
-
 class StepRouting:
     """The MoE routing of one step's batch (B, P + T, layers, k), -1 where nothing is recorded: `rollout` the engine's
     (None with capture off), `replay` what the policy passes replay (None: their own), `record` a buffer the passes
@@ -234,7 +217,7 @@ class StepRouting:
         self.replay: torch.Tensor | None = None
         self.record: torch.Tensor | None = None
         self.attention_mask = batch["attention_mask"]
-        self.P = int(batch["prompt_len"].max())  # every prompt left-padded to the longest (rc_train.make_batch)
+        self.P = int(batch["prompt_len"].max())  # every prompt left-padded to the longest (rc_forward.make_batch)
 
     @contextlib.contextmanager
     def forward(self, net, micro):

@@ -307,7 +307,7 @@ def pass_metrics(size: Counter, seconds: float) -> dict:
 
 
 def conventional_counts(batch: dict) -> dict:
-    """What one pass over `batch` (rc_train.make_batch's layout: prompt_len, response_len, group per row) needs,
+    """What one pass over `batch` (rc_forward.make_batch's layout: prompt_len, response_len, group per row) needs,
     whatever the run computed: its tokens (each group's prompt once, every response), its logit positions (one per
     response token: the logit that predicts it) and the (query, key) pairs its causal attention scores (a p-token
     prompt's p(p+1)/2 once per group; response token j after it attends p + j + 1 keys). Padding counts nowhere. The

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process core: in-place weight push
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else the CPU KV cache takes almost all RAM
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; else it takes most of the RAM
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # engine chatter goes to the run's engine.log
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -45,14 +45,13 @@ class Args(
     rc_moe.MoEArgs,
     rc_forward.ForwardArgs,
 ):
-    """The algorithm's settings; the inherited groups live beside the code that reads them."""
+    """The algorithm's settings; inherited groups live beside the code that reads them."""
 
     # General
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """experiment name"""
     seed: int = 1
-    """seed of the experiment; a prompt's sampling seed follows its place in the step, not its rank, but a run still
-    depends on the number of processes (docs/running.md, "Several processes")"""
+    """seed of the experiment (runs also depend on the number of processes: docs/running.md)"""
     config: str | None = None
     """YAML file of defaults; flags win"""
     output_dir: str = "runs"
@@ -74,7 +73,7 @@ class Args(
     train_limit: int | None = None
     """the first N training problems only"""
     reward_mode: str | None = None
-    """a score key of the task (strict, flexible); None = the task's reward key"""
+    """a score key of the task (strict, flexible); None = its reward key"""
     format_bonus: float = 0.0
     """reward for a well-formed answer, right or wrong"""
     use_chat_template: bool = True
@@ -94,7 +93,7 @@ class Args(
     temperature: float = 1.0
     """sampling temperature; the trainer scores at it too"""
     top_p: float = 1.0
-    """nucleus sampling; keep 1.0: top-p < 1 changes the behaviour policy"""
+    """nucleus sampling; below 1 it changes the behaviour policy"""
     rollout_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the vLLM engine"""
     train_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -102,21 +101,21 @@ class Args(
     sync_every: int = 1
     """push the weights into vLLM every k steps; 0 = never"""
     max_staleness: int | None = None
-    """k: step t trains on version max(0, t-k)'s batch (docs/async.md); None: by device"""
+    """k: step t trains on version max(0, t-k)'s batch (docs/async.md)"""
     partial_rollout: bool = False
-    """responses unfinished when a step's batch is full continue next step, under newer weights (docs/async.md §9)"""
+    """unfinished responses continue next step, under newer weights (docs/async.md §9)"""
     partial_rollout_tokens: int = 16
-    """--partial-rollout: tokens each unfinished response generates between two checks for a full batch"""
+    """--partial-rollout: tokens between two checks for a full batch"""
     partial_rollout_max_staleness: int | None = None
-    """--partial-rollout: a token further behind the trainer is masked; None = the staleness bound + 1"""
+    """--partial-rollout: mask tokens further behind; None = the staleness bound + 1"""
     replay_window: int = 0
-    """replay buffer: keep the fresh groups of the last W steps (docs/async.md §8)"""
+    """replay buffer: the fresh groups of the last W steps (docs/async.md §8)"""
     replay_fraction: float = 0.0
     """share of each step's groups drawn from the replay buffer"""
     mismatch_split: bool = False
-    """also score each row at the weights that sampled it: the mismatch as numerics + staleness (corrections §6.9)"""
+    """also score each row at its sampling weights: mismatch = numerics + staleness (§6.9)"""
     kept_versions_gib: float = 8.0
-    """host memory for the weights kept by version (--mismatch-split, --prox-logp sampling): bound + 1 copies"""
+    """host memory for the weights kept by version (--mismatch-split, --prox-logp sampling)"""
 
     # Optimisation
     learning_rate: float = 1e-4
@@ -142,7 +141,7 @@ class Args(
     clip_ratio_c: float = 3.0
     """dual-clip constant c > 1 (negative advantages only)"""
     loss_agg_mode: str = "token-mean"
-    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
+    """token-mean | token-sum | seq-mean-token-{sum,mean,sum-norm} (§7.5)"""
     loss_scale_factor: float | None = None
     """divisor K of seq-mean-token-sum-norm (default: max_response_length)"""
     adv_estimator: str = "grpo"
@@ -150,56 +149,32 @@ class Args(
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)"""
     kl_coef: float = 0.0
-    """coefficient of a KL penalty to the initial model (0 = none)"""
+    """KL penalty to the initial model (0 = none)"""
     kl_estimator: str = "low_var_kl"
     """KL penalty estimator: kl (k1), abs, mse (k2), low_var_kl (k3)"""
     kl_is_corrected: bool = False
     """weight the KL penalty by pi_theta/pi_old (the unbiased KL, §7.8)"""
     prox_logp: Literal["recompute", "loglinear", "metrics", "sampling"] = "recompute"
-    """decoupled pi_old: recompute; loglinear (AReaL, no pass, §7.10); metrics (both); sampling (keep-old-actor §6.9)"""
+    """decoupled pi_old: recompute | loglinear (no pass, §7.10) | metrics (both) | sampling (§6.9)"""
 
     # Evaluation
     eval_before: bool = True
     """evaluate the initial policy (logged at step -1)"""
     eval_every: int = 10
-    """greedy pass@1 every N steps (0 = only at the end)"""
+    """greedy pass@1 every N steps (0 = at the end)"""
     eval_limit: int | None = 200
-    """number of eval problems (None = whole split)"""
+    """eval problems (None = whole split)"""
 
     rc: rc_config.CorrectionArgs = field(default_factory=rc_config.CorrectionArgs)
     """rollout correction: a preset, then overrides"""
 
 
 def load_yaml_defaults(path: str) -> Args:
-    """Args whose defaults come from a YAML file."""
+    """Args with a YAML file's defaults."""
     return rc_config.load_yaml_defaults(Args, path, config=path)
 
 
-# ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: prompts, their order, the reward
-# ---------------------------------------------------------------------------------------------
-def encode_prompts(args: Args, task: tasks.Task, tokenizer, rows) -> list[list[int]]:
-    """Prompt token ids, through the chat template when there is one."""
-    use_template = args.use_chat_template and getattr(tokenizer, "chat_template", None)
-    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
-    prefill = tokenizer(task.prefill, add_special_tokens=False)["input_ids"] if task.prefill else []
-    out = []
-    for i, row in enumerate(rows):
-        if use_template:
-            messages = [*system, {"role": "user", "content": task.prompt(row)}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) + prefill
-        else:
-            ids = tokenizer(tasks.prompt_text(task, row), add_special_tokens=False)["input_ids"]
-        if len(ids) + args.max_response_length > args.max_model_len:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens; with --max-response-length "
-                f"{args.max_response_length} it exceeds --max-model-len {args.max_model_len}"
-            )
-        out.append(ids)
-    return out
-
-
 def prompt_indices(n_rows: int, seed: int, position: int, count: int) -> list[int]:
     """Rows position .. position+count-1 of a stream of seeded epoch permutations."""
     out = []
@@ -216,16 +191,14 @@ def reward(args: Args, task: tasks.Task, scores: dict) -> float:
     return scores[args.reward_mode] + bonus
 
 
-# ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: the batch -- samples, padding, reward and GRPO advantage
-# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: the batch -- reward and GRPO advantage
 class Sample(NamedTuple):
     """One response of a step's batch."""
 
     row: int
     group: int
     version: int
-    response: rc_rollout.Response  # token ids, rollout log-probs, text
+    response: rc_rollout.Response
 
 
 class TrainData(NamedTuple):
@@ -245,54 +218,20 @@ def drop_nonfinite(mask: torch.Tensor, rollout_log_prob: torch.Tensor) -> int:
     return int(bad.sum())
 
 
-def make_batch(prompt_ids, responses, pad_id, group_ids=None):
-    """Left-pad prompts and right-pad responses so that every response starts at column P."""
-    P = max(len(p) for p in prompt_ids)
-    T = max(1, max(len(r[0]) for r in responses))
-    B = len(responses)
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, P + T), dtype=torch.long)
-    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, (ids, lps, *_)) in enumerate(zip(prompt_ids, responses)):
-        input_ids[i, P - len(p) : P] = torch.tensor(p)
-        attention[i, P - len(p) : P] = 1
-        if ids:
-            input_ids[i, P : P + len(ids)] = torch.tensor(ids)
-            attention[i, P : P + len(ids)] = 1
-            rollout_lp[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
-            mask[i, : len(ids)] = 1.0
-    batch = dict(
-        input_ids=input_ids,
-        attention_mask=attention,
-        rollout_log_prob=rollout_lp,
-        response_mask=mask,
-        prompt_len=attention[:, :P].sum(-1),
-        response_len=attention[:, P:].sum(-1),
-        group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long),
-    )
-    if any(getattr(r, "routed_experts", None) is not None for r in responses):  # an MoE's
-        batch["rollout_routing"] = rc_moe.batch_routing(prompt_ids, responses, P, T)
-    if any(getattr(r, "versions", None) for r in responses):  # --partial-rollout: each token's version
-        batch["token_version"] = torch.zeros((B, T), dtype=torch.long)
-        for i, r in enumerate(responses):
-            batch["token_version"][i, : len(r.versions)] = torch.tensor(r.versions, dtype=torch.long)
-    return batch
-
-
 def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, bound, n_fresh: int):
-    """Reward and advantage of a step's samples: the batch, the update's tensors, the metrics."""
+    """A step's samples scored: the batch, the update's tensors, the metrics."""
     scores = [data.task.score(s.response.text, data.rows[s.row]) for s in samples]
     rewards, corrects = [reward(args, data.task, x) for x in scores], [x[args.reward_mode] for x in scores]
-    rc_run.check_rewards(data.task.name, rewards, [s.row for s in samples], data.rows, step)  # a bug: stop, not drop
+    rc_run.check_rewards(data.task.name, rewards, [s.row for s in samples], data.rows, step)  # stop, not drop
     prompts = [data.prompts[s.row] for s in samples]
-    batch = make_batch(prompts, [s.response for s in samples], data.pad_id, [s.group for s in samples])
+    responses, groups = [s.response for s in samples], [s.group for s in samples]
+    batch = rc_forward.make_batch(prompts, responses, data.pad_id, groups)
     mask, rollout_log_prob = batch.pop("response_mask"), batch.pop("rollout_log_prob")
     n_nonfinite = drop_nonfinite(mask, rollout_log_prob)
-    # the weights that sampled each row (--partial-rollout: its newest token's; each token's in batch["token_version"])
+    # the weights that sampled each row (--partial-rollout: its newest token's)
     versions = [s.response.versions[-1] if s.response.versions else s.version for s in samples]
     batch["version"] = versions = torch.tensor(versions)
-    partial = rc_rollout.mask_stale_tokens(batch, mask, step, bound)  # --partial-rollout: per token (async.md §9)
+    partial = rc_rollout.mask_stale_tokens(batch, mask, step, bound)  # --partial-rollout (async.md §9)
     stale = rc_rollout.stale_rows(versions, step, bound)  # beyond the bound: never trained on
     mask[stale] = 0.0
     advantages = rc_core.compute_advantage(
@@ -305,17 +244,15 @@ def scored_batch(args: Args, data: TrainData, samples: list[Sample], step: int, 
     metrics = rc_run.batch_metrics(
         args, rewards, corrects, mask, n_nonfinite, versions=versions, step=step, stale=stale, n_fresh=n_fresh
     )
-    return batch, dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_log_prob), metrics | partial
+    tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_log_prob)
+    return batch, tensors, metrics | partial
 
 
-# ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: correction and loss
-# ---------------------------------------------------------------------------------------------
 def decoupled_correction(
     args: Args, correction, model, batch: dict, tensors: dict, log_ratios=None, routing=None, step=None
 ):
-    """Decoupled mode (§5, §7.2): pi_old scored once per batch (--prox-logp sampling: at the weights that sampled
-    each row, §6.9); its IS weights and rejection mask join `tensors`, frozen for every epoch."""
+    """Decoupled mode (§5, §7.2): pi_old once per batch; its IS weights and rejection mask join `tensors`, frozen."""
     model.eval()
     if args.prox_logp == "sampling":
         old_log_prob, size = tensors["sampling_log_prob"], Counter()
@@ -334,11 +271,11 @@ def decoupled_correction(
 
 
 def policy_loss(args: Args, correction, log_prob, micro: dict, denominators: dict, *, first: bool, check: bool):
-    """The policy-gradient loss: bypass corrects inside rc_core (§7.3/§7.4), decoupled (§7.2) not."""
+    """The policy-gradient loss: bypass corrects in rc_core (§7.3/§7.4), decoupled (§7.2) not."""
     mask = micro["response_mask"]
-    if mask.sum() == 0:  # every response dropped: nothing to learn
+    if mask.sum() == 0:  # every response dropped
         return (log_prob * 0).sum(), {}
-    low, high = (args.clip_ratio if eps is None else eps for eps in (args.clip_ratio_low, args.clip_ratio_high))
+    low, high = rc_config.clip_bounds(args)
     common = dict(
         log_prob=log_prob,
         rollout_log_prob=micro["rollout_log_prob"],
@@ -363,12 +300,11 @@ def policy_loss(args: Args, correction, log_prob, micro: dict, denominators: dic
 def micro_batch_loss(
     args: Args, correction, log_prob, micro: dict, denominators: dict, first: bool, check: bool, where: str = ""
 ):
-    """A micro-batch's loss: the policy gradient, plus the KL penalty to the initial model (§7.6). A NaN or inf
-    log-prob or loss stops the run, naming `where` (rc_run.NonFinite)."""
+    """A micro-batch's loss: the policy gradient plus the KL penalty (§7.6); a NaN or inf stops the run at `where`."""
     mask = micro["response_mask"]
-    if check:  # the step's first micro-batch: named before rc_core's own input check
+    if check:  # the step's first micro-batch
         rc_run.check_finite("log_prob", log_prob, where, mask)
-    approx_metrics = loglinear_correction(args, correction, log_prob, micro, first) if "prox_alpha" in micro else {}
+    approx = loglinear_correction(args, correction, log_prob, micro, first) if "prox_alpha" in micro else {}
     loss, loss_metrics = policy_loss(args, correction, log_prob, micro, denominators, first=first, check=check)
     pg_loss, kl_loss = float(loss.detach()), 0.0
     if "ref_log_prob" in micro:
@@ -378,12 +314,11 @@ def micro_batch_loss(
         kl_term = rc_core.agg_loss(kl, mask, args.loss_agg_mode, response_mask=mask, **denominators)
         loss, kl_loss = loss + args.kl_coef * kl_term, float(kl_term.detach())
     rc_run.check_loss(pg_loss + kl_loss, where, mask, log_prob=log_prob, ref_log_prob=micro.get("ref_log_prob"))
-    return loss, {**loss_metrics, **approx_metrics}, pg_loss, kl_loss
+    return loss, {**loss_metrics, **approx}, pg_loss, kl_loss
 
 
 def prox_alpha(args: Args, batch: dict, step: int, updates: int) -> dict:
-    """--prox-logp loglinear | metrics: each row's alpha after `updates` of the step's optimizer steps, pi_theta's
-    version being step + updates / (epochs x minibatches) (§7.10); {} otherwise."""
+    """--prox-logp loglinear | metrics: each row's alpha after `updates` optimizer steps of the step (§7.10)."""
     if args.prox_logp not in ("loglinear", "metrics"):
         return {}
     theta = step + updates / (args.ppo_epochs * args.num_minibatches)
@@ -391,10 +326,7 @@ def prox_alpha(args: Args, batch: dict, step: int, updates: int) -> dict:
 
 
 def loglinear_correction(args: Args, correction, log_prob, micro: dict, first: bool) -> dict:
-    """--prox-logp: pi_old of the micro-batch from mu and pi_theta by version (AReaL's log-linear interpolation,
-    §7.10). loglinear: it replaces the pass, and its IS weights and rejection mask are computed here, per micro-batch
-    (their rollout_corr/* metrics on the `first` minibatch only, as the trainer logs them); metrics: the recomputed
-    pi_old trains, and the approximation's error is logged."""
+    """--prox-logp: pi_old interpolated from mu and pi_theta (§7.10); it trains (loglinear) or its error is logged."""
     mu, mask = micro["rollout_log_prob"], micro["response_mask"]
     approx = rc_core.loglinear_proximal_log_prob(mu, log_prob, micro.pop("prox_alpha"))
     if args.prox_logp == "metrics":
@@ -403,9 +335,8 @@ def loglinear_correction(args: Args, correction, log_prob, micro: dict, first: b
     is_weights, keep_mask, metrics = rc_core.compute_rollout_correction_and_rejection_mask(
         old_log_prob=approx, rollout_log_prob=mu, response_mask=mask, config=correction, with_metrics=first
     )
-    micro.update(
-        old_log_prob=approx, keep_mask=keep_mask, **({} if is_weights is None else {"rollout_is_weights": is_weights})
-    )
+    weights = {} if is_weights is None else {"rollout_is_weights": is_weights}
+    micro.update(old_log_prob=approx, keep_mask=keep_mask, **weights)
     return metrics
 
 
@@ -425,9 +356,7 @@ def micro_batch_metrics(loss_metrics: dict, log_prob, entropy, micro: dict, *, b
     return {k: v for k, v in out.items() if k not in skip and (first or not k.startswith("rollout_corr/"))}
 
 
-# ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: the update
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class Learner:
     """What every update works on."""
@@ -440,11 +369,10 @@ class Learner:
 
 
 def make_learner(args: Args, accelerator, host: rc_run.HostGroup, model_path: str, moe: bool):
-    """The policy in fp32 on this rank's device, AdamW with a linear warm-up, and the frozen reference model of the
-    KL penalty (--kl-coef > 0, else None)."""
-    load = dict(dtype="auto", device_map={"": accelerator.device})  # fp32 on the device, not the host
+    """The fp32 policy on this rank's device, AdamW, and the KL penalty's frozen reference (or None)."""
+    load = dict(dtype="auto", device_map={"": accelerator.device})  # on the device, not the host
     model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
-    if moe:  # the router hooks: replay and record
+    if moe:  # the router hooks
         rc_moe.install(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -454,7 +382,7 @@ def make_learner(args: Args, accelerator, host: rc_run.HostGroup, model_path: st
     if args.kl_coef > 0:  # the policy's own precision: KL is 0 at step 0
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, **load).float()
         ref_model.eval().requires_grad_(False)
-    if args.fsdp:  # FSDP2: shard, then build the optimizer over the shards
+    if args.fsdp:  # FSDP2: shard before building the optimizer
         model = rc_run.shard_model(model, accelerator.device.type)
         ref_model = ref_model and rc_run.shard_model(ref_model, accelerator.device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -493,7 +421,7 @@ def update_policy(
             loss_sum = kl_sum = 0.0
             for j, micro_rows in enumerate(micro):
                 where = f"step {step}, epoch {epoch}, minibatch {minibatch}, micro-batch {j}"
-                # the forward inside too: DDP decides there whether the backward reduces
+                # the forward inside too: DDP decides there whether to reduce
                 with rc_run.accumulating(learner.accelerator, model, j == len(micro) - 1, args.fsdp):
                     # log pi(y_t | y_<t) = log_softmax(logits / temperature)[y_t] (§1)
                     log_prob, entropy, micro_size = rc_forward.sequence_log_probs(
@@ -526,7 +454,7 @@ def update_policy(
 
 
 def global_denominators(args: Args, host: rc_run.HostGroup, mask: torch.Tensor) -> dict:
-    """Loss denominators of the optimizer step's batch over all ranks, pre-rejection (§7.5)."""
+    """Loss denominators of the optimizer step over all ranks, pre-rejection (§7.5)."""
     n_tok, n_seq = host.sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
     scale_k = args.loss_scale_factor or float(args.max_response_length)
     return dict(global_token_count=max(n_tok, 1.0), global_seq_count=max(n_seq, 1.0), loss_scale_factor=scale_k)
@@ -537,12 +465,12 @@ if __name__ == "__main__":
         import rc_plot
 
         sys.exit(rc_plot.main(sys.argv[2:]))
-    # TRY NOT TO MODIFY: setup -- every check first, then the run folder, models, engine
+    # TRY NOT TO MODIFY: setup -- every check before the run folder
     args = rc_config.parse_cli(Args, load_yaml_defaults, os.path.join(HERE, "configs", "gsm8k_qwen0.5b_bypass.yaml"))
     t_start = time.time()
-    rc_run.report_faults()  # a disk fault: one line, not a traceback
-    with rc_run.refused():  # a bad value: one line naming it, before anything is written
-        run = rc_config.start(args)  # the Accelerator, our collectives, the run folder's name
+    rc_run.report_faults()  # a disk fault: one line
+    with rc_run.refused():  # a bad value: one line, before anything is written
+        run = rc_config.start(args)  # the Accelerator, collectives, run name
         accelerator, host, run_dir, rank, world = run.accelerator, run.host, run.dir, run.rank, run.world
         task = rc_config.validate_args(args, world)
         rc_config.check_distributed(accelerator, args)
@@ -553,15 +481,15 @@ if __name__ == "__main__":
         train_rows, n_skipped = task.problems("train", args.train_limit)
         eval_rows, _ = task.problems("test", args.eval_limit)
         tasks.check_scorer(task, train_rows[:1])
-        with accelerator.main_process_first():  # rank 0 builds a tiny model, the others reuse it
+        with accelerator.main_process_first():  # rank 0 builds a tiny model first
             model_path = tasks.resolve_model(args, task, accelerator.is_main_process)
         hf_config, tokenizer = rc_config.model_config(model_path)
         rc_moe.check_model(args, hf_config, correction.bypass_mode, torch.cuda.is_available())
         kept_depth = rc_rollout.KeptVersions.check_budget(args, hf_config)  # --mismatch-split, --prox-logp sampling
         for what, part in (("train prompt", train_rows), ("eval prompt", eval_rows)):
             tasks.check_coverage(tokenizer, [tasks.prompt_text(task, row) for row in part], what)
-        train_prompts = encode_prompts(args, task, tokenizer, train_rows)
-        eval_prompts = encode_prompts(args, task, tokenizer, eval_rows)
+        train_prompts = tasks.encode_prompts(args, task, tokenizer, train_rows)
+        eval_prompts = tasks.encode_prompts(args, task, tokenizer, eval_rows)
         rc_config.check_token_budget(args, max(map(len, train_prompts)))
         rc_checkpoint.agree_settings(run_dir, args, host, accelerator.is_main_process)  # --resume
     rc_config.warn_allocator(args, accelerator)  # --compile on a GPU without expandable segments
@@ -577,7 +505,7 @@ if __name__ == "__main__":
     model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
     unwrapped = accelerator.unwrap_model(model)
     start_step, counters, in_flight, kept, carried = 0, {"old_log_prob_passes": 0, "sync_count": 0}, {}, (), None
-    if args.resume:  # all loaded and checked before the run folder is touched
+    if args.resume:  # loaded and checked before the run folder is touched
         with rc_run.refused(rc_run.RunError):
             resumed = rc_checkpoint.load_resume(
                 run_dir, model, optimizer, scheduler, accelerator, host=host, counters=counters, args=args
@@ -586,7 +514,7 @@ if __name__ == "__main__":
         start_step, counters, in_flight, kept = resumed.start_step, resumed.counters, resumed.in_flight, resumed.replay
         carried = resumed.carried  # --partial-rollout: the unfinished responses
     engine = rc_rollout.make_engine(args, model_path, run_dir, train_prompts, accelerator)  # RNG states kept
-    if args.resume:  # the engine is up: the resume takes the run folder over
+    if args.resume:  # the engine is up: the resume takes the run folder
         rc_checkpoint.commit_resume(run_dir, resumed, accelerator, args, correction, **facts)
     prompts_per_rank = rc_config.prompts_per_rank(args, world)
     replay = rc_rollout.ReplayBuffer(args, prompts_per_rank, rc_config.replay_groups(args, world), rank, kept)
@@ -622,7 +550,7 @@ if __name__ == "__main__":
         timer = rc_run.StepTimer()
         log.log(-1, {**run_eval(-1, timer), **timer.seconds}, trackers=False)
     rollouts.begin(start_step, in_flight, carried)  # the batches of the first k+1 steps are queued
-    bound = rc_rollout.staleness_bound(args)  # a sample further behind is never trained on
+    bound = rc_rollout.staleness_bound(args)
     log.start_trackers(args, run.name)
     bar = rc_run.progress_bar(start_step, args.num_steps, accelerator.is_main_process)
     health = rc_run.HealthWatch(bar.write if accelerator.is_main_process else None)
@@ -632,16 +560,16 @@ if __name__ == "__main__":
     for step in bar:
         # ALGO LOGIC: rollout -- the batch of step t, sampled by version max(0, t - k)
         timer = rc_run.StepTimer({"timing/old_log_prob_s": 0.0})
-        rc_run.reset_memory_peaks()  # perf/max_memory_*: this step's peaks (CUDA)
-        groups, version, rollout_seconds, rows = rollouts.take(step)  # rows: --partial-rollout's groups'
+        rc_run.reset_memory_peaks()  # perf/max_memory_*: this step's
+        groups, version, rollout_seconds, rows = rollouts.take(step)  # rows: --partial-rollout's
         timer.seconds.update(rollout_seconds)  # the engine's clocks
         indices = step_indices(step) if rows is None else rows
         fresh = [(i, version, group) for i, group in zip(indices, groups)]
-        replayed = replay.draw(step)  # whole groups of earlier steps, each with its own mu
+        replayed = replay.draw(step)  # earlier steps' groups, each with its own mu
         evicted = replay.add(step, version, indices, groups)
         with timer("timing/reward_s"):  # ALGO LOGIC: reward and GRPO advantage (group = one prompt)
             samples = [Sample(i, g, v, r) for g, (i, v, group) in enumerate(fresh + replayed) for r in group]
-            n_fresh = sum(map(len, groups))  # rows 0..n_fresh-1: sampled for this step
+            n_fresh = sum(map(len, groups))  # rows 0..n_fresh-1: this step's
             batch, tensors, rollout_metrics = scored_batch(args, data, samples, step, bound, n_fresh)
         mask = tensors["response_mask"]
         routing = rc_moe.plan(args, correction.bypass_mode, unwrapped, batch) if moe else None
@@ -652,7 +580,7 @@ if __name__ == "__main__":
         if versions is not None:  # each row at the weights that sampled it (§6.9)
             with timer("timing/sampling_log_prob_s"):
                 versions.keep(step, unwrapped)
-                if args.prox_logp == "sampling":  # pi_old itself; else the split scores them, after pi_old
+                if args.prox_logp == "sampling":  # pi_old itself; else the split's, after pi_old
                     tensors["sampling_log_prob"], size = versions.log_probs(args, unwrapped, batch, step)
         if not correction.bypass_mode and args.prox_logp != "loglinear":  # loglinear: in the update (§7.10)
             with timer("timing/old_log_prob_s"):
@@ -664,7 +592,7 @@ if __name__ == "__main__":
             with timer("timing/sampling_log_prob_s"):
                 split, split_size = versions.mismatch_split(args, unwrapped, batch, tensors, step)
                 batch_correction, size = {**batch_correction, **split}, size + split_size
-        if moe and (args.routing_metrics or args.routing_replay == "reference"):  # our own routing
+        if moe and (args.routing_metrics or args.routing_replay == "reference"):
             with timer("timing/routing_s"):
                 routing_metrics, routing_size = rc_moe.routing_pass(args, unwrapped, batch, tensors, routing)
                 batch_correction, size = {**batch_correction, **routing_metrics}, size + routing_size
@@ -699,7 +627,7 @@ if __name__ == "__main__":
         perf = rc_run.pass_metrics(size + update_size, sum(timer.seconds.get(k, 0.0) for k in passes))
         perf.update(versions.metrics() if versions else {})
 
-        # TRY NOT TO MODIFY: weight sync -- version step+1 to the engine; queue the batch of step+1+k
+        # TRY NOT TO MODIFY: weight sync (version step+1), eval, the batch of step+1+k
         with timer("timing/sync_s"):
             rollouts.sync(step)
         last = step == args.num_steps - 1
@@ -721,7 +649,7 @@ if __name__ == "__main__":
         metrics.update(health.check(step, metrics))  # health/*: a console line when one fires
         log.log(step, metrics)
         bar.set_postfix(**rc_run.progress(metrics, evals[-1] if evals else None, task.accuracy_key))
-        if args.log_rank_checksums:  # DDP check: same weights on every rank, other samples
+        if args.log_rank_checksums:  # DDP: same weights on every rank, other samples
             response_ids = [s.response.token_ids for s in samples]
             rc_run.log_rank_checksums(run_dir, step, rank, world, response_ids, rc_run.full_weights(unwrapped))
 

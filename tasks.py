@@ -197,6 +197,28 @@ def prompt_text(task: Task, row: dict) -> str:
     return system + task.prompt(row) + task.prefill
 
 
+def encode_prompts(args, task: Task, tokenizer, rows) -> list[list[int]]:
+    """Prompt token ids, through the chat template when there is one."""
+    use_template = args.use_chat_template and getattr(tokenizer, "chat_template", None)
+    system = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
+    prefill = tokenizer(task.prefill, add_special_tokens=False)["input_ids"] if task.prefill else []
+    out = []
+    for i, row in enumerate(rows):
+        if use_template:
+            messages = [*system, {"role": "user", "content": task.prompt(row)}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) + prefill
+        else:
+            ids = tokenizer(prompt_text(task, row), add_special_tokens=False)["input_ids"]
+        if len(ids) + args.max_response_length > args.max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with --max-response-length "
+                f"{args.max_response_length} it exceeds --max-model-len {args.max_model_len}"
+            )
+        out.append(ids)
+    return out
+
+
 def check_reward_settings(task: Task, reward_mode: str | None, format_bonus: float) -> None:
     """--reward-mode names a score key of the task; --format-bonus > 0 needs the task's format key."""
     if reward_mode is not None and reward_mode not in task.score_keys:

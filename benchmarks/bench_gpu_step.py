@@ -511,9 +511,9 @@ def build_model(plan: Plan, device: torch.device):
 
 
 def make_rollout(plan: Plan, rank: int = 0) -> dict:
-    """A synthetic rollout batch in the trainer's layout (rc_train.make_batch's, built here; the tests compare the two)
-    plus GRPO advantages: input_ids (B, P + T) with each prompt left-padded to column P and its response right-padded
-    after it, attention_mask, rollout_log_prob and response_mask (B, T), prompt_len, response_len, group.
+    """A synthetic rollout batch in the trainer's layout (rc_forward.make_batch's, built here; the tests compare the
+    two) plus GRPO advantages: input_ids (B, P + T) with each prompt left-padded to column P and its response
+    right-padded after it, attention_mask, rollout_log_prob and response_mask (B, T), prompt_len, response_len, group.
 
     Token ids are uniform below the pad id.  Rollout log-probs are uniform in log(1/V) +- 1, the range a
     freshly initialised model gives, so the PPO ratios are of order 1 and both clip branches run.

@@ -2,7 +2,7 @@
 with DDP and FSDP2), bad flags fail before any model is built, and the benchmarked update really trains (the weights
 move). The benchmark does not import rc_train.py: its update, composed from rc_core, rc_forward and rc_run, is proven
 equal to rc_train.update_policy (and rc_train.decoupled_correction) here, its settings are rc_train.Args' own fields
-with their defaults, read from the configs as rc_train reads them, and its synthetic batch is rc_train.make_batch's.
+with their defaults, read from the configs as rc_train reads them, and its synthetic batch is rc_forward.make_batch's.
 --breakdown: its phases partition the pass, its op and host-sync counts are there and positive, its micro-batches are
 the update's own, and its sync counter counts what a GPU would synchronise on (no timing is asserted). MFU: the
 field's FLOP count equals a hand count, and benchmarks/mfu_table.py recomputes the committed GPU records as
@@ -346,7 +346,7 @@ def test_settings_ignore_the_keys_the_update_does_not_read_and_refuse_unknown_rc
 
 
 def test_rollout_batch_is_rc_train_make_batch():
-    """The synthetic batch, built in the benchmark, is the batch rc_train.make_batch makes of its rows."""
+    """The synthetic batch, built in the benchmark, is the batch rc_forward.make_batch makes of its rows."""
     batch = bench.make_rollout(bench.parse_plan(["--tiny"]))
     T = batch["response_mask"].shape[1]
     P = batch["input_ids"].shape[1] - T
@@ -355,7 +355,9 @@ def test_rollout_batch_is_rc_train_make_batch():
         p, t = int(batch["prompt_len"][i]), int(batch["response_len"][i])
         prompts.append(batch["input_ids"][i, P - p : P].tolist())
         responses.append((batch["input_ids"][i, P : P + t].tolist(), batch["rollout_log_prob"][i, :t].tolist(), ""))
-    made = rc_train.make_batch(prompts, responses, bench.MODEL_SHAPES["tiny"]["pad_token_id"], batch["group"].tolist())
+    made = rc_forward.make_batch(
+        prompts, responses, bench.MODEL_SHAPES["tiny"]["pad_token_id"], batch["group"].tolist()
+    )
     assert set(made) == set(batch) - {"advantages"}
     for key, value in made.items():
         assert value.dtype == batch[key].dtype and torch.equal(value, batch[key]), key

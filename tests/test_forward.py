@@ -59,7 +59,7 @@ def test_the_trainers_log_probs_are_one_plain_forward_at_the_temperature():
             flat_prompts.append(prompt)
             responses.append((ids, [-1.0] * len(ids), ""))
             group_ids.append(g)
-    batch = rc_train.make_batch(flat_prompts, responses, 0, group_ids)
+    batch = rc_forward.make_batch(flat_prompts, responses, 0, group_ids)
     temperature = 0.7
     args = dataclasses.replace(
         rc_train.Args(), temperature=temperature, micro_batch_size=5, max_tokens_per_micro_batch=60
@@ -106,7 +106,7 @@ def test_length_batching_gives_the_same_loss_and_gradients():
     for n in torch.randint(1, 9, (10,), generator=gen):
         ids = torch.randint(1, 50, (int(n),), generator=gen).tolist()
         responses.append((ids, (-torch.rand(int(n), generator=gen)).tolist(), ""))
-    batch = rc_train.make_batch(prompts, responses, pad_id=0)
+    batch = rc_forward.make_batch(prompts, responses, pad_id=0)
     mask, rollout = batch["response_mask"].double(), batch["rollout_log_prob"].double()
     advantages = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
     config = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
@@ -159,7 +159,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
             flat_prompts.append(prompt)
             responses.append((ids, (-torch.rand(int(length), generator=gen)).tolist(), ""))
             group_ids.append(g)
-    batch = rc_train.make_batch(flat_prompts, responses, 0, group_ids)
+    batch = rc_forward.make_batch(flat_prompts, responses, 0, group_ids)
     mask, rollout = batch["response_mask"].double(), batch["rollout_log_prob"].double()
     advantages = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
     config = rc_core.RolloutCorrectionConfig.from_name("bypass_ppo_clip")
@@ -194,7 +194,7 @@ def test_shared_prompt_prefix_gives_the_same_loss_and_gradients():
     for name, grad in plain[2].items():
         torch.testing.assert_close(shared[2][name], grad, rtol=1e-5, atol=1e-9)
     # one-token responses: the prompt pass alone gives every logit
-    one = rc_train.make_batch(flat_prompts[:3], [(r[0][:1], r[1][:1], "") for r in responses[:3]], 0, group_ids[:3])
+    one = rc_forward.make_batch(flat_prompts[:3], [(r[0][:1], r[1][:1], "") for r in responses[:3]], 0, group_ids[:3])
     ids, att, t = rc_forward.trimmed_inputs(one, torch.arange(3))
     with torch.no_grad():
         a = response_log_probs(model, ids, att, t)
@@ -219,7 +219,7 @@ def test_compiled_layers_give_the_same_log_probs_and_gradients():
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 50, (k,), generator=gen).tolist() for k in (5, 7, 9, 7)]
     responses = [torch.randint(1, 50, (k,), generator=gen).tolist() for k in (4, 6, 3, 6)]
-    batch = rc_train.make_batch(prompts, [(r, [-1.0] * len(r), "") for r in responses], 0, [0, 1, 2, 3])
+    batch = rc_forward.make_batch(prompts, [(r, [-1.0] * len(r), "") for r in responses], 0, [0, 1, 2, 3])
 
     def run(model, rows, with_grad):
         model.zero_grad()
@@ -254,7 +254,7 @@ def _grouped_batch(groups, seed: int = 0):
             prompts.append(prompt)
             responses.append((ids, [-1.0] * k, ""))
             group_ids.append(g)
-    return rc_train.make_batch(prompts, responses, 0, group_ids)
+    return rc_forward.make_batch(prompts, responses, 0, group_ids)
 
 
 def test_compiled_layers_share_the_prompt_with_the_same_graphs_for_every_layer():

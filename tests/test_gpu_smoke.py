@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
+import rc_forward
 import rc_run
-import rc_train
 from benchmarks import bench_gpu_step as bench
 from benchmarks import gpu_smoke
 from tests.test_train import ROOT, read_jsonl, train_env
@@ -27,7 +27,7 @@ PHASES = ["rollout", "rollout wait", "engine idle", "reward", "pi_old", "referen
 
 def test_flop_inputs_are_the_benchmarks_counts_by_hand():
     # two groups: prompts of 3 and 2 tokens; responses of 2 and 1 tokens (group 0), 4 tokens (group 1)
-    batch = rc_train.make_batch(
+    batch = rc_forward.make_batch(
         [[1, 2, 3], [1, 2, 3], [4, 5]], [([6, 7], [0.0, 0.0]), ([6], [0.0]), ([7, 8, 9, 6], [0.0] * 4)], 0, [0, 0, 1]
     )
     assert bench.conventional_counts is rc_run.conventional_counts  # one count, the trainer's

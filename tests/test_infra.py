@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import rc_checkpoint
 import rc_config
 import rc_core
+import rc_forward
 import rc_rollout
 import rc_run
 
@@ -379,7 +380,6 @@ def test_a_token_budget_must_hold_the_longest_sequence():
 def _rank_batch(rank, rows, long):
     """A rollout batch of `rows` sequences (groups of 2 sharing a prompt) for one rank: `long` ones (prompts of 10,
     responses of 8 tokens) or short ones (3 and 1), so a token budget cuts the ranks into different counts."""
-    import rc_train
 
     gen = torch.Generator().manual_seed(100 + rank)
     p_len, t_len = (10, 8) if long else (3, 1)
@@ -391,7 +391,7 @@ def _rank_batch(rank, rows, long):
             ids = torch.randint(1, 50, (t_len,), generator=gen).tolist()
             responses.append((ids, (-torch.rand(t_len, generator=gen)).tolist(), ""))
             groups.append(g)
-    batch = rc_train.make_batch(prompts, responses, 0, groups)
+    batch = rc_forward.make_batch(prompts, responses, 0, groups)
     mask = batch["response_mask"].double()
     tensors = dict(
         response_mask=mask,

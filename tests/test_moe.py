@@ -3,7 +3,7 @@ the engine captures and the weight push into an MoE engine (rc_rollout.MoEEngine
 end-to-end runs of rc_train.py with --model tiny-moe.
 
 The replay tests build a random tiny Qwen3-MoE in float64 and run rc_train's own forward (sequence_log_probs on
-rc_forward's micro-batches, trimmed) on a batch made by rc_train.make_batch, the step's routing an rc_moe.StepRouting;
+rc_forward's micro-batches, trimmed) on a batch made by rc_forward.make_batch, the step's routing an rc_moe.StepRouting;
 they take seconds. The engine tests start vLLM's CPU build (one engine each, a minute or two on a busy machine); the
 end-to-end runs start the real script.
 """
@@ -43,7 +43,7 @@ def tiny_moe(seed=0, router_scale=0.3):
 
 
 def toy_batch(seed=0, rows=7):
-    """rc_train.make_batch of `rows` responses to 3 prompts of different lengths (prompts left-padded, responses
+    """rc_forward.make_batch of `rows` responses to 3 prompts of different lengths (prompts left-padded, responses
     right-padded), each Response carrying an engine routing drawn at random (distinct experts per position, ids
     ascending, -1 on the last token as the engine leaves it)."""
     gen = np.random.default_rng(seed)
@@ -57,7 +57,7 @@ def toy_batch(seed=0, rows=7):
         routed[-1] = -1
         prompt_ids.append(p)
         responses.append(rc_rollout.Response(ids, list(-gen.random(len(ids))), "", routed))
-    return rc_train.make_batch(prompt_ids, responses, 0, [i % 3 for i in range(rows)])
+    return rc_forward.make_batch(prompt_ids, responses, 0, [i % 3 for i in range(rows)])
 
 
 def train_args(**changes):
@@ -183,7 +183,7 @@ def test_the_batch_carries_the_engines_routing_at_its_tokens_columns():
         real = routing[i, P - p : P + t]
         assert (real[:-1] >= 0).all() and (real[-1] == -1).all()  # the last token has no routing
         assert (routing[i][attention[i] == 0] == -1).all()  # padding has none either
-    plain = rc_train.make_batch([[1, 2]], [rc_rollout.Response([3], [-0.1], "")], 0)
+    plain = rc_forward.make_batch([[1, 2]], [rc_rollout.Response([3], [-0.1], "")], 0)
     assert "rollout_routing" not in plain  # a dense model's batch is unchanged
 
 
@@ -376,7 +376,7 @@ def test_weight_push_and_routing_capture_on_the_cpu_engine(tmp_path, monkeypatch
         assert (r.routed_experts[:-1] >= 0).all() and (r.routed_experts[-1] == -1).all()
     greedy_groups = rc_rollout.generate(llm, rc_rollout.Request(prompts, 1, greedy=True), engine_args())
     assert all(r.routed_experts is None for group in greedy_groups for r in group)  # evaluation: no capture
-    batch = rc_train.make_batch([p for p in prompts for _ in range(4)], responses, 0, [i // 4 for i in range(48)])
+    batch = rc_forward.make_batch([p for p in prompts for _ in range(4)], responses, 0, [i // 4 for i in range(48)])
     rc_moe.install(model)
     args = train_args(micro_batch_size=48)
     own = own_routing(model, batch, args)

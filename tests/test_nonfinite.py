@@ -21,6 +21,7 @@ import torch
 
 import rc_config
 import rc_core
+import rc_forward
 import rc_run
 import rc_train
 import tasks
@@ -51,7 +52,7 @@ def tiny_update(preset: str = "bypass_ppo_clip", **changes):
     for i in range(8):
         ids = torch.randint(1, 50, (1 + i % 4,), generator=gen).tolist()
         responses.append((ids, (-torch.rand(len(ids), generator=gen)).tolist(), ""))
-    batch = rc_train.make_batch(prompts, responses, 0, [i // 2 for i in range(8)])
+    batch = rc_forward.make_batch(prompts, responses, 0, [i // 2 for i in range(8)])
     mask, rollout_log_prob = batch.pop("response_mask"), batch.pop("rollout_log_prob")
     advantages = torch.randn((8, 1), generator=gen).expand_as(mask) * mask
     tensors = dict(response_mask=mask, advantages=advantages, rollout_log_prob=rollout_log_prob)

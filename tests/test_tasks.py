@@ -369,7 +369,7 @@ def byte_tokenizer(chat_template=None):
 
 
 def old_encode(name: str, tokenizer, rows) -> list[list[int]]:
-    """rc_train.encode_prompts before tasks had system prompts and prefills: task.prompt(question), as the user
+    """tasks.encode_prompts before tasks had system prompts and prefills: task.prompt(question), as the user
     message of the chat template when the tokenizer has one."""
     out = []
     for row in rows:
@@ -396,7 +396,7 @@ def test_prompt_ids_of_the_shipped_tasks_are_unchanged(chat_template):
         ("gsm8k", gsm8k_rows),
     ]:
         task = tasks.make_task(name, MINI)
-        assert rc_train.encode_prompts(args, task, tokenizer, rows) == old_encode(name, tokenizer, rows), name
+        assert tasks.encode_prompts(args, task, tokenizer, rows) == old_encode(name, tokenizer, rows), name
 
 
 def test_system_prompt_and_prefill():
@@ -405,9 +405,9 @@ def test_system_prompt_and_prefill():
     assert tasks.prompt_text(task, row) == "One digit.\n\n3+4==> "
     args = rc_train.Args()
     plain = byte_tokenizer()
-    assert rc_train.encode_prompts(args, task, plain, [row]) == [plain("One digit.\n\n3+4==> ")["input_ids"]]
+    assert tasks.encode_prompts(args, task, plain, [row]) == [plain("One digit.\n\n3+4==> ")["input_ids"]]
     chat = byte_tokenizer(CHAT_TEMPLATE)
-    [ids] = rc_train.encode_prompts(args, task, chat, [row])
+    [ids] = tasks.encode_prompts(args, task, chat, [row])
     assert chat.decode(ids) == "<|system|>One digit.\n<|user|>3+4=\n<|assistant|>=> "  # the response continues it
     assert ids[-len(chat("=> ")["input_ids"]) :] == chat("=> ")["input_ids"]
 

@@ -360,7 +360,7 @@ def preset_batches(tmp_path_factory):
         model_path = tasks.base_model_path(task, args.mini, args.seed, None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_rows, _ = task.problems("train", args.train_limit)
-    prompts = rc_train.encode_prompts(args, task, tokenizer, train_rows)
+    prompts = tasks.encode_prompts(args, task, tokenizer, train_rows)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").float()
     accelerator = Accelerator(cpu=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -261,6 +261,9 @@ def _write_rank_files(files: _Files, rank: int, args, model, optimizer, in_fligh
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=files.at("state"))
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     torch.save(rng, files.at(f"rng_rank{rank}.pt"))
+    # a Result's `carried` (--partial-rollout) is read only for carried_after, which is saved below; a resumed run's
+    # next checkpoint reads a batch requested after the resume, so the copy in each in-flight Result is dropped
+    in_flight = {t: r._replace(carried=None) for t, r in in_flight.items()}
     torch.save(in_flight, files.at(f"in_flight_rank{rank}.pt"))
     if args.replay_window:
         torch.save(replay, files.at(f"replay_rank{rank}.pt"))

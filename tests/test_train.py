@@ -916,8 +916,11 @@ def test_partial_rollouts_span_versions_and_resume_exactly(tmp_path, k):
     cmd = [sys.executable, os.path.join(ROOT, "rc_train.py"), "--output-dir", str(tmp_path), "--run-name", "killed"]
     killed = subprocess.run([*cmd, *flags], capture_output=True, env=env, cwd=ROOT, timeout=600)
     assert killed.returncode != 0
-    carried = torch.load(tmp_path / "killed" / "checkpoints" / "step_000001" / "partial_rank0.pt", weights_only=False)
+    carried_file = tmp_path / "killed" / "checkpoints" / "step_000001" / "partial_rank0.pt"
+    carried = torch.load(carried_file, weights_only=False)
     assert any(0 < len(r[0]) for g in carried for r in g[3] if not r[3])  # prefixes in flight
+    in_flight = torch.load(carried_file.parent / "in_flight_rank0.pt", weights_only=False)
+    assert len(in_flight) == k and all(r.carried is None for r in in_flight.values())  # saved once: partial_rank0.pt
     rows, out = run_train(tmp_path, *flags, "--resume", name="killed")
     assert "step_000001" in out.stdout + out.stderr and [r["step"] for r in rows] == list(range(5))
     for a, b in zip(rows, reference):

@@ -221,12 +221,12 @@ def test_standard_reads_as_before(tmp_path, rule):
 
 def test_committed_sweeps_read_as_standard():
     """Every committed sweep but catalogue_published (the first run under --rule paired) reads as standard; those
-    before it were written before the option, those after it say
-    `standard` (moe_gspo, partial, replay_staleness: their own rules, read from their arms and levels)."""
+    before it were written before the option, those run or resumed after it say `standard` (moe_gspo, partial,
+    replay_staleness, and split, resumed with five seeds: their own rules, read from their arms and levels)."""
     names = sorted(p.parent.name for p in LAB.glob("*/sweep.json"))
-    newer = ["catalogue_published", "moe_gspo", "partial", "replay_staleness"]
+    newer = ["catalogue_published", "moe_gspo", "partial", "replay_staleness", "split"]
     older = [n for n in names if n not in newer]
-    assert len(older) == len(names) - 4 and all(
+    assert len(older) == len(names) - len(newer) and all(
         rc_lab.sweep_rule(rc_lab.read_spec(str(LAB / n))) == "standard" for n in older
     )
     assert all("rule" not in rc_lab.read_spec(str(LAB / n)) for n in older)  # written before the option

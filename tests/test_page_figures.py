@@ -63,3 +63,12 @@ def test_rc_train_stays_on_one_page():
         (name, value, target) for name, value, target, met in pf.rows(pf.measure(root, trace=False)) if met is False
     ]
     assert not missed, missed
+
+
+def test_readme_stays_short():
+    """Issue 46 item 6: the README is a page of pointers (≤ 250 lines); results and metrics live in docs/."""
+    import os
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme, encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 250

@@ -101,7 +101,7 @@ class Args(
     sync_every: int = 1
     """push the weights into vLLM every k steps; 0 = never"""
     max_staleness: int | None = None
-    """k: step t trains on version max(0, t-k)'s batch (docs/async.md)"""
+    """k: step t trains on version max(0, t-k)'s batch (docs/async.md); None: 1 on a CPU, else 0"""
     partial_rollout: bool = False
     """unfinished responses continue next step, under newer weights (docs/async.md §9)"""
     partial_rollout_tokens: int = 16

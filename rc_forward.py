@@ -65,8 +65,9 @@ def make_batch(prompt_ids, responses, pad_id, group_ids=None):
         response_len=attention[:, P:].sum(-1),
         group=torch.tensor(range(B) if group_ids is None else group_ids, dtype=torch.long),
     )
-    if any(getattr(r, "routed_experts", None) is not None for r in responses):  # an MoE's
-        batch["rollout_routing"] = batch_routing(prompt_ids, responses, P, T)
+    routing = batch_routing(prompt_ids, responses, P, T)  # an MoE's engine routing; None for a dense model
+    if routing is not None:
+        batch["rollout_routing"] = routing
     if any(getattr(r, "versions", None) for r in responses):  # --partial-rollout: each token's version
         batch["token_version"] = torch.zeros((B, T), dtype=torch.long)
         for i, r in enumerate(responses):

@@ -1,5 +1,7 @@
 """benchmarks/page_figures.py's measures on a small synthetic source (no trainer run, no process)."""
 
+import os
+
 from benchmarks import page_figures as pf
 
 SOURCE = (
@@ -56,8 +58,6 @@ def test_functions_calls_and_names():
 def test_rc_train_stays_on_one_page():
     """Issue 46's targets for rc_train.py itself (lines, words, prose share, long lines, function length, positional
     arguments), measured by the same rows the benchmark prints: a change that breaks one names it here."""
-    import os
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     missed = [
         (name, value, target) for name, value, target, met in pf.rows(pf.measure(root, trace=False)) if met is False
@@ -67,8 +67,6 @@ def test_rc_train_stays_on_one_page():
 
 def test_readme_stays_short():
     """Issue 46 item 6: the README is a page of pointers (≤ 250 lines); results and metrics live in docs/."""
-    import os
-
     readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
     with open(readme, encoding="utf-8") as f:
         assert len(f.read().splitlines()) <= 250
